@@ -29,6 +29,7 @@ IGNORE_INDEX = -100
 """Label value of positions that are not targets (matches ``torch.nn.functional.cross_entropy``)."""
 
 _PACKED_KEYS = ("cu_seqlens", "cu_seqlens_padded")
+_DERIVED_KEYS = ("labels", "loss_mask", "input_mask", "position_ids")
 
 
 def _split_index(lengths: Tensor, cp_size: int, cp_rank: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -112,7 +113,8 @@ def shard_batch(
         batch: ``input_ids`` ``[B, S]`` (padded) or ``[1, T]`` with ``cu_seqlens`` ``[n + 1]`` (packed).
             Optional ``labels`` (aligned with ``input_ids``, as in Hugging Face: *not* shifted; defaults to
             ``input_ids``), ``loss_mask`` (aligned with ``input_ids``: 1 where the token is a target) and
-            ``position_ids``. Every other tensor whose first two dims are those of ``input_ids`` is split
+            ``position_ids``, and ``input_mask`` (1 on real tokens, 0 on collate padding). Every other tensor
+            whose first two dims are those of ``input_ids`` is split
             the same way (padded with zeros); anything else passes through unchanged.
         cp_size: number of ranks in the context-parallel group.
         cp_rank: this rank's index in it.
@@ -122,7 +124,8 @@ def shard_batch(
     Returns:
         A new dict with this rank's tokens: ``input_ids``, ``labels`` (next token, ``ignore_index`` where
         not a target), ``loss_mask`` (float32, 1 on targets), ``position_ids`` (position inside the
-        sequence, int64), the other sequence tensors, and for packed batches ``cu_seqlens`` (this rank's
+        sequence, int64), ``input_mask`` (bool, False on padding, including the padding added here, so
+        token counts need no knowledge of the layout), the other sequence tensors, and for packed batches ``cu_seqlens`` (this rank's
         local boundaries, int32) and ``cu_seqlens_padded`` (boundaries of the padded full sequence, int32).
         Local length is ``S_pad / cp`` (padded) or ``sum(len_pad_i) / cp`` (packed).
 
@@ -165,12 +168,15 @@ def shard_batch(
     else:
         position_ids = offset.unsqueeze(0).expand(rows, -1)
 
-    out: dict[str, Any] = {
-        key: value for key, value in batch.items() if key not in _PACKED_KEYS and key not in ("labels", "loss_mask")
-    }
+    out: dict[str, Any] = {}
     for key, value in batch.items():
-        if isinstance(value, Tensor) and key not in _PACKED_KEYS and value.shape[:2] == input_ids.shape:
-            out[key] = _gather_tokens(value, src, valid, pad_id if key == "input_ids" else 0)
+        if key in _PACKED_KEYS or key in _DERIVED_KEYS:
+            continue
+        if isinstance(value, Tensor) and value.shape[:2] == input_ids.shape:
+            value = _gather_tokens(value, src, valid, pad_id if key == "input_ids" else 0)
+        out[key] = value
+    input_mask = batch.get("input_mask", torch.ones_like(input_ids, dtype=torch.bool))
+    out["input_mask"] = _gather_tokens(input_mask.bool(), src, valid, False)
     out["labels"] = _gather_tokens(labels, src, valid, ignore_index)
     out["loss_mask"] = _gather_tokens(target, src, valid, False).float()
     out["position_ids"] = position_ids.to(torch.int64).contiguous()

@@ -56,6 +56,7 @@ def test_padded_matches_megatron_get_batch_on_this_cp_rank(cp, monkeypatch):
         monkeypatch.setattr(megatron_utils.parallel_state, "get_context_parallel_rank", lambda: rank)
         expected = megatron_utils.get_batch_on_this_cp_rank(dict(full))
         ours = shard_batch(batch, cp, rank)
+        assert ours.pop("input_mask").all()
         assert ours.keys() == expected.keys()
         for key in expected:
             torch.testing.assert_close(ours[key], expected[key].to(ours[key].dtype), rtol=0, atol=0, msg=key)
@@ -76,6 +77,7 @@ def test_padded_odd_length_is_padded_and_padding_is_never_a_target(cp):
             assert torch.equal(shard["position_ids"][row], _reference_local(list(range(padded)), [padded], cp, r, 0))
     total_targets = sum(s["loss_mask"].sum() for s in shards)
     assert total_targets == 2 * 12
+    assert sum(s["input_mask"].sum() for s in shards) == 2 * 13
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])

@@ -1,0 +1,204 @@
+"""LightningDataModules for the copy task and for token files, in padded or packed form.
+
+Both build plain ``torch.utils.data.DataLoader`` objects with ``shuffle=True`` for training and no
+sampler of their own: Lightning replaces the sampler with a ``DistributedSampler`` over the
+*data-parallel* ranks the strategy reports (every rank of a CP group must see the same samples), which
+it can only do for a DataLoader it can re-create from its arguments. ``batch_size`` is therefore per
+data-parallel rank: the global batch is ``batch_size * dp`` samples, whatever ``cp`` is.
+
+``packed=False`` yields ``{"input_ids": [B, S], "loss_mask": [B, S]}`` (right-padded to the longest
+sample); ``packed=True`` yields ``{"input_ids": [1, T], "loss_mask": [1, T], "cu_seqlens": [B + 1]}``
+with the ``batch_size`` samples concatenated. Both are un-shifted; the strategy's ``shard_batch`` does
+the next-token shift and the CP split.
+
+Both expose ``vocab_size`` so a model config can match it, e.g. in a LightningCLI subclass::
+
+    parser.link_arguments("data.vocab_size", "model.vocab_size")
+
+Example (YAML for ``lightning-cp fit``)::
+
+    data:
+      class_path: lightning_cp.data.LongRangeDataModule
+      init_args: {seq_len: 4096, batch_size: 2, packed: true, min_len: 1024}
+"""
+
+from __future__ import annotations
+
+import functools
+
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from lightning_cp.data.collate import collate_packed, collate_padded
+from lightning_cp.data.synthetic import LongRangeCopyDataset
+from lightning_cp.data.token_file import TokenDType, TokenFileDataset
+
+
+class _CPDataModule(LightningDataModule):
+    """DataLoader construction shared by the DataModules (subclasses set ``_train``, ``_val`` in setup)."""
+
+    def __init__(
+        self, batch_size: int, packed: bool, shuffle: bool, num_workers: int, pad_id: int = 0
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be at least 1 (it counts samples per DP rank).")
+        if num_workers < 0:
+            raise ValueError(f"num_workers={num_workers} must be >= 0 (0 loads in the main process).")
+        self.batch_size = batch_size
+        self.packed = packed
+        self.shuffle = shuffle
+        self.num_workers = num_workers
+        self._collate = collate_packed if packed else functools.partial(collate_padded, pad_id=pad_id)
+        self._train: Dataset | None = None
+        self._val: Dataset | None = None
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self._train, shuffle=self.shuffle)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self._val, shuffle=False)
+
+    def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no datasets yet; call setup('fit') (the Trainer does) before "
+                "asking for a dataloader."
+            )
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            collate_fn=self._collate,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+
+class LongRangeDataModule(_CPDataModule):
+    """The synthetic long-range copy task (:class:`~lightning_cp.data.LongRangeCopyDataset`).
+
+    The loss can fall below chance (``log(vocab_size)``) only if attention crosses CP shards, which
+    makes this the default end-to-end check of a context-parallel setup. Training sample ``i`` uses seed
+    ``seed + i`` and validation sample ``j`` seed ``seed + num_train_samples + j``, so the two never
+    overlap.
+
+    Args:
+        vocab_size: tokens are uniform in ``[0, vocab_size)``; the model's vocabulary must be at least this.
+        seq_len: sample length (the longest one when ``min_len`` is set); even.
+        min_len: if set, each sample's length is drawn from the even numbers in ``[min_len, seq_len]``,
+            so packed batches hold unequal sequences; ``None`` makes every sample ``seq_len`` long.
+        num_train_samples: size of the training set (one epoch).
+        num_val_samples: size of the validation set.
+        batch_size: samples per batch on each data-parallel rank (CP peers share the same batch).
+        packed: concatenate each batch into one ``[1, T]`` row with ``cu_seqlens`` instead of padding.
+        shuffle: shuffle the training set (Lightning carries it over to its ``DistributedSampler``).
+        seed: base seed of the samples.
+        num_workers: DataLoader worker processes per rank (0: load in the training process).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 32768,
+        seq_len: int = 256,
+        min_len: int | None = None,
+        num_train_samples: int = 10_000,
+        num_val_samples: int = 256,
+        batch_size: int = 8,
+        packed: bool = False,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__(batch_size=batch_size, packed=packed, shuffle=shuffle, num_workers=num_workers)
+        self.save_hyperparameters()
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.min_len = min_len
+        self.num_train_samples = num_train_samples
+        self.num_val_samples = num_val_samples
+        self.seed = seed
+
+    def setup(self, stage: str) -> None:
+        """Create the (lazy, on-the-fly) train and validation datasets; cheap, the same on every rank."""
+        if self._train is not None:
+            return
+        common = dict(seq_len=self.seq_len, vocab_size=self.vocab_size, min_len=self.min_len)
+        self._train = LongRangeCopyDataset(self.num_train_samples, seed=self.seed, **common)
+        val_seed = self.seed + self.num_train_samples
+        self._val = LongRangeCopyDataset(self.num_val_samples, seed=val_seed, **common)
+
+
+class TokenFileDataModule(_CPDataModule):
+    """Training on a user's pre-tokenized file (:class:`~lightning_cp.data.TokenFileDataset`).
+
+    The last ``val_fraction`` of the samples (at least one) is the validation set and the rest the
+    training set: a contiguous tail, so validation text does not sit next to training windows of the
+    same documents.
+
+    Args:
+        path: flat binary file of token ids (no header), e.g. ``np.asarray(ids, np.uint16).tofile(path)``.
+        vocab_size: the tokenizer's vocabulary size. Every id in the file is checked against it once at
+            ``setup`` (one sequential read of the file); the model's vocabulary must be at least this.
+        seq_len: window length, or with ``eos_id`` the longest piece a document is cut into.
+        dtype: the integer type the file was written with (``uint16`` for vocabularies up to 65536).
+        eos_id: end-of-document token id. Set it to train on whole documents (split after each EOS,
+            long ones cut at ``seq_len``), usually with ``packed=True``; ``None`` cuts fixed windows.
+        val_fraction: share of the samples held out for validation, in ``(0, 1)``.
+        batch_size: samples per batch on each data-parallel rank (CP peers share the same batch).
+        packed: concatenate each batch into one ``[1, T]`` row with ``cu_seqlens`` instead of padding.
+        shuffle: shuffle the training set (Lightning carries it over to its ``DistributedSampler``).
+        pad_id: input id written into padding when ``packed=False`` and samples differ in length
+            (never a target, so any valid id works).
+        num_workers: DataLoader worker processes per rank (0: load in the training process).
+
+    Raises:
+        ValueError: if ``val_fraction`` is outside ``(0, 1)`` or leaves no training sample; the
+            dataset's own errors (file size, dtype, ids, ``eos_id``) surface at ``setup``.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        vocab_size: int,
+        seq_len: int = 1024,
+        dtype: TokenDType = "uint16",
+        eos_id: int | None = None,
+        val_fraction: float = 0.01,
+        batch_size: int = 8,
+        packed: bool = False,
+        shuffle: bool = True,
+        pad_id: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__(
+            batch_size=batch_size, packed=packed, shuffle=shuffle, num_workers=num_workers, pad_id=pad_id
+        )
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(
+                f"val_fraction={val_fraction} must be in (0, 1); to skip validation keep a small fraction "
+                "and set Trainer(limit_val_batches=0)."
+            )
+        self.save_hyperparameters()
+        self.path = path
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.dtype = dtype
+        self.eos_id = eos_id
+        self.val_fraction = val_fraction
+
+    def setup(self, stage: str) -> None:
+        """Memory-map and scan the file, then split it into the train and validation sets."""
+        if self._train is not None:
+            return
+        dataset = TokenFileDataset(
+            self.path, seq_len=self.seq_len, dtype=self.dtype, vocab_size=self.vocab_size, eos_id=self.eos_id
+        )
+        num_val = max(1, round(self.val_fraction * len(dataset)))
+        if num_val >= len(dataset):
+            raise ValueError(
+                f"val_fraction={self.val_fraction} of the {len(dataset)} samples in path={self.path!r} "
+                "leaves no training sample; use a smaller val_fraction, a smaller seq_len or a larger file."
+            )
+        self._train = Subset(dataset, range(len(dataset) - num_val))
+        self._val = Subset(dataset, range(len(dataset) - num_val, len(dataset)))
