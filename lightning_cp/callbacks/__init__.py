@@ -1,0 +1,5 @@
+"""Lightning callbacks that work in any Lightning project, with or without ``MegatronCPStrategy``."""
+
+from lightning_cp.callbacks.memory_profiler import MemoryProfilerCallback
+
+__all__ = ["MemoryProfilerCallback"]

@@ -1,0 +1,98 @@
+"""``MemoryProfilerCallback`` on a real CUDA device: real snapshots, the real OOM observer."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_cp.callbacks import MemoryProfilerCallback, _memory_report
+
+pytestmark = pytest.mark.gpu
+
+
+class _MLP(LightningModule):
+    """Big enough that a step allocates tens of MiB, so the peak is well above allocator rounding."""
+
+    def __init__(self, oom_at: int | None = None) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)
+        )
+        self.oom_at = oom_at
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == self.oom_at:
+            torch.empty(2**46, dtype=torch.uint8, device=self.device)  # 64 TiB: no GPU has it
+        (x,) = batch
+        return self.net(x).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(64 * 8, 1024)), batch_size=64)
+
+
+class _PeakProbe(Callback):
+    """Reads ``torch.cuda.max_memory_allocated`` over one step, independently of the profiler."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.peak: int | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step + 1:
+            self.peak = torch.cuda.max_memory_allocated()
+
+
+def _trainer(tmp_path, callbacks, max_steps=4) -> Trainer:
+    return Trainer(
+        default_root_dir=tmp_path,
+        max_steps=max_steps,
+        accelerator="cuda",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+
+
+def test_real_snapshot_peak_matches_max_memory_allocated(tmp_path):
+    probe = _PeakProbe(step=2)
+    profiler = MemoryProfilerCallback(steps=[2], dirpath=tmp_path, log_peak=False)
+    _trainer(tmp_path, [profiler, probe]).fit(_MLP())
+
+    stem = tmp_path / "step_000002.rank00"
+    for ext in ("png", "md", "html"):
+        assert stem.with_name(f"{stem.name}.{ext}").stat().st_size > 0
+    with open(stem.with_name(f"{stem.name}.pickle"), "rb") as f:
+        snapshot = pickle.load(f)
+    device = _memory_report.busiest_device(snapshot)
+    assert device == torch.cuda.current_device()
+    peak = _memory_report.analyze(snapshot, device).peak_bytes
+    assert probe.peak is not None and probe.peak > 16 * 2**20
+    assert peak == pytest.approx(probe.peak, rel=0.03)
+
+
+def test_real_oom_is_dumped_by_the_observer_before_it_propagates(tmp_path):
+    profiler = MemoryProfilerCallback(steps=None, dirpath=tmp_path, log_peak=False)
+    with pytest.raises(torch.OutOfMemoryError), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(tmp_path, [profiler]).fit(_MLP(oom_at=1))
+
+    with open(tmp_path / "oom_step_000001.rank00.pickle", "rb") as f:
+        snapshot = pickle.load(f)
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    assert [e["size"] for e in trace if e["action"] == "oom"][-1] >= 2**46
+    assert "OOM at event" in (tmp_path / "oom_step_000001.rank00.md").read_text()
