@@ -1,0 +1,18 @@
+"""lightning-cp: context-parallel long-context LLM training for PyTorch Lightning.
+
+Public API:
+
+- :class:`MegatronCPStrategy` (also ``strategy="megatron_cp"``): DP x CP (x TP) training with Megatron-core groups.
+- :class:`CPLossMixin`: the CP-local fused LM loss for a ``LightningModule``, normalized over the global batch.
+- :class:`MemoryProfilerCallback`: CUDA memory snapshots with offline reports on chosen steps and ranks.
+- :mod:`lightning_cp.ops`: ``linear_cross_entropy``, ``cross_entropy``, ``token_logprobs``.
+- :mod:`lightning_cp.parallel`: ``shard_batch``, ``unshard``, ``context_parallel_attention``.
+- :mod:`lightning_cp.metrics`: torchmetrics aggregators over DP x CP.
+"""
+
+from lightning_cp.callbacks import MemoryProfilerCallback
+from lightning_cp.mixins import CPLossMixin
+from lightning_cp.strategies import MegatronCPStrategy
+
+__all__ = ["CPLossMixin", "MegatronCPStrategy", "MemoryProfilerCallback"]
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from lightning_cp.strategies.megatron_cp import MegatronCPStrategy
+
+__all__ = ["MegatronCPStrategy"]

@@ -1,0 +1,248 @@
+"""MegatronCPStrategy end to end: the same training as a plain single-process PyTorch loop.
+
+One pool of 2 and one of 4 gloo ranks run every layout; the reference is a hand-written loop
+(``F.cross_entropy`` on materialized logits, token mean over the global batch, the same AdamW).
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_cp import MegatronCPStrategy
+from lightning_cp.data import LongRangeCopyDataset, collate_packed, collate_padded
+from lightning_cp.models import GPT, GPTConfig, GPTModule
+
+CONFIG = GPTConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=32)
+GLOBAL_BATCH = 4
+STEPS = 5
+LR = 1e-2
+METRIC_KEYS = ("loss", "ppl", "accuracy", "entropy", "target_tokens", "input_tokens", "seq_ppl_mean", "seq_ppl_min", "seq_ppl_max")
+
+
+def _dataset(num_samples=GLOBAL_BATCH * STEPS, seed=3):
+    # Unequal lengths: packed pieces straddle CP ranks and every rank holds a different number of targets.
+    return LongRangeCopyDataset(num_samples=num_samples, seq_len=26, vocab_size=CONFIG.vocab_size, seed=seed, min_len=10)
+
+
+def _loader(batch_size, packed, dataset=None):
+    return DataLoader(
+        dataset or _dataset(), batch_size=batch_size, shuffle=False, collate_fn=collate_packed if packed else collate_padded
+    )
+
+
+class _Recorder(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.losses.append(trainer.callback_metrics["train/loss_step"].item())
+
+
+def _trainer(cp, world, **kwargs):
+    options = dict(
+        accelerator="cpu",
+        devices=world,
+        strategy=MegatronCPStrategy(cp=cp),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    options.update(kwargs)
+    return Trainer(**options)
+
+
+def _fit(cp, packed, accumulate=1):
+    """Train STEPS optimizer steps; return per-step losses, final weights and epoch metrics."""
+    world = dist.get_world_size()
+    dp = world // cp
+    seed_everything(0)
+    module = GPTModule(CONFIG, lr=LR)
+    recorder = _Recorder()
+    trainer = _trainer(cp, world, max_steps=STEPS, accumulate_grad_batches=accumulate, callbacks=[recorder])
+    micro_batch = GLOBAL_BATCH // dp // accumulate
+    data = _dataset(GLOBAL_BATCH * STEPS)
+    trainer.fit(module, _loader(micro_batch, packed, data), _loader(micro_batch, packed, _dataset(GLOBAL_BATCH, seed=9)))
+    metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
+    weights = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    return recorder.losses, weights, metrics
+
+
+def _targets(batch, packed):
+    """Next-token labels (-100 where not a target), position ids and rows of the padded reference."""
+    if not packed:
+        ids, mask = batch["input_ids"], batch["loss_mask"].bool()
+        rows = list(zip(ids, mask))
+    else:
+        cu = batch["cu_seqlens"].tolist()
+        rows = [(batch["input_ids"][0, a:b], batch["loss_mask"][0, a:b].bool()) for a, b in zip(cu[:-1], cu[1:])]
+    width = max(len(ids) for ids, _ in rows)
+    width += width % 2
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100)
+    for r, (row_ids, row_mask) in enumerate(rows):
+        n = len(row_ids)
+        ids[r, :n] = row_ids
+        for t in range(n - 1):
+            if row_mask[t + 1]:
+                labels[r, t] = row_ids[t + 1]
+    return ids, labels
+
+
+def _reference(packed, steps=STEPS):
+    seed_everything(0)
+    model = GPT(CONFIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+    losses = []
+    # Lightning gives training loaders a shuffling DistributedSampler (seed 0 here); its permutation does
+    # not depend on the number of replicas, so every layout sees the same global batches as this one.
+    data = _dataset()
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler, collate_fn=collate_packed if packed else collate_padded)
+    for step, batch in enumerate(loader):
+        if step == steps:
+            break
+        ids, labels = _targets(batch, packed)
+        hidden = model(ids, torch.arange(ids.shape[1]).expand_as(ids))
+        logits = hidden @ model.lm_head_weight.T
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def _run_layouts(cps, packed, accumulate=1):
+    return {cp: _fit(cp, packed, accumulate) for cp in cps}
+
+
+def _check_against_reference(results, packed):
+    ref_losses, ref_weights = _reference(packed)
+    for cp, (losses, weights, _) in results.items():
+        assert len(losses) == STEPS
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=f"cp={cp}")
+        for name, value in ref_weights.items():
+            torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=f"cp={cp} {name}")
+    # The weights must actually move, or comparing them says little.
+    seed_everything(0)
+    initial = GPT(CONFIG).state_dict()
+    assert max((ref_weights[k] - initial[k]).abs().max().item() for k in initial) > 2 * LR  # Adam moves a weight by at most ~LR a step
+
+
+def _check_metrics_equal(results, reference_metrics=None):
+    first = reference_metrics or next(iter(results.values()))[2]
+    for cp, (_, _, metrics) in results.items():
+        for stage in ("train", "val"):
+            for key in METRIC_KEYS:
+                name = f"{stage}/{key}" + ("_epoch" if stage == "train" else "")
+                assert name in metrics, name
+                assert metrics[name] == pytest.approx(first[name], rel=1e-5), f"cp={cp} {name}"
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_two_ranks_match_single_process(world2, packed):
+    per_rank = world2.run(_run_layouts, (1, 2), packed)
+    assert per_rank[0][1][0] == per_rank[1][1][0]  # CP peers log the same numbers
+    _check_against_reference(per_rank[0], packed)
+    _check_metrics_equal(per_rank[0])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_four_ranks_match_single_process(world4, packed):
+    per_rank = world4.run(_run_layouts, (1, 2, 4), packed)
+    _check_against_reference(per_rank[0], packed)
+    _check_metrics_equal(per_rank[0])
+
+
+def test_gradient_accumulation_normalizes_over_the_whole_step(world4):
+    """dp=2 x cp=2 with 2 micro-batches per step: still the token mean over the global batch."""
+    per_rank = world4.run(_run_layouts, (2,), True, 2)
+    losses, weights, _ = per_rank[0][2]
+    ref_losses, ref_weights = _reference(True)
+    assert len(losses) == STEPS
+    for name, value in ref_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+class _LoggingModule(GPTModule):
+    def training_step(self, batch, batch_idx):
+        self.log("rank_mean", float(dist.get_rank()), sync_dist=True)
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_epochs(dirpath, epochs, resume):
+    world = dist.get_world_size()
+    seed_everything(0)
+    module = _LoggingModule(CONFIG, lr=LR)
+    recorder = _Recorder()
+    checkpoint = ModelCheckpoint(dirpath=dirpath, save_last=True, monitor="val/loss", mode="min")
+    stopping = EarlyStopping(monitor="val/loss", patience=100, mode="min")
+    trainer = _trainer(
+        2, world, max_epochs=epochs, callbacks=[recorder, checkpoint, stopping], enable_checkpointing=True
+    )
+    micro_batch = GLOBAL_BATCH // (world // 2)
+    train, val = _loader(micro_batch, False, _dataset(2 * GLOBAL_BATCH)), _loader(micro_batch, False, _dataset(GLOBAL_BATCH, 9))
+    trainer.fit(module, train, val, ckpt_path=os.path.join(dirpath, "last.ckpt") if resume else None)
+    return recorder.losses, trainer.callback_metrics["rank_mean"].item(), stopping.wait_count, checkpoint.best_model_path
+
+
+def test_resume_from_checkpoint_continues_with_the_same_losses(world4, tmp_path):
+    straight, mean, _, _ = world4.run(_fit_epochs, str(tmp_path / "straight"), 3, False)[0]
+    first, _, _, _ = world4.run(_fit_epochs, str(tmp_path / "resumed"), 1, False)[0]
+    resumed, _, wait, best = world4.run(_fit_epochs, str(tmp_path / "resumed"), 3, True)[0]
+    assert len(straight) == 6 and len(first) == 2 and len(resumed) == 4
+    assert first + resumed == pytest.approx(straight, rel=1e-6)
+    assert mean == pytest.approx(1.5)  # self.log(sync_dist=True) averages over all 4 ranks
+    assert os.path.exists(best) and wait >= 0
+
+
+def _bad_batches():
+    seed_everything(0)
+    messages = []
+    for batch in ({"tokens": torch.zeros(2, 8, dtype=torch.long)}, {"input_ids": torch.zeros(1, 8, dtype=torch.long), "cu_seqlens": torch.tensor([0, 5])}):
+        trainer = _trainer(2, dist.get_world_size(), max_steps=1)
+        try:
+            trainer.fit(GPTModule(CONFIG), DataLoader([batch], batch_size=None))
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_bad_batches_are_clear_errors_on_every_rank(world2):
+    for messages in world2.run(_bad_batches):
+        assert len(messages) == 2
+        assert "'input_ids'" in messages[0]
+        assert "cu_seqlens" in messages[1] and "end at" in messages[1]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"cp": 2.0}, TypeError, r"cp=2\.0"),
+        ({"cp": "2"}, TypeError, "integer"),
+        ({"cp": 0}, ValueError, ">= 1"),
+        ({"tp": -1}, ValueError, ">= 1"),
+    ],
+)
+def test_bad_sizes_fail_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        MegatronCPStrategy(**kwargs)
+
+
+def test_world_size_not_divisible_fails_when_the_trainer_is_built():
+    with pytest.raises(ValueError, match=r"world size 3 .* tp\(1\) \* cp\(2\) = 2"):
+        Trainer(accelerator="cpu", devices=3, strategy=MegatronCPStrategy(cp=2), logger=False)
+
+
+def test_registered_by_name():
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="megatron_cp", logger=False)
+    assert isinstance(trainer.strategy, MegatronCPStrategy) and trainer.strategy.cp == 1
