@@ -31,11 +31,12 @@ class CPLightningCLI(LightningCLI):
     def after_fit(self) -> None:
         """Tell the user where the logs and checkpoints are, and the final losses (rank 0 only)."""
         trainer = self.trainer
+        log_dir = trainer.log_dir  # a broadcast: every rank must ask
         if not trainer.is_global_zero:
             return
         metrics = trainer.callback_metrics
         lines = ["", "lightning-cp: training finished"]
-        lines.append(f"  logs:       {trainer.log_dir}")
+        lines.append(f"  logs:       {log_dir}")
         checkpoint = trainer.checkpoint_callback
         if checkpoint is not None:
             lines.append(f"  checkpoint: {checkpoint.last_model_path or checkpoint.best_model_path}")

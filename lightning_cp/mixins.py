@@ -193,13 +193,14 @@ class CPLossMixin:
             "seq_nll_sum": per_sequence[:, 0],
             "seq_valid_count": per_sequence[:, 1],
         }
-        if stage == "train":
+        training = stage == "train"
+        if training:
             metrics(**sums)  # forward: the step values Lightning logs on_step
-            self.log_dict(metrics, on_step=True, on_epoch=True)
             self._log_throughput(inputs)
         else:
             metrics.update(**sums)
-            self.log_dict(metrics, on_step=False, on_epoch=True)
+        for name, metric in metrics.items():
+            self.log(name, metric, on_step=training, on_epoch=True, prog_bar=name.endswith("/loss"))
 
     def _log_throughput(self, inputs: Tensor) -> None:
         now = time.perf_counter()

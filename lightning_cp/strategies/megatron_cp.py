@@ -82,6 +82,12 @@ class MegatronCPStrategy(DDPStrategy):
     ) -> None:
         self.cp = _check_size("cp", cp)
         self.tp = _check_size("tp", tp)
+        for reserved in ("process_group", "device_mesh"):
+            # LightningCLI fills every DDP keyword with its default (None here); only a real value conflicts.
+            if kwargs.pop(reserved, None) is not None:
+                raise ValueError(
+                    f"MegatronCPStrategy({reserved}=...): the strategy gives DDP the DP x CP group itself; remove it."
+                )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
