@@ -1,0 +1,73 @@
+"""CPLossMixin's normalization: sharded losses give the gradient of the unsharded token mean."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+
+from lightning_cp import CPLossMixin
+from lightning_cp.parallel import groups, shard_batch
+
+VOCAB, HIDDEN, ROWS, SEQ = 23, 8, 4, 14
+
+
+class _Head(CPLossMixin, LightningModule):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.embed = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g))
+        self.head = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g) * 0.3)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+    # Very unequal masks: row 0 has one target, row 3 all; every CP rank holds a different count.
+    mask = torch.rand(ROWS, SEQ, generator=g) < torch.tensor([0.1, 0.4, 0.7, 1.0])[:, None]
+    return {"input_ids": ids, "loss_mask": mask.float()}
+
+
+def _reference_grads():
+    module = _Head()
+    batch = _batch()
+    labels = batch["input_ids"].roll(-1, 1)
+    target = batch["loss_mask"].roll(-1, 1).bool()
+    target[:, -1] = False
+    logits = module.embed[batch["input_ids"]] @ module.head.T
+    loss = F.cross_entropy(logits[target], labels[target])
+    loss.backward()
+    return loss.detach(), module.embed.grad, module.head.grad
+
+
+def _sharded_grads(cp):
+    """The mixin's loss on this rank's shard of this DP rank's rows, then DDP's mean over DP x CP."""
+    groups.initialize(tp=1, cp=cp)
+    module = _Head()
+    dp, dp_rank = groups.dp_size(), groups.dp_rank()
+    full = _batch()
+    rows = slice(dp_rank * ROWS // dp, (dp_rank + 1) * ROWS // dp)
+    batch = shard_batch({k: v[rows] for k, v in full.items()}, cp, groups.cp_rank())
+    loss = module.lm_loss(module.embed[batch["input_ids"]], module.head, batch)
+    loss.backward()
+    world = groups.dp_cp_group()
+    for param in (module.embed, module.head):
+        dist.all_reduce(param.grad, group=world)
+        param.grad /= groups.dp_cp_size()
+    return module.embed.grad, module.head.grad
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_sharded_mixin_loss_has_the_gradient_of_the_global_token_mean(world4, cp):
+    _, ref_embed, ref_head = _reference_grads()
+    for embed_grad, head_grad in world4.run(_sharded_grads, cp):
+        torch.testing.assert_close(embed_grad, ref_embed, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(head_grad, ref_head, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cp_local_mean_would_be_wrong():
+    """Guard for the test above: the per-rank mean of local means differs from the token mean here."""
+    batch = _batch()
+    shards = [shard_batch(batch, 4, r) for r in range(4)]
+    counts = [s["loss_mask"].sum().item() for s in shards]
+    assert len(set(counts)) > 1
