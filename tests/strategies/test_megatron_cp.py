@@ -121,17 +121,39 @@ def _reference(packed, steps=STEPS):
     return losses, model.state_dict()
 
 
+def _reference_validation(weights, packed):
+    """Validation metrics of the trained reference weights, computed by hand on materialized logits."""
+    model = GPT(CONFIG)
+    model.load_state_dict(weights)
+    batch = next(iter(_loader(GLOBAL_BATCH, packed, _dataset(GLOBAL_BATCH, seed=9))))
+    ids, labels = _targets(batch, packed)
+    with torch.no_grad():
+        logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids)) @ model.lm_head_weight.T
+    valid = labels != -100
+    loss = F.cross_entropy(logits[valid], labels[valid])
+    return {
+        "val/loss": loss.item(),
+        "val/ppl": loss.exp().item(),
+        "val/accuracy": (logits[valid].argmax(-1) == labels[valid]).float().mean().item(),
+        "val/target_tokens": valid.sum().item(),
+        "val/input_tokens": batch["input_ids"].numel() if packed else batch["input_mask"].sum().item(),
+    }
+
+
 def _run_layouts(cps, packed, accumulate=1):
     return {cp: _fit(cp, packed, accumulate) for cp in cps}
 
 
 def _check_against_reference(results, packed):
     ref_losses, ref_weights = _reference(packed)
-    for cp, (losses, weights, _) in results.items():
+    ref_validation = _reference_validation(ref_weights, packed)
+    for cp, (losses, weights, metrics) in results.items():
         assert len(losses) == STEPS
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=f"cp={cp}")
         for name, value in ref_weights.items():
             torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=f"cp={cp} {name}")
+        for name, value in ref_validation.items():
+            assert metrics[name] == pytest.approx(value, rel=1e-4), f"cp={cp} {name}"
     # The weights must actually move, or comparing them says little.
     seed_everything(0)
     initial = GPT(CONFIG).state_dict()
