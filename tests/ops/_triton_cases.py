@@ -1,0 +1,187 @@
+"""The Triton kernels against plain PyTorch on materialized fp32 logits; run by ``test_triton.py``.
+
+With CUDA the kernels are compiled and run on the GPU. Without it they run in Triton's interpreter on
+CPU tensors, which needs ``TRITON_INTERPRET=1`` in the environment before *Triton itself* is imported
+(its standard library, ``tl.max`` and friends, is decorated at import, and Megatron-core imports
+Triton): ``test_triton.py`` therefore runs this module in a fresh pytest process with it set, and the
+``world2`` workers of that process inherit it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError(
+        "Without CUDA these cases need TRITON_INTERPRET=1 from process start; run tests/ops/test_triton.py."
+    )
+
+pytest.importorskip("triton")
+
+from lightning_cp.ops import (  # noqa: E402
+    _triton_kernels,
+    cross_entropy,
+    linear_cross_entropy,
+    token_logprobs,
+)
+from tests.ops import _reference as ref  # noqa: E402
+from tests.ops._reference import IGNORE, assert_close, make_case, upcast_leaves  # noqa: E402
+from tests.ops._tp import check_against_single_rank_reference  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+N, H, V = 37, 16, 50
+ALL = {"label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 2.0}
+SMALL_BLOCK = 16  # several vocabulary tiles per row, the last one partial: exercises the online recurrences
+
+
+def _case(dtype: torch.dtype = torch.float32):
+    hidden, weight, labels = make_case(N, H, V, dtype)
+    return (
+        hidden.detach().to(DEVICE).requires_grad_(),
+        weight.detach().to(DEVICE).requires_grad_(),
+        labels.to(DEVICE),
+    )
+
+
+def _upstream(loss: torch.Tensor) -> torch.Tensor:
+    if loss.dim() == 0:
+        return torch.tensor(0.7, device=DEVICE)
+    return torch.randn(loss.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    "reduction, options, dtype, block",
+    [
+        ("mean", {}, torch.float32, None),
+        ("mean", ALL, torch.float32, SMALL_BLOCK),
+        ("sum", {"z_loss": 1e-2}, torch.float32, SMALL_BLOCK),
+        ("none", ALL, torch.float32, SMALL_BLOCK),
+        ("none", {}, torch.float32, None),
+        ("mean", ALL, torch.bfloat16, SMALL_BLOCK),
+        ("none", {"label_smoothing": 0.1}, torch.bfloat16, None),
+    ],
+)
+def test_linear_cross_entropy_matches_reference(reduction, options, dtype, block, monkeypatch):
+    if block is not None:
+        monkeypatch.setattr(_triton_kernels, "_MAX_BLOCK", block)
+    hidden, weight, labels = _case(dtype)
+    labels[1::2] = ref.head_logits(hidden.detach(), weight.detach(), options.get("softcap")).argmax(-1)[1::2]
+    loss, stats = linear_cross_entropy(
+        hidden, weight, labels, reduction=reduction, chunk_size=8, impl="triton", return_stats=True, **options
+    )
+    up = _upstream(loss)
+    (loss * up).sum().backward()
+
+    ref_hidden, ref_weight = upcast_leaves(hidden, weight)
+    z = ref.head_logits(ref_hidden, ref_weight, options.get("softcap"))
+    ce_options = {k: v for k, v in options.items() if k != "softcap"}
+    expected = ref.cross_entropy(z, labels, reduction=reduction, **ce_options)
+    (expected * up).sum().backward()
+
+    assert_close(loss, expected, dtype)
+    assert hidden.grad.dtype == dtype and weight.grad.dtype == dtype
+    assert_close(hidden.grad, ref_hidden.grad, dtype)
+    assert_close(weight.grad, ref_weight.grad, dtype)
+    expected_stats = ref.token_stats(
+        ref.head_logits(hidden.detach(), weight.detach(), options.get("softcap")), labels
+    )
+    assert torch.equal(stats.correct, expected_stats["correct"]) and stats.correct.any()
+    assert torch.equal(stats.valid, expected_stats["valid"])
+    assert_close(stats.nll, expected_stats["nll"], dtype)
+    assert_close(stats.entropy, expected_stats["entropy"], dtype)
+
+
+@pytest.mark.parametrize(
+    "reduction, options, dtype",
+    [("mean", ALL, torch.float32), ("none", {"z_loss": 1e-2}, torch.float32), ("sum", {}, torch.bfloat16)],
+)
+def test_cross_entropy_from_logits_matches_reference(reduction, options, dtype, monkeypatch):
+    monkeypatch.setattr(_triton_kernels, "_MAX_BLOCK", SMALL_BLOCK)
+    logits = (
+        (3 * torch.randn(N, V, generator=torch.Generator().manual_seed(0))).to(DEVICE, dtype).requires_grad_()
+    )
+    before = logits.detach().clone()
+    labels = make_case(N, H, V)[2].to(DEVICE)
+    loss = cross_entropy(logits, labels, reduction=reduction, chunk_size=8, impl="triton", **options)
+    up = _upstream(loss)
+    (loss * up).sum().backward()
+
+    ref_logits = before.float().requires_grad_()
+    ce_options = {k: v for k, v in options.items() if k != "softcap"}
+    expected = ref.cross_entropy(
+        ref.transform(ref_logits, options.get("softcap")), labels, reduction=reduction, **ce_options
+    )
+    (expected * up).sum().backward()
+
+    assert_close(loss, expected, dtype)
+    assert logits.grad.dtype == dtype
+    assert_close(logits.grad, ref_logits.grad, dtype)
+    assert torch.equal(logits.detach(), before), "the caller's logits were modified"
+
+
+@pytest.mark.parametrize("temperature, softcap, return_entropy", [(0.7, 2.0, True), (1.0, None, False)])
+def test_token_logprobs_matches_reference(temperature, softcap, return_entropy, monkeypatch):
+    monkeypatch.setattr(_triton_kernels, "_MAX_BLOCK", SMALL_BLOCK)
+    hidden, weight, labels = _case()
+    out = token_logprobs(
+        hidden,
+        weight,
+        labels,
+        temperature=temperature,
+        softcap=softcap,
+        return_entropy=return_entropy,
+        chunk_size=8,
+        impl="triton",
+    )
+    logprobs, entropy = out if return_entropy else (out, None)
+    up = _upstream(logprobs)
+    ((logprobs * up).sum() + (entropy.sum() if return_entropy else 0.0)).backward()
+
+    ref_hidden, ref_weight = upcast_leaves(hidden, weight)
+    exp_lp, exp_ent = ref.logprobs_and_entropy(
+        ref.head_logits(ref_hidden, ref_weight, softcap, temperature), labels
+    )
+    ((exp_lp * up).sum() + (exp_ent.sum() if return_entropy else 0.0)).backward()
+
+    assert_close(logprobs, exp_lp)
+    if return_entropy:
+        assert_close(entropy, exp_ent)
+    assert_close(hidden.grad, ref_hidden.grad)
+    assert_close(weight.grad, ref_weight.grad)
+
+
+def test_correct_breaks_ties_to_the_first_maximum_across_tiles(monkeypatch):
+    monkeypatch.setattr(_triton_kernels, "_MAX_BLOCK", SMALL_BLOCK)
+    logits = torch.zeros(4, 40, device=DEVICE)
+    logits[:, 5] = logits[:, 30] = 2.0  # equal maxima in the first and the second tile
+    labels = torch.tensor([5, 30, IGNORE, 7], device=DEVICE)
+    _, stats = cross_entropy(logits, labels, impl="triton", return_stats=True)
+    assert stats.correct.tolist() == [True, False, False, False]
+
+
+def test_all_ignored_gives_zero_loss_and_zero_grads():
+    hidden, weight, _ = _case()
+    labels = torch.full((N,), IGNORE, device=DEVICE)
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_size=8, impl="triton", label_smoothing=0.1)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden)) and torch.equal(
+        weight.grad, torch.zeros_like(weight)
+    )
+
+
+@pytest.mark.parametrize(
+    "path, reduction, options",
+    [
+        ("linear", "mean", {}),
+        ("linear", "none", ALL),
+        ("logits", "none", ALL),
+        ("logprobs", None, {"temperature": 0.7}),
+    ],
+)
+def test_tp2_matches_the_single_rank_reference(world2, path, reduction, options):
+    check_against_single_rank_reference(world2, path, "triton", reduction, options)
