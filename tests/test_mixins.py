@@ -40,7 +40,7 @@ def _reference_grads():
     return loss.detach(), module.embed.grad, module.head.grad
 
 
-def _sharded_grads(cp):
+def _sharded_grads(cp, from_logits):
     """The mixin's loss on this rank's shard of this DP rank's rows, then DDP's mean over DP x CP."""
     groups.initialize(tp=1, cp=cp)
     module = _Head()
@@ -48,7 +48,11 @@ def _sharded_grads(cp):
     full = _batch()
     rows = slice(dp_rank * ROWS // dp, (dp_rank + 1) * ROWS // dp)
     batch = shard_batch({k: v[rows] for k, v in full.items()}, cp, groups.cp_rank())
-    loss = module.lm_loss(module.embed[batch["input_ids"]], module.head, batch)
+    hidden = module.embed[batch["input_ids"]]
+    if from_logits:
+        loss = module.lm_loss_from_logits(hidden @ module.head.T, batch)
+    else:
+        loss = module.lm_loss(hidden, module.head, batch)
     loss.backward()
     world = groups.dp_cp_group()
     for param in (module.embed, module.head):
@@ -57,10 +61,11 @@ def _sharded_grads(cp):
     return module.embed.grad, module.head.grad
 
 
+@pytest.mark.parametrize("from_logits", [False, True], ids=["lm_loss", "lm_loss_from_logits"])
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_sharded_mixin_loss_has_the_gradient_of_the_global_token_mean(world4, cp):
+def test_sharded_mixin_loss_has_the_gradient_of_the_global_token_mean(world4, cp, from_logits):
     _, ref_embed, ref_head = _reference_grads()
-    for embed_grad, head_grad in world4.run(_sharded_grads, cp):
+    for embed_grad, head_grad in world4.run(_sharded_grads, cp, from_logits):
         torch.testing.assert_close(embed_grad, ref_embed, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(head_grad, ref_head, rtol=1e-5, atol=1e-6)
 
