@@ -105,7 +105,9 @@ class CPLossMixin:
 
         Args:
             hidden: ``[B, S_local, H]`` final hidden states of this rank's tokens.
-            weight: ``[V, H]`` LM-head weight (``[V / tp, H]`` under tensor parallelism).
+            weight: ``[V, H]`` LM-head weight, or this TP rank's ``[V / tp, H]`` shard when the weight is
+                vocab-parallel: Megatron marks those with ``tensor_model_parallel = True``, which selects
+                the TP path of the loss (a replicated weight under ``tp > 1`` is used as a whole).
             batch: the sharded batch (``labels`` ``[B, S_local]``; ``cu_seqlens`` when packed).
             **loss_kwargs: options of :func:`lightning_cp.ops.linear_cross_entropy` (``label_smoothing``,
                 ``z_loss``, ``softcap``, ``chunk_size``, ``impl``).
@@ -123,19 +125,25 @@ class CPLossMixin:
             batch["labels"].reshape(-1),
             reduction="sum",
             return_stats=True,
-            tp_group=groups.tp_group() if groups.tp_size() > 1 else None,
+            tp_group=_vocab_parallel_group(getattr(weight, "tensor_model_parallel", False)),
             **loss_kwargs,
         )
         return self._cp_objective(loss_sum, stats, batch)
 
-    def lm_loss_from_logits(self, logits: Tensor, batch: Mapping[str, Tensor], **loss_kwargs: Any) -> Tensor:
-        """As :meth:`lm_loss`, from logits ``[B, S_local, V]`` a model already produced (chunked fp32 upcast)."""
+    def lm_loss_from_logits(
+        self, logits: Tensor, batch: Mapping[str, Tensor], *, vocab_parallel: bool = False, **loss_kwargs: Any
+    ) -> Tensor:
+        """As :meth:`lm_loss`, from logits ``[B, S_local, V]`` a model already produced (chunked fp32 upcast).
+
+        Set ``vocab_parallel=True`` when ``logits`` is this TP rank's ``[B, S_local, V / tp]`` shard (the
+        output of a column-parallel head); a tensor does not say so itself.
+        """
         loss_sum, stats = cross_entropy(
             logits.reshape(-1, logits.shape[-1]),
             batch["labels"].reshape(-1),
             reduction="sum",
             return_stats=True,
-            tp_group=groups.tp_group() if groups.tp_size() > 1 else None,
+            tp_group=_vocab_parallel_group(vocab_parallel),
             **loss_kwargs,
         )
         return self._cp_objective(loss_sum, stats, batch)
@@ -211,6 +219,11 @@ class CPLossMixin:
         throughput = self._cp_metrics["throughput"]
         throughput(input_count=inputs, seconds=now - last)
         self.log("train/tokens_per_sec", throughput, on_step=True, on_epoch=False)
+
+
+def _vocab_parallel_group(vocab_parallel: bool) -> Any:
+    """The TP group when the head is split over the vocabulary across more than one rank, else ``None``."""
+    return groups.tp_group() if vocab_parallel and groups.tp_size() > 1 else None
 
 
 def _sequence_index(batch: Mapping[str, Tensor]) -> tuple[Tensor, int]:

@@ -9,7 +9,7 @@ from lightning.pytorch import LightningModule
 from lightning_cp import CPLossMixin
 from lightning_cp.parallel import groups, shard_batch
 
-VOCAB, HIDDEN, ROWS, SEQ = 23, 8, 4, 14
+VOCAB, HIDDEN, ROWS, SEQ = 24, 8, 4, 14
 
 
 class _Head(CPLossMixin, LightningModule):
@@ -68,6 +68,33 @@ def test_sharded_mixin_loss_has_the_gradient_of_the_global_token_mean(world4, cp
     for embed_grad, head_grad in world4.run(_sharded_grads, cp, from_logits):
         torch.testing.assert_close(embed_grad, ref_embed, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(head_grad, ref_head, rtol=1e-5, atol=1e-6)
+
+
+def _tensor_parallel_grads(vocab_parallel):
+    """tp=2 x cp=2: the head either split over the vocabulary (marked as Megatron marks it) or replicated."""
+    groups.initialize(tp=2, cp=2)
+    module = _Head()
+    head = module.head
+    if vocab_parallel:
+        rows = VOCAB // 2
+        head = torch.nn.Parameter(module.head.detach()[groups.tp_rank() * rows : (groups.tp_rank() + 1) * rows].clone())
+        head.tensor_model_parallel = True
+    batch = shard_batch(_batch(), 2, groups.cp_rank())
+    loss = module.lm_loss(module.embed[batch["input_ids"]], head, batch)
+    loss.backward()
+    for param in (module.embed, head):
+        dist.all_reduce(param.grad, group=groups.dp_cp_group())
+        param.grad /= groups.dp_cp_size()
+    return groups.tp_rank(), module.embed.grad, head.grad
+
+
+@pytest.mark.parametrize("vocab_parallel", [False, True], ids=["replicated_head", "vocab_parallel_head"])
+def test_tensor_parallel_head_gives_the_same_gradients(world4, vocab_parallel):
+    _, ref_embed, ref_head = _reference_grads()
+    for tp_rank, embed_grad, head_grad in world4.run(_tensor_parallel_grads, vocab_parallel):
+        torch.testing.assert_close(embed_grad, ref_embed, rtol=1e-5, atol=1e-6)
+        expected = ref_head.chunk(2)[tp_rank] if vocab_parallel else ref_head
+        torch.testing.assert_close(head_grad, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_a_cp_local_mean_would_be_wrong():
