@@ -1,8 +1,10 @@
 """The plain-PyTorch backend for one chunk of logits: statistics and the in-place logits gradient.
 
-Each operation is a whole-chunk tensor op, so the work per chunk is a handful of passes over an fp32
-``[n, V_local]`` buffer (the same passes ``log_softmax`` and its backward make), and the ``exp`` of the
-statistics pass is reused by the gradient instead of being recomputed.
+A chunk owns one fp32 ``[n, V_local]`` buffer: its logits, which the gradient then overwrites. Every
+other temporary (the ``exp``, the coefficient products, the softcap slope) is taken over a block of
+``_VOCAB_BLOCK`` columns at a time, so the peak memory of a chunk is one fp32 buffer plus a few
+``[n, _VOCAB_BLOCK]`` blocks rather than two or three full buffers. The ``exp`` of the statistics pass is
+recomputed by the gradient pass (one more elementwise pass, no more matmuls).
 """
 
 from __future__ import annotations
@@ -10,6 +12,14 @@ from __future__ import annotations
 import torch
 
 from lightning_cp.ops import _stats
+
+# Columns per elementwise block: [n, 4096] fp32 temporaries stay a small fraction of a [n, V] chunk
+# for vocabularies of 32K and up, and are large enough for vectorized kernels.
+_VOCAB_BLOCK = 4096
+
+
+def _blocks(width: int) -> range:
+    return range(0, width, _VOCAB_BLOCK)
 
 
 class TorchChunk:
@@ -43,32 +53,30 @@ class TorchChunk:
         self._labels = local_labels
         self._softcap = softcap
         self._inv_temp = inv_temp
-        self._exp: torch.Tensor | None = None
-        self._exp_offset: torch.Tensor | None = None
 
     def partial_stats(self, *, entropy: bool, smoothing: bool) -> torch.Tensor:
         """The ``[NUM_STATS, n]`` fp32 partials of this shard (layout in :mod:`lightning_cp.ops._stats`)."""
         s, labels = self._s, self._labels
         out = s.new_zeros((_stats.NUM_STATS, s.shape[0]))
         row_max, argmax = s.max(dim=1)
-        exp = torch.sub(s, row_max.unsqueeze(1)).exp_()
-        sumexp = exp.sum(dim=1)
-        out[_stats.MAX] = row_max
-        out[_stats.SUMEXP] = sumexp
         target = s.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
+        out[_stats.MAX] = row_max
         out[_stats.TARGET] = torch.where(labels >= 0, target, 0.0)
         out[_stats.ARGMAX].view(torch.int32).copy_(argmax)
         if smoothing:
             out[_stats.SUM] = s.sum(dim=1)
-        if entropy:
-            # A -inf logit (a masked vocabulary entry) has e = 0 and must add 0 to sum_j e_j s_j, not
-            # 0 * -inf = nan: clamp to the lowest finite float, in place unless s is the caller's tensor.
-            lowest = torch.finfo(torch.float32).min
-            finite = s.clamp_(min=lowest) if self._owned else s.clamp(min=lowest)
-            # A batched dot product: no [n, V] product temporary.
-            dot = torch.bmm(exp.unsqueeze(1), finite.unsqueeze(2)).view(-1)
-            out[_stats.SHIFTED] = dot - row_max * sumexp
-        self._exp, self._exp_offset = exp, row_max
+        shift = row_max.unsqueeze(1)
+        # A -inf logit (a masked vocabulary entry) has exp 0 and must add 0 to sum_j e_j (s_j - m), not
+        # 0 * -inf = nan: the entropy product uses the lowest finite float instead.
+        lowest = torch.finfo(torch.float32).min
+        for v0 in _blocks(s.shape[1]):
+            block = s[:, v0 : v0 + _VOCAB_BLOCK]
+            exp = torch.sub(block, shift).exp_()
+            out[_stats.SUMEXP] += exp.sum(dim=1)
+            if entropy:
+                finite = block.clamp(min=lowest).sub_(shift)
+                # A batched dot product: no [n, block] product temporary.
+                out[_stats.SHIFTED] += torch.bmm(exp.unsqueeze(1), finite.unsqueeze(2)).view(-1)
         return out
 
     def grad(
@@ -84,28 +92,26 @@ class TorchChunk:
 
         ``p = softmax(s)`` comes from the global ``lse`` ``[n]``; the per-row coefficients ``[n]`` encode
         the loss (see ``_chunked``), ``ds/dz`` is the softcap slope ``1 - tanh^2`` (the temperature is
-        folded into the coefficients). Returns the fp32 buffer, or ``out`` (any float dtype) filled
-        with it. The chunk is consumed: its buffers are reused in place.
+        folded into the coefficients). Written block by block into ``out`` (any float dtype) when given,
+        else over the chunk's own fp32 buffer (a new one if the logits belong to the caller), which is
+        returned. The chunk is consumed.
         """
-        s = self._s
-        if self._exp is not None:
-            p = self._exp.mul_(torch.exp(self._exp_offset - lse).unsqueeze(1))
-        else:
-            p = torch.sub(s, lse.unsqueeze(1)).exp_()
-        if beta is not None:
-            p.mul_(torch.addcmul(alpha.unsqueeze(1), beta.unsqueeze(1), s))
-        else:
-            p.mul_(alpha.unsqueeze(1))
-        if eta is not None:
-            p.sub_(eta.unsqueeze(1))
-        labels = self._labels
-        p.scatter_add_(
-            1, labels.clamp(min=0).unsqueeze(1), torch.where(labels >= 0, -gamma, 0.0).unsqueeze(1)
-        )
-        if self._softcap is not None:
-            # tanh(z / softcap) = s / (softcap * inv_temp); the slope overwrites s, which is no longer needed.
-            p.mul_(s.mul_(1.0 / (self._softcap * self._inv_temp)).square_().neg_().add_(1.0))
-        self._exp = None
-        if out is None:
-            return p
-        return out.copy_(p)
+        s, labels = self._s, self._labels
+        dest = out if out is not None else s if self._owned else torch.empty_like(s)
+        lse, alpha = lse.unsqueeze(1), alpha.unsqueeze(1)
+        label_delta = torch.where(labels >= 0, -gamma, 0.0).unsqueeze(1)
+        for v0 in _blocks(s.shape[1]):
+            block = s[:, v0 : v0 + _VOCAB_BLOCK]
+            width = block.shape[1]
+            p = torch.sub(block, lse).exp_()
+            p.mul_(alpha if beta is None else torch.addcmul(alpha, beta.unsqueeze(1), block))
+            if eta is not None:
+                p.sub_(eta.unsqueeze(1))
+            column = labels - v0
+            here = (column >= 0) & (column < width)
+            p.scatter_add_(1, column.clamp(0, width - 1).unsqueeze(1), torch.where(here.unsqueeze(1), label_delta, 0.0))
+            if self._softcap is not None:
+                # tanh(z / softcap) = s / (softcap * inv_temp)
+                p.mul_(torch.mul(block, 1.0 / (self._softcap * self._inv_temp)).square_().neg_().add_(1.0))
+            dest[:, v0 : v0 + width].copy_(p)
+        return dest
