@@ -1,0 +1,365 @@
+"""The ``lightning-cp`` command: help, complete configs, one-line errors, and real runs of the example configs.
+
+Parsing cases call :func:`lightning_cp.cli.main` in this process (no trainer runs here). Training runs go
+through the installed console script in a subprocess, as a user types them (Lightning starts the other CPU
+processes itself); ``validate`` runs in the shared 2-process gloo pool. The losses a run prints and logs
+are checked against a plain-PyTorch evaluation (``F.cross_entropy`` on full logits) of the checkpoint it
+wrote.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import dataclasses
+import inspect
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from lightning.pytorch import Trainer
+
+from lightning_cp import MegatronCPStrategy, MemoryProfilerCallback
+from lightning_cp.cli import main
+from lightning_cp.data import LongRangeDataModule, TokenFileDataset
+from lightning_cp.models import GPTConfig, GPTModule
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "examples" / "configs"
+MAIN_JOB = CONFIGS / "cpu_long_range.yaml"
+PACKED = CONFIGS / "packed_sft_token_file.yaml"
+GPU = CONFIGS / "gpu_long_context.yaml"
+CONSOLE_SCRIPT = Path(sys.executable).with_name("lightning-cp")
+ERROR_PREFIX = "lightning-cp: error: "
+
+
+@pytest.fixture
+def cli(capfd, monkeypatch):
+    """``cli(*args)`` runs ``lightning-cp ARGS`` in this process: exit status, stdout, stderr (fd level).
+
+    Lightning's seeding writes ``PL_GLOBAL_SEED`` / ``PL_SEED_WORKERS`` into ``os.environ``; they are put
+    back afterwards so that processes started by later tests do not inherit them.
+    """
+    monkeypatch.setattr(sys, "argv", ["lightning-cp"])
+    saved = {name: os.environ.get(name) for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capfd.readouterr()
+        try:
+            main(list(args))
+            status = 0
+        except SystemExit as exit_:
+            status = exit_.code or 0
+        out, err = capfd.readouterr()
+        return status, out, err
+
+    yield run
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def _run_console_script(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    # One intra-op thread per process: 2 or 4 training processes share the small CI machine's cores.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [str(CONSOLE_SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+# --- help -------------------------------------------------------------------------------------------------
+
+
+def _described_options(help_text: str) -> dict[str, str]:
+    """``{"--model.lr": "peak AdamW learning rate.", ...}`` from jsonargparse's help (whitespace collapsed)."""
+    text = " ".join(help_text.split("\n\n", 1)[1].split())  # without the usage block
+    pattern = r"(--[\w.]+) (?:\S+ )?(.*?)\((?:required, )?type: "
+    return {option: description.strip() for option, description in re.findall(pattern, text)}
+
+
+def _attribute_docstrings(cls: type) -> dict[str, str]:
+    """Field name -> the string literal written under it in the class body (read with ``ast``)."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def test_help_documents_model_config_fields_and_data_arguments(cli):
+    status, out, _ = cli("fit", "--model.help", "lightning_cp.models.GPTModule")
+    assert status == 0
+    options = _described_options(out)
+    docs = _attribute_docstrings(GPTConfig)
+    assert set(docs) == {f.name for f in dataclasses.fields(GPTConfig)}
+    for field, doc in docs.items():
+        assert options[f"--model.config.{field}"] == doc
+    for name in inspect.signature(GPTModule).parameters:
+        if name != "config":
+            assert options[f"--model.{name}"], f"--model.{name} has no description"
+
+    status, out, _ = cli("fit", "--data.help", "lightning_cp.data.LongRangeDataModule")
+    assert status == 0
+    options = _described_options(out)
+    for name in inspect.signature(LongRangeDataModule).parameters:
+        assert options[f"--data.{name}"], f"--data.{name} has no description"
+    assert "on each data-parallel rank" in options["--data.batch_size"]
+
+    status, out, _ = cli("fit", "--help")
+    assert status == 0
+    options = _described_options(out)
+    assert "Stop training after this number of steps" in options["--trainer.max_steps"]
+
+
+# --- complete, reusable configs -----------------------------------------------------------------------------
+
+
+def _print_config(cli, *args: str) -> str:
+    status, out, err = cli("fit", *args, "--print_config")
+    assert status == 0, err
+    return out
+
+
+def _assert_contains(printed, source, where="config"):
+    """Every value written in ``source`` (a YAML tree) is in ``printed`` at the same place."""
+    if isinstance(source, dict):
+        for key, value in source.items():
+            assert key in printed, f"{where}.{key} missing from the printed config"
+            _assert_contains(printed[key], value, f"{where}.{key}")
+    elif isinstance(source, list):
+        assert len(printed) == len(source), where
+        for i, (p, s) in enumerate(zip(printed, source)):
+            _assert_contains(p, s, f"{where}[{i}]")
+    else:
+        assert printed == source, f"{where}: printed {printed!r}, written {source!r}"
+
+
+@pytest.mark.parametrize("config", [MAIN_JOB, PACKED, GPU], ids=lambda p: p.stem)
+def test_print_config_is_complete_and_reads_back_identically(config, cli, tmp_path):
+    printed = _print_config(cli, "--config", str(config))
+    tree = yaml.safe_load(printed)
+    _assert_contains(tree, yaml.safe_load(config.read_text()))
+    # Complete: every Trainer argument and every GPTConfig field is written out, defaults included.
+    assert set(inspect.signature(Trainer).parameters) <= set(tree["trainer"])
+    assert {f.name for f in dataclasses.fields(GPTConfig)} == set(tree["model"]["init_args"]["config"])
+
+    saved = tmp_path / "printed.yaml"
+    saved.write_text(printed)
+    assert _print_config(cli, "--config", str(saved)) == printed
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
+def test_other_subcommands_take_the_same_config(subcommand, cli):
+    status, out, err = cli(subcommand, "--config", str(MAIN_JOB), "--print_config")
+    assert status == 0, err
+    tree = yaml.safe_load(out)
+    assert tree["trainer"]["strategy"]["init_args"]["cp"] == 2 and "ckpt_path" in tree
+
+
+def test_gpu_config_is_a_consistent_long_context_setup(cli):
+    # Parsed and validated only: no GPU trainer is built on a CPU machine.
+    tree = yaml.safe_load(_print_config(cli, "--config", str(GPU)))
+    trainer, model, data = tree["trainer"], tree["model"]["init_args"], tree["data"]["init_args"]
+    strategy = trainer["strategy"]
+    assert strategy["class_path"] == "lightning_cp.MegatronCPStrategy"
+    cp, tp = strategy["init_args"]["cp"], strategy["init_args"]["tp"]
+    assert (trainer["accelerator"], trainer["precision"], cp) == ("gpu", "bf16-mixed", 4)
+    assert (trainer["devices"] * trainer["num_nodes"]) % (cp * tp) == 0
+    assert data["seq_len"] >= 32768 and data["seq_len"] % (2 * cp) == 0
+    assert data["vocab_size"] >= 131072 and model["config"]["vocab_size"] >= data["vocab_size"]
+    GPTConfig(**model["config"])  # validates the head size
+    callbacks = {c["class_path"]: c["init_args"] for c in trainer["callbacks"]}
+    MemoryProfilerCallback(**callbacks["lightning_cp.MemoryProfilerCallback"])  # validates steps and ranks
+    assert [logger["class_path"] for logger in trainer["logger"]] == ["lightning.pytorch.loggers.CSVLogger"]
+
+
+# --- one-line errors --------------------------------------------------------------------------------------
+
+
+def _strategy_error() -> str:
+    with pytest.raises(ValueError) as error:
+        Trainer(accelerator="cpu", devices=3, strategy=MegatronCPStrategy(cp=2), logger=False)
+    return str(error.value)
+
+
+def _check_one_line(status: int, out: str, err: str) -> str:
+    assert status == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
+    assert lines[0].startswith(ERROR_PREFIX)
+    return lines[0][len(ERROR_PREFIX) :]
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--trainer.max_stepz", "3"], ["unrecognized arguments: --trainer.max_stepz 3"]),
+        (["--trainer.max_steps", "abc"], ["trainer.max_steps: ", "int", "abc"]),
+        (["--model.init_args.lr", "abc"], ["model.init_args.lr: ", "float", "abc"]),
+        (["--data.init_args.num_val_samples", "[1]"], ["data.init_args.num_val_samples: ", "int", "[1]"]),
+        (["--model", "lightning_cp.models.NoSuchModule"], ["model: ", "NoSuchModule"]),
+        # Raised by the classes when the CLI builds them, not by the parser:
+        (["--model.init_args.config.n_head", "3"], ["n_embd=128 must be divisible by n_head=3"]),
+        (["--config", str(MAIN_JOB), "--trainer.strategy.init_args.cp", "0"], ["MegatronCPStrategy(cp=0)", ">= 1"]),
+        (["--config", str(MAIN_JOB), "--trainer.devices", "3"], ["world size 3", "tp(1) * cp(2)"]),
+    ],
+    ids=["unknown-key", "wrong-type", "wrong-type-in-class", "list-for-int", "unknown-class", "bad-model-size",
+         "bad-cp", "cp-does-not-divide-devices"],
+)
+def test_configuration_errors_are_one_line(args, expected, cli):
+    message = _check_one_line(*cli("fit", *args))
+    for part in expected:
+        assert part in message
+
+
+def test_unknown_key_in_a_yaml_file_is_one_line(cli, tmp_path):
+    config = tmp_path / "typo.yaml"
+    config.write_text(MAIN_JOB.read_text().replace("max_steps:", "max_stepz:"))
+    message = _check_one_line(*cli("fit", "--config", str(config)))
+    assert "trainer.max_stepz" in message
+
+
+def test_console_script_error_is_one_line_on_stderr():
+    """The installed command prints the strategy's own message, alone, and no import-time noise."""
+    result = _run_console_script("fit", "--config", str(MAIN_JOB), "--trainer.devices", "3")
+    assert _check_one_line(result.returncode, result.stdout, result.stderr) == _strategy_error()
+
+
+def test_errors_while_training_keep_their_traceback(cli, tmp_path):
+    """Only parsing and building are shortened to one line; the data module fails here in ``setup``."""
+    broken = tmp_path / "odd_size.bin"
+    broken.write_bytes(b"\x01\x00\x02")  # 3 bytes: not a whole number of uint16 tokens
+    with pytest.raises(ValueError, match="odd_size.bin"):
+        main(
+            ["fit", "--config", str(PACKED), "--data.init_args.path", str(broken), "--trainer.devices", "1",
+             "--trainer.strategy", "auto", "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)]
+        )
+
+
+# --- real runs of the example configs ----------------------------------------------------------------------
+
+
+def _summary(stdout: str) -> dict:
+    """The block ``after_fit`` prints: ``{"logs": [dir, ...], "checkpoint": path, "val/loss": "6.2480", ...}``."""
+    block = stdout[stdout.index("lightning-cp: training finished") :].splitlines()[1:]
+    summary: dict = {"logs": []}
+    for fields in map(str.split, block):
+        if fields and fields[0].endswith(":"):
+            key, value = fields[0][:-1], fields[1]
+        elif fields:
+            key, value = "logs", fields[0]  # the next logger's directory, under the first
+        else:
+            continue
+        if key == "logs":
+            summary["logs"].append(value)
+        else:
+            summary[key] = value
+    return summary
+
+
+def _csv_rows(log_dir: Path) -> list[dict[str, str]]:
+    with open(log_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _last(rows: list[dict[str, str]], key: str) -> float:
+    return float([row[key] for row in rows if row.get(key)][-1])
+
+
+def _sequence_nll(model: GPTModule, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, int]:
+    """Sum and count of next-token NLL of one unsharded sequence ``[S]`` on full logits."""
+    length = len(input_ids)
+    # The package's attention takes even lengths only; a causal model's outputs ignore a token appended at the end.
+    padded = F.pad(input_ids, (0, length % 2))
+    with torch.no_grad():
+        hidden = model.model(padded[None], torch.arange(len(padded))[None])[0, :length]
+        logits = hidden @ model.model.lm_head_weight.T
+        nll = F.cross_entropy(logits[:-1], input_ids[1:], reduction="none")
+    targets = loss_mask[1:].bool()
+    return nll[targets].sum().item(), int(targets.sum())
+
+
+def test_main_job_config_runs_with_summary_checkpoint_and_metrics(tmp_path, world2):
+    loggers = [
+        {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path), "name": "csv"}},
+        {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+         "init_args": {"save_dir": str(tmp_path), "name": "tensorboard"}},
+    ]
+    result = _run_console_script(
+        "fit", "--config", str(MAIN_JOB), "--trainer.max_steps", "4", "--trainer.val_check_interval", "2",
+        "--trainer.log_every_n_steps", "1", "--trainer.logger", json.dumps(loggers),
+        "--trainer.enable_progress_bar", "false",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = _summary(result.stdout)
+    assert summary["logs"] == [str(tmp_path / "csv" / "version_0"), str(tmp_path / "tensorboard" / "version_0")]
+    checkpoint = Path(summary["checkpoint"])
+    assert checkpoint.is_file() and checkpoint.parent.parent == tmp_path / "csv" / "version_0"
+    rows = _csv_rows(Path(summary["logs"][0]))
+    assert [int(row["step"]) for row in rows if row.get("train/loss_step")] == [0, 1, 2, 3]
+    assert [int(row["step"]) for row in rows if row.get("val/loss")] == [1, 3]  # after steps 2 and 4
+
+    # The final val/loss is that of the checkpoint's weights on the validation set, by plain PyTorch.
+    config = yaml.safe_load(MAIN_JOB.read_text())["data"]["init_args"]
+    data = LongRangeDataModule(**config)
+    data.setup("validate")
+    model = GPTModule.load_from_checkpoint(checkpoint, map_location="cpu")
+    totals = [_sequence_nll(model, ids, mask) for batch in data.val_dataloader()
+              for ids, mask in zip(batch["input_ids"], batch["loss_mask"])]
+    reference = sum(t[0] for t in totals) / sum(t[1] for t in totals)
+    assert _last(rows, "val/loss") == pytest.approx(reference, rel=1e-5)
+    assert float(summary["val/loss"]) == pytest.approx(reference, abs=6e-5)
+    assert float(summary["train/loss_epoch"]) == pytest.approx(_last(rows, "train/loss_epoch"), abs=6e-5)
+
+    # `validate` from the checkpoint, as dp=1 x cp=2 instead of dp=2 x cp=2: the same number.
+    validate_logger = {**loggers[0], "init_args": {"save_dir": str(tmp_path / "validate"), "name": "csv"}}
+    world2.run(
+        main,
+        ["validate", "--config", str(MAIN_JOB), "--ckpt_path", str(checkpoint), "--trainer.devices", "2",
+         "--trainer.logger", json.dumps([validate_logger]), "--trainer.enable_progress_bar", "false"],
+    )
+    validated = _csv_rows(tmp_path / "validate" / "csv" / "version_0")
+    assert _last(validated, "val/loss") == pytest.approx(reference, rel=1e-5)
+
+
+def test_packed_token_file_config_runs(tmp_path):
+    tokens = tmp_path / "tokens.bin"
+    subprocess.run(
+        [sys.executable, str(REPO / "examples" / "make_token_file.py"), str(tokens), "--num-docs", "100",
+         "--max-len", "120"],
+        check=True, capture_output=True,
+    )
+    result = _run_console_script(
+        "fit", "--config", str(PACKED), "--data.init_args.path", str(tokens), "--trainer.max_steps", "3",
+        "--trainer.val_check_interval", "3", "--trainer.log_every_n_steps", "1",
+        "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = _summary(result.stdout)
+    assert summary["logs"] == [str(tmp_path / "csv" / "version_0")]
+    rows = _csv_rows(tmp_path / "csv" / "version_0")
+    assert [int(row["step"]) for row in rows if row.get("train/loss_step")] == [0, 1, 2]
+
+    # Validation documents: the documented tail of the file's EOS-delimited samples; each scored on its own.
+    data = yaml.safe_load(PACKED.read_text())["data"]["init_args"]
+    samples = TokenFileDataset(tokens, seq_len=data["seq_len"], vocab_size=data["vocab_size"], eos_id=data["eos_id"])
+    num_val = max(1, round(data["val_fraction"] * len(samples)))
+    model = GPTModule.load_from_checkpoint(summary["checkpoint"], map_location="cpu")
+    totals = [_sequence_nll(model, s["input_ids"], s["loss_mask"])
+              for s in (samples[i] for i in range(len(samples) - num_val, len(samples)))]
+    reference = sum(t[0] for t in totals) / sum(t[1] for t in totals)
+    assert _last(rows, "val/loss") == pytest.approx(reference, rel=1e-5)
+    assert float(summary["val/loss"]) == pytest.approx(reference, abs=6e-5)
+    assert math.log(data["vocab_size"]) - 1 < reference < math.log(data["vocab_size"]) + 1  # 3 steps: near chance
