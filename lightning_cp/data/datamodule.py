@@ -59,6 +59,14 @@ class _CPDataModule(LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return self._loader(self._val, shuffle=False)
 
+    def test_dataloader(self) -> DataLoader:
+        """The held-out (validation) split: these data sets have no separate test split."""
+        return self._loader(self._val, shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        """The held-out (validation) split, for ``GPTModule.predict_step``'s per-token log-probabilities."""
+        return self._loader(self._val, shuffle=False)
+
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError(
@@ -92,7 +100,9 @@ class LongRangeDataModule(_CPDataModule):
         num_val_samples: size of the validation set.
         batch_size: samples per batch on each data-parallel rank (CP peers share the same batch).
         packed: concatenate each batch into one ``[1, T]`` row with ``cu_seqlens`` instead of padding.
-        shuffle: shuffle the training set (Lightning carries it over to its ``DistributedSampler``).
+        shuffle: shuffle the training set in a single process. Under a distributed strategy Lightning's
+            ``DistributedSampler`` always shuffles the training set (seeded, the same permutation for every
+            DP x CP layout), whatever this says.
         seed: base seed of the samples.
         num_workers: DataLoader worker processes per rank (0: load in the training process).
     """
@@ -147,7 +157,9 @@ class TokenFileDataModule(_CPDataModule):
         val_fraction: share of the samples held out for validation, in ``(0, 1)``.
         batch_size: samples per batch on each data-parallel rank (CP peers share the same batch).
         packed: concatenate each batch into one ``[1, T]`` row with ``cu_seqlens`` instead of padding.
-        shuffle: shuffle the training set (Lightning carries it over to its ``DistributedSampler``).
+        shuffle: shuffle the training set in a single process. Under a distributed strategy Lightning's
+            ``DistributedSampler`` always shuffles the training set (seeded, the same permutation for every
+            DP x CP layout), whatever this says.
         pad_id: input id written into padding when ``packed=False`` and samples differ in length
             (never a target, so any valid id works).
         num_workers: DataLoader worker processes per rank (0: load in the training process).

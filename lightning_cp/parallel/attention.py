@@ -60,14 +60,17 @@ def context_parallel_attention(
             "q, k, v must be [B, heads, S_local, head_dim] with the same B, heads and S_local; "
             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}."
         )
+    cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
+    cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
+    if cp_size == 1 and cu_seqlens is None:
+        # No split: plain causal attention, for any length.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     local_len = q.shape[2]
     if local_len % 2:
         raise ValueError(
             f"S_local={local_len} is odd: context-parallel attention expects the two-chunk layout of shard_batch "
             "(every sequence padded to a multiple of 2 * cp)."
         )
-    cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
-    cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
     if cp_size > 1:
         k = all_gather(k, 2, cp_group)
         v = all_gather(v, 2, cp_group)

@@ -129,3 +129,14 @@ def test_cli_arguments_come_from_the_signatures(tmp_path):
         parser.parse_args(["--data.path=tok.bin", "--data.vocab_size=100", "--data.dtype=int8"])
     help_text = parser.format_help()
     assert "samples per batch on each data-parallel rank" in help_text
+
+
+@pytest.mark.parametrize("stage", ["test", "predict"])
+def test_test_and_predict_use_the_held_out_split(stage):
+    dm = LongRangeDataModule(vocab_size=64, seq_len=8, num_train_samples=10, num_val_samples=3, batch_size=2)
+    dm.setup(stage)
+    loader = getattr(dm, f"{stage}_dataloader")()
+    assert isinstance(loader.sampler, SequentialSampler)
+    expected = [dm._val[i]["input_ids"] for i in range(3)]
+    got = [row for batch in loader for row in batch["input_ids"]]
+    assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, expected))

@@ -104,10 +104,16 @@ def test_all_gather_forward_and_backward_on_gloo_subgroups(world4):
         torch.testing.assert_close(grad, expected)
 
 
+def test_without_cp_any_length_is_plain_causal_attention():
+    q, k, v = torch.randn(3, 1, 2, 7, 4).unbind(0)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(context_parallel_attention(q, k, v), expected)
+
+
 def test_attention_rejects_bad_shapes():
     q = torch.randn(1, 2, 6, 4)
     with pytest.raises(ValueError, match="odd"):
-        context_parallel_attention(q[:, :, :5], q[:, :, :5], q[:, :, :5])
+        context_parallel_attention(q[:, :, :5], q[:, :, :5], q[:, :, :5], cu_seqlens=torch.tensor([0, 5]))
     with pytest.raises(ValueError, match="same B, heads and S_local"):
         context_parallel_attention(q, q[:, :1], q[:, :1])
     with pytest.raises(ValueError, match="cu_seqlens ends at"):
