@@ -2,8 +2,8 @@
 
 A chunk owns one fp32 ``[n, V_local]`` buffer: its logits, which the gradient then overwrites. Every
 other temporary (the ``exp``, the coefficient products, the softcap slope) is taken over a block of
-``_VOCAB_BLOCK`` columns at a time, so the peak memory of a chunk is one fp32 buffer plus a few
-``[n, _VOCAB_BLOCK]`` blocks rather than two or three full buffers. The ``exp`` of the statistics pass is
+columns at a time, so the peak memory of a chunk is one fp32 buffer plus a few blocks of at most
+``_BLOCK_ELEMENTS`` values, rather than two or three full buffers. The ``exp`` of the statistics pass is
 recomputed by the gradient pass (one more elementwise pass, no more matmuls).
 """
 
@@ -13,13 +13,16 @@ import torch
 
 from lightning_cp.ops import _stats
 
-# Columns per elementwise block: [n, 4096] fp32 temporaries stay a small fraction of a [n, V] chunk
-# for vocabularies of 32K and up, and are large enough for vectorized kernels.
-_VOCAB_BLOCK = 4096
+# Values per elementwise block (16 MiB of fp32): a few such temporaries are a small fraction of a chunk
+# (512 MiB by default), and blocks stay large enough for vectorized kernels.
+_BLOCK_ELEMENTS = 2**22
+_MIN_BLOCK_COLUMNS = 256
 
 
-def _blocks(width: int) -> range:
-    return range(0, width, _VOCAB_BLOCK)
+def _blocks(rows: int, width: int) -> list[tuple[int, int]]:
+    """Column ranges of the blocks of an ``[rows, width]`` chunk."""
+    step = max(_MIN_BLOCK_COLUMNS, _BLOCK_ELEMENTS // max(rows, 1))
+    return [(v0, min(v0 + step, width)) for v0 in range(0, width, step)]
 
 
 class TorchChunk:
@@ -69,8 +72,8 @@ class TorchChunk:
         # A -inf logit (a masked vocabulary entry) has exp 0 and must add 0 to sum_j e_j (s_j - m), not
         # 0 * -inf = nan: the entropy product uses the lowest finite float instead.
         lowest = torch.finfo(torch.float32).min
-        for v0 in _blocks(s.shape[1]):
-            block = s[:, v0 : v0 + _VOCAB_BLOCK]
+        for v0, v1 in _blocks(*s.shape):
+            block = s[:, v0:v1]
             exp = torch.sub(block, shift).exp_()
             out[_stats.SUMEXP] += exp.sum(dim=1)
             if entropy:
@@ -100,9 +103,9 @@ class TorchChunk:
         dest = out if out is not None else s if self._owned else torch.empty_like(s)
         lse, alpha = lse.unsqueeze(1), alpha.unsqueeze(1)
         label_delta = torch.where(labels >= 0, -gamma, 0.0).unsqueeze(1)
-        for v0 in _blocks(s.shape[1]):
-            block = s[:, v0 : v0 + _VOCAB_BLOCK]
-            width = block.shape[1]
+        for v0, v1 in _blocks(*s.shape):
+            block = s[:, v0:v1]
+            width = v1 - v0
             p = torch.sub(block, lse).exp_()
             p.mul_(alpha if beta is None else torch.addcmul(alpha, beta.unsqueeze(1), block))
             if eta is not None:
@@ -113,5 +116,5 @@ class TorchChunk:
             if self._softcap is not None:
                 # tanh(z / softcap) = s / (softcap * inv_temp)
                 p.mul_(torch.mul(block, 1.0 / (self._softcap * self._inv_temp)).square_().neg_().add_(1.0))
-            dest[:, v0 : v0 + width].copy_(p)
+            dest[:, v0:v1].copy_(p)
         return dest

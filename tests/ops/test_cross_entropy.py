@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_cp.ops import TokenStats, _chunked, cross_entropy, linear_cross_entropy, token_logprobs
+from lightning_cp.ops import TokenStats, _chunked, _torch_kernels, cross_entropy, linear_cross_entropy, token_logprobs
 from lightning_cp.ops._chunked import auto_chunk_size
 from tests.ops import _reference as ref
 from tests.ops._reference import IGNORE, assert_close, make_case, upcast_leaves
@@ -153,6 +153,39 @@ def test_token_stats_match_reference(path, option):
         value = getattr(stats, name)
         assert value.dtype == torch.float32 and not value.requires_grad
         assert_close(value, expected[name])
+
+
+@pytest.mark.parametrize("path", ["linear", "logits"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_several_vocabulary_blocks_per_chunk(monkeypatch, path, option):
+    """The torch backend walks each chunk in column blocks; force 8 of them here (V is small)."""
+    monkeypatch.setattr(_torch_kernels, "_BLOCK_ELEMENTS", 8 * 7)
+    monkeypatch.setattr(_torch_kernels, "_MIN_BLOCK_COLUMNS", 7)
+    assert len(_torch_kernels._blocks(8, V)) == 8
+    hidden, weight, labels = make_case(N, H, V)
+    softcap = OPTIONS[option].get("softcap")
+    labels = _labels_half_argmax(ref.head_logits(hidden.detach(), weight.detach(), softcap), labels)
+    if path == "linear":
+        inputs = (hidden, weight)
+        loss, stats = linear_cross_entropy(
+            hidden, weight, labels, chunk_size=8, impl="torch", return_stats=True, **OPTIONS[option]
+        )
+    else:
+        logits = (hidden @ weight.t()).detach().requires_grad_()
+        inputs = (logits,)
+        loss, stats = cross_entropy(logits, labels, chunk_size=8, impl="torch", return_stats=True, **OPTIONS[option])
+    loss.backward()
+
+    ref_inputs = upcast_leaves(*inputs)
+    z = ref.head_logits(*ref_inputs, softcap) if path == "linear" else ref.transform(ref_inputs[0], softcap)
+    expected = ref.cross_entropy(z, labels, **_ce_options(option))
+    expected.backward()
+    assert_close(loss, expected)
+    for got, want in zip(inputs, ref_inputs):
+        assert_close(got.grad, want.grad)
+    reference_stats = ref.token_stats(z.detach(), labels)
+    assert torch.equal(stats.correct, reference_stats["correct"])
+    assert_close(stats.entropy, reference_stats["entropy"])
 
 
 @pytest.mark.parametrize("labels, correct", [([5, 30, IGNORE, 7], [True, False, False, False])])
