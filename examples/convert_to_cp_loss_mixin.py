@@ -81,7 +81,9 @@ class BeforeLM(LightningModule):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         hidden = self.body(input_ids, positions)
         logits = self.head(hidden)  # [B, S, vocab]: at 128K tokens x 152K vocab this alone is ~37 GiB in bf16
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())  # token t predicts t + 1
+        loss = F.cross_entropy(
+            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+        )  # token t predicts t + 1
         self.log("train/loss", loss)
         return loss
 

@@ -46,8 +46,12 @@ def main() -> None:
     parser.add_argument("--min-len", type=int, default=16, help="shortest document, EOS included (>= 2)")
     parser.add_argument("--max-len", type=int, default=255, help="longest document, EOS included")
     parser.add_argument("--period", type=int, default=16, help="length of the pattern each document repeats")
-    parser.add_argument("--vocab-size", type=int, default=1024, help="ids are < vocab-size (<= 65536: uint16)")
-    parser.add_argument("--eos-id", type=int, default=None, help="end-of-document id (default: vocab-size - 1)")
+    parser.add_argument(
+        "--vocab-size", type=int, default=1024, help="ids are < vocab-size (<= 65536: uint16)"
+    )
+    parser.add_argument(
+        "--eos-id", type=int, default=None, help="end-of-document id (default: vocab-size - 1)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     eos_id = args.vocab_size - 1 if args.eos_id is None else args.eos_id

@@ -54,7 +54,9 @@ def rollouts(vocab_size: int, generator: torch.Generator) -> tuple[Tensor, Tenso
     Completions have 4 to ``COMPLETION_LEN`` tokens and are right-padded with 0 (padding is not scored).
     """
     batch = PROMPTS * GROUP
-    prompts = torch.randint(0, vocab_size, (PROMPTS, 1, PROMPT_LEN), generator=generator).expand(-1, GROUP, -1)
+    prompts = torch.randint(0, vocab_size, (PROMPTS, 1, PROMPT_LEN), generator=generator).expand(
+        -1, GROUP, -1
+    )
     completions = torch.randint(0, vocab_size, (PROMPTS, GROUP, COMPLETION_LEN), generator=generator)
     input_ids = torch.cat([prompts, completions], dim=-1).reshape(batch, -1)
     lengths = torch.randint(4, COMPLETION_LEN + 1, (batch, 1), generator=generator)
@@ -120,7 +122,9 @@ def materialized_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor) -> tup
     return logp, entropy
 
 
-def check_against_logits(policy: GPT, input_ids: Tensor, labels: Tensor, ref_logp: Tensor, advantages: Tensor) -> None:
+def check_against_logits(
+    policy: GPT, input_ids: Tensor, labels: Tensor, ref_logp: Tensor, advantages: Tensor
+) -> None:
     """Same values and gradients as with materialized logits (printed as maximum differences)."""
     hidden = hidden_states(policy, input_ids)
     weight = policy.lm_head_weight
@@ -129,7 +133,9 @@ def check_against_logits(policy: GPT, input_ids: Tensor, labels: Tensor, ref_log
     grads = []
     for logp, entropy in (fused, plain):
         loss, _ = policy_loss(logp, entropy, logp.detach() - 0.1, ref_logp, advantages, labels)  # ratio != 1
-        grads.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, (hidden, weight), retain_graph=True)]))
+        grads.append(
+            torch.cat([g.flatten() for g in torch.autograd.grad(loss, (hidden, weight), retain_graph=True)])
+        )
     print(
         "token_logprobs vs log_softmax(logits): "
         f"max |logp diff| {(fused[0] - plain[0]).abs().max():.2e}, "
@@ -151,7 +157,9 @@ def main() -> None:
 
     optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)
     for step in range(STEPS):
-        logp, entropy = logprobs(policy, input_ids, labels, return_entropy=True)  # entropy is differentiable too
+        logp, entropy = logprobs(
+            policy, input_ids, labels, return_entropy=True
+        )  # entropy is differentiable too
         loss, stats = policy_loss(logp, entropy, old_logp, ref_logp, advantages, labels)
         optimizer.zero_grad()
         loss.backward()

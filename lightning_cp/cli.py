@@ -140,7 +140,9 @@ class CPLightningCLI(LightningCLI):
         for name in _SUMMARY_METRICS:
             if name in metrics:
                 value = metrics[name].item()
-                extra = f"  (perplexity {math.exp(value):.2f})" if name.endswith("loss") and value < 50 else ""
+                extra = (
+                    f"  (perplexity {math.exp(value):.2f})" if name.endswith("loss") and value < 50 else ""
+                )
                 lines.append(f"  {name + ':':<18}{value:.4f}{extra}")
         print("\n".join(lines), flush=True)
 

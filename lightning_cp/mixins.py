@@ -94,13 +94,17 @@ class CPLossMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # Built with the module (not on first use): Lightning maps logged metric objects to attributes once.
-        self._cp_metrics = nn.ModuleDict({f"{stage}_metrics": _make_metrics(stage) for stage in ("train", "val", "test")})
+        self._cp_metrics = nn.ModuleDict(
+            {f"{stage}_metrics": _make_metrics(stage) for stage in ("train", "val", "test")}
+        )
         self._cp_metrics["throughput"] = TokensPerSecond(dist_sync_on_step=True)
         self._cp_reference_count: Tensor | None = None
         self._cp_window_count: Tensor | None = None
         self._cp_last_step_time: float | None = None
 
-    def lm_loss(self, hidden: Tensor, weight: Tensor, batch: Mapping[str, Tensor], **loss_kwargs: Any) -> Tensor:
+    def lm_loss(
+        self, hidden: Tensor, weight: Tensor, batch: Mapping[str, Tensor], **loss_kwargs: Any
+    ) -> Tensor:
         """Fused LM head + cross-entropy on this rank's tokens, normalized for the global batch.
 
         Args:
@@ -178,7 +182,9 @@ class CPLossMixin:
 
     def _cp_stage(self) -> str | None:
         trainer = getattr(self, "_trainer", None)
-        return None if trainer is None else _STAGES.get(trainer.state.stage.value if trainer.state.stage else "")
+        return (
+            None if trainer is None else _STAGES.get(trainer.state.stage.value if trainer.state.stage else "")
+        )
 
     def _update_lm_metrics(self, stats: TokenStats, batch: Mapping[str, Tensor]) -> None:
         stage = self._cp_stage()
@@ -232,7 +238,8 @@ def _sequence_index(batch: Mapping[str, Tensor]) -> tuple[Tensor, int]:
     if batch.get("cu_seqlens") is not None:
         cu = batch["cu_seqlens"].to(labels.device, torch.int64)
         lengths = cu[1:] - cu[:-1]
-        return torch.repeat_interleave(torch.arange(len(lengths), device=labels.device), lengths), len(lengths)
+        return torch.repeat_interleave(torch.arange(len(lengths), device=labels.device), lengths), len(
+            lengths
+        )
     rows, local_len = labels.shape
     return torch.arange(rows, device=labels.device).repeat_interleave(local_len), rows
-

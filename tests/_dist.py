@@ -71,7 +71,9 @@ class WorkerPool:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results), daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, world_size, port, self._tasks[r], self._results), daemon=True
+            )
             for r in range(world_size)
         ]
         for p in self._procs:
@@ -91,7 +93,8 @@ class WorkerPool:
                 rank, ok, value = self._results.get(timeout=_TASK_TIMEOUT_S)
             except queue.Empty:
                 self.close(force=True)
-                raise TimeoutError(f"{fn.__name__} did not finish on ranks {sorted(set(range(self.world_size)) - set(out))}")
+                missing = sorted(set(range(self.world_size)) - set(out))
+                raise TimeoutError(f"{fn.__name__} did not finish on ranks {missing}") from None
             if not ok:
                 self.close(force=True)
                 raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{value}")

@@ -212,11 +212,22 @@ def _check_one_line(status: int, out: str, err: str) -> str:
         (["--model", "lightning_cp.models.NoSuchModule"], ["model: ", "NoSuchModule"]),
         # Raised by the classes when the CLI builds them, not by the parser:
         (["--model.init_args.config.n_head", "3"], ["n_embd=128 must be divisible by n_head=3"]),
-        (["--config", str(MAIN_JOB), "--trainer.strategy.init_args.cp", "0"], ["MegatronCPStrategy(cp=0)", ">= 1"]),
+        (
+            ["--config", str(MAIN_JOB), "--trainer.strategy.init_args.cp", "0"],
+            ["MegatronCPStrategy(cp=0)", ">= 1"],
+        ),
         (["--config", str(MAIN_JOB), "--trainer.devices", "3"], ["world size 3", "tp(1) * cp(2)"]),
     ],
-    ids=["unknown-key", "wrong-type", "wrong-type-in-class", "list-for-int", "unknown-class", "bad-model-size",
-         "bad-cp", "cp-does-not-divide-devices"],
+    ids=[
+        "unknown-key",
+        "wrong-type",
+        "wrong-type-in-class",
+        "list-for-int",
+        "unknown-class",
+        "bad-model-size",
+        "bad-cp",
+        "cp-does-not-divide-devices",
+    ],
 )
 def test_configuration_errors_are_one_line(args, expected, cli):
     message = _check_one_line(*cli("fit", *args))
@@ -243,8 +254,21 @@ def test_errors_while_training_keep_their_traceback(cli, tmp_path):
     broken.write_bytes(b"\x01\x00\x02")  # 3 bytes: not a whole number of uint16 tokens
     with pytest.raises(ValueError, match="odd_size.bin"):
         main(
-            ["fit", "--config", str(PACKED), "--data.init_args.path", str(broken), "--trainer.devices", "1",
-             "--trainer.strategy", "auto", "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)]
+            [
+                "fit",
+                "--config",
+                str(PACKED),
+                "--data.init_args.path",
+                str(broken),
+                "--trainer.devices",
+                "1",
+                "--trainer.strategy",
+                "auto",
+                "--trainer.logger",
+                "false",
+                "--trainer.default_root_dir",
+                str(tmp_path),
+            ]
         )
 
 
@@ -293,18 +317,36 @@ def _sequence_nll(model: GPTModule, input_ids: torch.Tensor, loss_mask: torch.Te
 
 def test_main_job_config_runs_with_summary_checkpoint_and_metrics(tmp_path, world2):
     loggers = [
-        {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path), "name": "csv"}},
-        {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-         "init_args": {"save_dir": str(tmp_path), "name": "tensorboard"}},
+        {
+            "class_path": "lightning.pytorch.loggers.CSVLogger",
+            "init_args": {"save_dir": str(tmp_path), "name": "csv"},
+        },
+        {
+            "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+            "init_args": {"save_dir": str(tmp_path), "name": "tensorboard"},
+        },
     ]
     result = _run_console_script(
-        "fit", "--config", str(MAIN_JOB), "--trainer.max_steps", "4", "--trainer.val_check_interval", "2",
-        "--trainer.log_every_n_steps", "1", "--trainer.logger", json.dumps(loggers),
-        "--trainer.enable_progress_bar", "false",
+        "fit",
+        "--config",
+        str(MAIN_JOB),
+        "--trainer.max_steps",
+        "4",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.log_every_n_steps",
+        "1",
+        "--trainer.logger",
+        json.dumps(loggers),
+        "--trainer.enable_progress_bar",
+        "false",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = _summary(result.stdout)
-    assert summary["logs"] == [str(tmp_path / "csv" / "version_0"), str(tmp_path / "tensorboard" / "version_0")]
+    assert summary["logs"] == [
+        str(tmp_path / "csv" / "version_0"),
+        str(tmp_path / "tensorboard" / "version_0"),
+    ]
     checkpoint = Path(summary["checkpoint"])
     assert checkpoint.is_file() and checkpoint.parent.parent == tmp_path / "csv" / "version_0"
     rows = _csv_rows(Path(summary["logs"][0]))
@@ -316,8 +358,11 @@ def test_main_job_config_runs_with_summary_checkpoint_and_metrics(tmp_path, worl
     data = LongRangeDataModule(**config)
     data.setup("validate")
     model = GPTModule.load_from_checkpoint(checkpoint, map_location="cpu")
-    totals = [_sequence_nll(model, ids, mask) for batch in data.val_dataloader()
-              for ids, mask in zip(batch["input_ids"], batch["loss_mask"])]
+    totals = [
+        _sequence_nll(model, ids, mask)
+        for batch in data.val_dataloader()
+        for ids, mask in zip(batch["input_ids"], batch["loss_mask"])
+    ]
     reference = sum(t[0] for t in totals) / sum(t[1] for t in totals)
     assert _last(rows, "val/loss") == pytest.approx(reference, rel=1e-5)
     assert float(summary["val/loss"]) == pytest.approx(reference, abs=6e-5)
@@ -327,8 +372,19 @@ def test_main_job_config_runs_with_summary_checkpoint_and_metrics(tmp_path, worl
     validate_logger = {**loggers[0], "init_args": {"save_dir": str(tmp_path / "validate"), "name": "csv"}}
     world2.run(
         main,
-        ["validate", "--config", str(MAIN_JOB), "--ckpt_path", str(checkpoint), "--trainer.devices", "2",
-         "--trainer.logger", json.dumps([validate_logger]), "--trainer.enable_progress_bar", "false"],
+        [
+            "validate",
+            "--config",
+            str(MAIN_JOB),
+            "--ckpt_path",
+            str(checkpoint),
+            "--trainer.devices",
+            "2",
+            "--trainer.logger",
+            json.dumps([validate_logger]),
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
     )
     validated = _csv_rows(tmp_path / "validate" / "csv" / "version_0")
     assert _last(validated, "val/loss") == pytest.approx(reference, rel=1e-5)
@@ -337,14 +393,34 @@ def test_main_job_config_runs_with_summary_checkpoint_and_metrics(tmp_path, worl
 def test_packed_token_file_config_runs(tmp_path):
     tokens = tmp_path / "tokens.bin"
     subprocess.run(
-        [sys.executable, str(REPO / "examples" / "make_token_file.py"), str(tokens), "--num-docs", "100",
-         "--max-len", "120"],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            str(REPO / "examples" / "make_token_file.py"),
+            str(tokens),
+            "--num-docs",
+            "100",
+            "--max-len",
+            "120",
+        ],
+        check=True,
+        capture_output=True,
     )
     result = _run_console_script(
-        "fit", "--config", str(PACKED), "--data.init_args.path", str(tokens), "--trainer.max_steps", "3",
-        "--trainer.val_check_interval", "3", "--trainer.log_every_n_steps", "1",
-        "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
+        "fit",
+        "--config",
+        str(PACKED),
+        "--data.init_args.path",
+        str(tokens),
+        "--trainer.max_steps",
+        "3",
+        "--trainer.val_check_interval",
+        "3",
+        "--trainer.log_every_n_steps",
+        "1",
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path),
+        "--trainer.enable_progress_bar",
+        "false",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = _summary(result.stdout)
@@ -354,12 +430,18 @@ def test_packed_token_file_config_runs(tmp_path):
 
     # Validation documents: the documented tail of the file's EOS-delimited samples; each scored on its own.
     data = yaml.safe_load(PACKED.read_text())["data"]["init_args"]
-    samples = TokenFileDataset(tokens, seq_len=data["seq_len"], vocab_size=data["vocab_size"], eos_id=data["eos_id"])
+    samples = TokenFileDataset(
+        tokens, seq_len=data["seq_len"], vocab_size=data["vocab_size"], eos_id=data["eos_id"]
+    )
     num_val = max(1, round(data["val_fraction"] * len(samples)))
     model = GPTModule.load_from_checkpoint(summary["checkpoint"], map_location="cpu")
-    totals = [_sequence_nll(model, s["input_ids"], s["loss_mask"])
-              for s in (samples[i] for i in range(len(samples) - num_val, len(samples)))]
+    totals = [
+        _sequence_nll(model, s["input_ids"], s["loss_mask"])
+        for s in (samples[i] for i in range(len(samples) - num_val, len(samples)))
+    ]
     reference = sum(t[0] for t in totals) / sum(t[1] for t in totals)
     assert _last(rows, "val/loss") == pytest.approx(reference, rel=1e-5)
     assert float(summary["val/loss"]) == pytest.approx(reference, abs=6e-5)
-    assert math.log(data["vocab_size"]) - 1 < reference < math.log(data["vocab_size"]) + 1  # 3 steps: near chance
+    assert (
+        math.log(data["vocab_size"]) - 1 < reference < math.log(data["vocab_size"]) + 1
+    )  # 3 steps: near chance

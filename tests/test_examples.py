@@ -33,8 +33,20 @@ def _run(script: str, *args: str) -> str:
 def test_make_token_file_writes_eos_separated_periodic_documents(tmp_path):
     path = tmp_path / "tokens.bin"
     out = _run(
-        "make_token_file.py", str(path), "--num-docs", "50", "--min-len", "10", "--max-len", "40",
-        "--period", "4", "--vocab-size", "300", "--eos-id", "7",
+        "make_token_file.py",
+        str(path),
+        "--num-docs",
+        "50",
+        "--min-len",
+        "10",
+        "--max-len",
+        "40",
+        "--period",
+        "4",
+        "--vocab-size",
+        "300",
+        "--eos-id",
+        "7",
     )
     tokens = np.fromfile(path, dtype=np.uint16)
     assert f"wrote 50 documents, {len(tokens)} tokens" in out
@@ -51,9 +63,17 @@ def test_make_token_file_writes_eos_separated_periodic_documents(tmp_path):
 
 def test_make_token_file_rejects_impossible_lengths(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "make_token_file.py"), str(tmp_path / "x.bin"), "--min-len", "50",
-         "--max-len", "40"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            str(EXAMPLES / "make_token_file.py"),
+            str(tmp_path / "x.bin"),
+            "--min-len",
+            "50",
+            "--max-len",
+            "40",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2 and "--min-len 50 --max-len 40" in result.stderr
     assert not (tmp_path / "x.bin").exists()
@@ -81,7 +101,8 @@ def test_rl_policy_loss_matches_materialized_logits_and_optimizes():
     steps = [
         dict(zip(("loss", "policy", "kl", "entropy", "clip_frac"), map(float, m)))
         for m in re.findall(
-            rf"step \d+: loss {NUMBER}\s+policy {NUMBER}\s+kl {NUMBER}\s+entropy {NUMBER}\s+clip_frac {NUMBER}", out
+            rf"step \d+: loss {NUMBER}\s+policy {NUMBER}\s+kl {NUMBER}\s+entropy {NUMBER}\s+clip_frac {NUMBER}",
+            out,
         )
     ]
     assert len(steps) == 3

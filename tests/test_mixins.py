@@ -77,7 +77,9 @@ def _tensor_parallel_grads(vocab_parallel):
     head = module.head
     if vocab_parallel:
         rows = VOCAB // 2
-        head = torch.nn.Parameter(module.head.detach()[groups.tp_rank() * rows : (groups.tp_rank() + 1) * rows].clone())
+        head = torch.nn.Parameter(
+            module.head.detach()[groups.tp_rank() * rows : (groups.tp_rank() + 1) * rows].clone()
+        )
         head.tensor_model_parallel = True
     batch = shard_batch(_batch(), 2, groups.cp_rank())
     loss = module.lm_loss(module.embed[batch["input_ids"]], head, batch)

@@ -316,13 +316,13 @@ def _write_reports(snapshot: Mapping[str, Any], path: Path) -> None:
     try:
         _memory_report.write_report(snapshot, stem, title=path.stem)
     except Exception as err:  # noqa: BLE001
-        warnings.warn(f"MemoryProfilerCallback: the offline report for {path.name} failed: {err!r}")
+        warnings.warn(f"MemoryProfilerCallback: the offline report for {path.name} failed: {err!r}", stacklevel=2)
     try:
         from torch.cuda._memory_viz import trace_plot
 
         stem.with_name(f"{stem.name}.html").write_text(trace_plot(snapshot))
     except Exception as err:  # noqa: BLE001
-        warnings.warn(f"MemoryProfilerCallback: PyTorch's HTML view of {path.name} failed: {err!r}")
+        warnings.warn(f"MemoryProfilerCallback: PyTorch's HTML view of {path.name} failed: {err!r}", stacklevel=2)
 
 
 def _attach_oom_observer(callback: MemoryProfilerCallback) -> None:

@@ -17,7 +17,7 @@ from lightning_cp.parallel.attention import context_parallel_attention
 from lightning_cp.parallel.groups import ProcessGroup
 
 
-@dataclass
+@dataclass(frozen=True)
 class GPTConfig:
     """Size of the decoder."""
 
@@ -102,7 +102,9 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleList(_Block(config) for _ in range(config.n_layer))
         self.norm = nn.RMSNorm(config.n_embd)
-        self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = (
+            None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        )
         head_dim = config.n_embd // config.n_head
         inv_freq = config.rope_base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)

@@ -31,7 +31,7 @@ class GPTModule(CPLossMixin, LightningModule):
 
     def __init__(
         self,
-        config: GPTConfig = GPTConfig(),
+        config: GPTConfig = GPTConfig(),  # noqa: B008 (frozen: one shared default is safe)
         lr: float = 3e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
@@ -44,7 +44,10 @@ class GPTModule(CPLossMixin, LightningModule):
     def forward(self, batch: dict[str, Tensor]) -> Tensor:
         """Hidden states ``[B, S_local, n_embd]`` of this rank's tokens of a sharded batch."""
         return self.model(
-            batch["input_ids"], batch["position_ids"], cu_seqlens=batch.get("cu_seqlens"), cp_group=groups.cp_group()
+            batch["input_ids"],
+            batch["position_ids"],
+            cu_seqlens=batch.get("cu_seqlens"),
+            cp_group=groups.cp_group(),
         )
 
     def _loss(self, batch: dict[str, Tensor]) -> Tensor:

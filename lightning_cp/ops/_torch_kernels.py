@@ -112,7 +112,9 @@ class TorchChunk:
                 p.sub_(eta.unsqueeze(1))
             column = labels - v0
             here = (column >= 0) & (column < width)
-            p.scatter_add_(1, column.clamp(0, width - 1).unsqueeze(1), torch.where(here.unsqueeze(1), label_delta, 0.0))
+            p.scatter_add_(
+                1, column.clamp(0, width - 1).unsqueeze(1), torch.where(here.unsqueeze(1), label_delta, 0.0)
+            )
             if self._softcap is not None:
                 # tanh(z / softcap) = s / (softcap * inv_temp)
                 p.mul_(torch.mul(block, 1.0 / (self._softcap * self._inv_temp)).square_().neg_().add_(1.0))

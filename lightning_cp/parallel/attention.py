@@ -81,7 +81,9 @@ def context_parallel_attention(
     return _packed_attention(q, k, v, cu_seqlens, cp_size, cp_rank, scale)
 
 
-def _padded_attention(q: Tensor, k: Tensor, v: Tensor, cp_size: int, cp_rank: int, scale: float | None) -> Tensor:
+def _padded_attention(
+    q: Tensor, k: Tensor, v: Tensor, cp_size: int, cp_rank: int, scale: float | None
+) -> Tensor:
     """Each row is one sequence: reorder gathered K/V to sequence order, then two causal SDPA calls."""
     batch, heads, local_len, dim = q.shape
     chunk = local_len // 2

@@ -46,7 +46,9 @@ def _split_index(lengths: Tensor, cp_size: int, cp_rank: int) -> tuple[Tensor, T
     chunk = torch.div(lengths + 2 * cp_size - 1, 2 * cp_size, rounding_mode="floor")
     local_lengths = 2 * chunk
     total = int(local_lengths.sum())
-    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), local_lengths, output_size=total)
+    sequence = torch.repeat_interleave(
+        torch.arange(len(lengths), device=lengths.device), local_lengths, output_size=total
+    )
     starts = torch.cumsum(local_lengths, 0) - local_lengths
     j = torch.arange(total, device=lengths.device) - starts[sequence]
     c = chunk[sequence]
@@ -64,7 +66,9 @@ def _check_cp(cp_size: int, cp_rank: int) -> None:
 
 def _check_cu_seqlens(cu_seqlens: Any, total: int) -> Tensor:
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
-        raise ValueError(f"batch['cu_seqlens'] must be a 1-D integer tensor [num_sequences + 1], got {cu_seqlens!r}.")
+        raise ValueError(
+            f"batch['cu_seqlens'] must be a 1-D integer tensor [num_sequences + 1], got {cu_seqlens!r}."
+        )
     cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != total or bool((cu[1:] <= cu[:-1]).any()):
         raise ValueError(
@@ -74,14 +78,18 @@ def _check_cu_seqlens(cu_seqlens: Any, total: int) -> Tensor:
     return cu
 
 
-def _shift_targets(input_ids: Tensor, batch: Mapping[str, Any], last: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+def _shift_targets(
+    input_ids: Tensor, batch: Mapping[str, Any], last: Tensor, ignore_index: int
+) -> tuple[Tensor, Tensor]:
     """Next-token labels and their loss mask, on the full ``[B, S]`` (or packed ``[1, T]``) sequence.
 
     ``last`` is a boolean ``[B, S]`` marking the last token of every sequence: it predicts nothing.
     """
     labels = batch.get("labels", input_ids)
     if labels.shape != input_ids.shape:
-        raise ValueError(f"batch['labels'] has shape {tuple(labels.shape)}, expected input_ids' {tuple(input_ids.shape)}.")
+        raise ValueError(
+            f"batch['labels'] has shape {tuple(labels.shape)}, expected input_ids' {tuple(input_ids.shape)}."
+        )
     target = labels != ignore_index
     if "loss_mask" in batch:
         loss_mask = batch["loss_mask"]
@@ -125,8 +133,9 @@ def shard_batch(
         A new dict with this rank's tokens: ``input_ids``, ``labels`` (next token, ``ignore_index`` where
         not a target), ``loss_mask`` (float32, 1 on targets), ``position_ids`` (position inside the
         sequence, int64), ``input_mask`` (bool, False on padding, including the padding added here, so
-        token counts need no knowledge of the layout), the other sequence tensors, and for packed batches ``cu_seqlens`` (this rank's
-        local boundaries, int32) and ``cu_seqlens_padded`` (boundaries of the padded full sequence, int32).
+        token counts need no knowledge of the layout), the other sequence tensors, and for packed batches
+        ``cu_seqlens`` (this rank's local boundaries, int32) and ``cu_seqlens_padded`` (boundaries of the
+        padded full sequence, int32).
         Local length is ``S_pad / cp`` (padded) or ``sum(len_pad_i) / cp`` (packed).
 
     Raises:
@@ -147,7 +156,9 @@ def shard_batch(
 
     if packed:
         if rows != 1:
-            raise ValueError(f"A packed batch (with 'cu_seqlens') must have input_ids of shape [1, T], got {tuple(input_ids.shape)}.")
+            raise ValueError(
+                f"A packed batch (with 'cu_seqlens') must have input_ids of shape [1, T], got {tuple(input_ids.shape)}."
+            )
         cu = _check_cu_seqlens(batch["cu_seqlens"], seq_len).to(device)
         lengths = cu[1:] - cu[:-1]
         starts = cu[:-1]
@@ -220,7 +231,9 @@ def unshard(
     for rank, shard in enumerate(shards):
         sequence, offset, _ = _split_index(lengths, cp_size, rank)
         if shard.shape[1] != len(offset):
-            raise ValueError(f"shard {rank} has {shard.shape[1]} tokens, expected {len(offset)} for this layout.")
+            raise ValueError(
+                f"shard {rank} has {shard.shape[1]} tokens, expected {len(offset)} for this layout."
+            )
         valid = offset < lengths[sequence]
         out[:, (starts[sequence] + offset)[valid]] = shard[:, valid]
     return out

@@ -23,7 +23,9 @@ from lightning_cp.parallel.sharding import shard_batch
 
 def _check_size(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"MegatronCPStrategy({name}={value!r}): {name} must be an integer >= 1, e.g. {name}=2.")
+        raise TypeError(
+            f"MegatronCPStrategy({name}={value!r}): {name} must be an integer >= 1, e.g. {name}=2."
+        )
     if value < 1:
         raise ValueError(f"MegatronCPStrategy({name}={value}): {name} must be >= 1 (1 disables it).")
     return value
@@ -176,7 +178,9 @@ class MegatronCPStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
-            cls.strategy_name, cls, description="Megatron-core context parallelism (cp / tp init args) over DDP"
+            cls.strategy_name,
+            cls,
+            description="Megatron-core context parallelism (cp / tp init args) over DDP",
         )
 
 

@@ -24,8 +24,9 @@ def _check_packed(batch):
 
 
 def test_long_range_padded_batches_are_the_dataset_samples():
-    dm = LongRangeDataModule(vocab_size=64, seq_len=8, num_train_samples=10, num_val_samples=3,
-                             batch_size=4, shuffle=False, seed=5)
+    dm = LongRangeDataModule(
+        vocab_size=64, seq_len=8, num_train_samples=10, num_val_samples=3, batch_size=4, shuffle=False, seed=5
+    )
     dm.setup("fit")
     assert dm.vocab_size == 64
     train = list(dm.train_dataloader())
@@ -44,8 +45,16 @@ def test_long_range_padded_batches_are_the_dataset_samples():
 
 
 def test_long_range_packed_batches_hold_unequal_sequences():
-    dm = LongRangeDataModule(vocab_size=64, seq_len=16, min_len=4, num_train_samples=12, num_val_samples=4,
-                             batch_size=4, packed=True, shuffle=False)
+    dm = LongRangeDataModule(
+        vocab_size=64,
+        seq_len=16,
+        min_len=4,
+        num_train_samples=12,
+        num_val_samples=4,
+        batch_size=4,
+        packed=True,
+        shuffle=False,
+    )
     dm.setup("fit")
     reference = LongRangeCopyDataset(num_samples=12, seq_len=16, vocab_size=64, min_len=4)
     for k, batch in enumerate(dm.train_dataloader()):
@@ -77,8 +86,18 @@ def test_token_file_documents_cover_the_file_exactly_once(tmp_path, packed):
     tokens = rng.integers(0, 5, size=300)  # eos_id=0
     path = tmp_path / "tok.bin"
     tokens.astype(np.uint32).tofile(path)
-    dm = TokenFileDataModule(str(path), vocab_size=5, seq_len=8, dtype="uint32", eos_id=0, val_fraction=0.1,
-                             batch_size=3, packed=packed, shuffle=False, pad_id=4)
+    dm = TokenFileDataModule(
+        str(path),
+        vocab_size=5,
+        seq_len=8,
+        dtype="uint32",
+        eos_id=0,
+        val_fraction=0.1,
+        batch_size=3,
+        packed=packed,
+        shuffle=False,
+        pad_id=4,
+    )
     dm.setup("fit")
     assert dm.vocab_size == 5
     seen = []
@@ -122,8 +141,9 @@ def test_token_file_val_fraction_errors(tmp_path):
 def test_cli_arguments_come_from_the_signatures(tmp_path):
     parser = ArgumentParser()
     parser.add_class_arguments(TokenFileDataModule, "data")
-    cfg = parser.parse_args(["--data.path=tok.bin", "--data.vocab_size=100", "--data.dtype=uint32",
-                             "--data.packed=true"])
+    cfg = parser.parse_args(
+        ["--data.path=tok.bin", "--data.vocab_size=100", "--data.dtype=uint32", "--data.packed=true"]
+    )
     assert cfg.data.dtype == "uint32" and cfg.data.packed is True and cfg.data.batch_size == 8
     with pytest.raises(SystemExit):
         parser.parse_args(["--data.path=tok.bin", "--data.vocab_size=100", "--data.dtype=int8"])

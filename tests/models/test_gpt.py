@@ -12,7 +12,9 @@ def test_packed_row_equals_each_sequence_on_its_own():
     torch.manual_seed(0)
     model = GPT(CONFIG)
     first, second = torch.randint(0, 50, (6,)), torch.randint(0, 50, (10,))
-    packed = shard_batch({"input_ids": torch.cat([first, second])[None], "cu_seqlens": torch.tensor([0, 6, 16])}, 1, 0)
+    packed = shard_batch(
+        {"input_ids": torch.cat([first, second])[None], "cu_seqlens": torch.tensor([0, 6, 16])}, 1, 0
+    )
     hidden = model(packed["input_ids"], packed["position_ids"], cu_seqlens=packed["cu_seqlens"])
     for tokens, start in ((first, 0), (second, 6)):
         alone = model(tokens[None], torch.arange(len(tokens))[None])

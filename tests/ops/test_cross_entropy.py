@@ -11,7 +11,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_cp.ops import TokenStats, _chunked, _torch_kernels, cross_entropy, linear_cross_entropy, token_logprobs
+from lightning_cp.ops import (
+    TokenStats,
+    _chunked,
+    _torch_kernels,
+    cross_entropy,
+    linear_cross_entropy,
+    token_logprobs,
+)
 from lightning_cp.ops._chunked import auto_chunk_size
 from tests.ops import _reference as ref
 from tests.ops._reference import IGNORE, assert_close, make_case, upcast_leaves
@@ -173,7 +180,9 @@ def test_several_vocabulary_blocks_per_chunk(monkeypatch, path, option):
     else:
         logits = (hidden @ weight.t()).detach().requires_grad_()
         inputs = (logits,)
-        loss, stats = cross_entropy(logits, labels, chunk_size=8, impl="torch", return_stats=True, **OPTIONS[option])
+        loss, stats = cross_entropy(
+            logits, labels, chunk_size=8, impl="torch", return_stats=True, **OPTIONS[option]
+        )
     loss.backward()
 
     ref_inputs = upcast_leaves(*inputs)

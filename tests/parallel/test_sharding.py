@@ -25,7 +25,10 @@ def _reference_local(values, lengths, cp, rank, fill):
     for length in lengths:
         chunk = -(-length // (2 * cp))
         seq = list(values[start : start + length]) + [fill] * (2 * chunk * cp - length)
-        out += seq[rank * chunk : (rank + 1) * chunk] + seq[(2 * cp - 1 - rank) * chunk : (2 * cp - rank) * chunk]
+        out += (
+            seq[rank * chunk : (rank + 1) * chunk]
+            + seq[(2 * cp - 1 - rank) * chunk : (2 * cp - rank) * chunk]
+        )
         start += length
     return torch.tensor(out)
 
@@ -53,7 +56,7 @@ def test_padded_matches_megatron_get_batch_on_this_cp_rank(cp, monkeypatch):
     }
     monkeypatch.setattr(megatron_utils.parallel_state, "get_context_parallel_world_size", lambda: cp)
     for rank in range(cp):
-        monkeypatch.setattr(megatron_utils.parallel_state, "get_context_parallel_rank", lambda: rank)
+        monkeypatch.setattr(megatron_utils.parallel_state, "get_context_parallel_rank", lambda rank=rank: rank)
         expected = megatron_utils.get_batch_on_this_cp_rank(dict(full))
         ours = shard_batch(batch, cp, rank)
         assert ours.pop("input_mask").all()
@@ -71,10 +74,16 @@ def test_padded_odd_length_is_padded_and_padding_is_never_a_target(cp):
         assert shard["input_ids"].shape == (2, padded // cp)
         for row in range(2):
             ref_labels, ref_mask = _reference_targets(input_ids[row], [13])
-            assert torch.equal(shard["input_ids"][row], _reference_local(input_ids[row].tolist(), [13], cp, r, 0))
-            assert torch.equal(shard["labels"][row], _reference_local(ref_labels.tolist(), [13], cp, r, IGNORE_INDEX))
+            assert torch.equal(
+                shard["input_ids"][row], _reference_local(input_ids[row].tolist(), [13], cp, r, 0)
+            )
+            assert torch.equal(
+                shard["labels"][row], _reference_local(ref_labels.tolist(), [13], cp, r, IGNORE_INDEX)
+            )
             assert torch.equal(shard["loss_mask"][row], _reference_local(ref_mask.tolist(), [13], cp, r, 0.0))
-            assert torch.equal(shard["position_ids"][row], _reference_local(list(range(padded)), [padded], cp, r, 0))
+            assert torch.equal(
+                shard["position_ids"][row], _reference_local(list(range(padded)), [padded], cp, r, 0)
+            )
     total_targets = sum(s["loss_mask"].sum() for s in shards)
     assert total_targets == 2 * 12
     assert sum(s["input_mask"].sum() for s in shards) == 2 * 13
@@ -91,14 +100,18 @@ def test_packed_layout_per_sequence(cp):
     for r in range(cp):
         shard = shard_batch({"input_ids": input_ids, "cu_seqlens": cu, "loss_mask": loss_mask}, cp, r)
         assert torch.equal(shard["input_ids"][0], _reference_local(input_ids[0].tolist(), lengths, cp, r, 0))
-        assert torch.equal(shard["labels"][0], _reference_local(ref_labels.tolist(), lengths, cp, r, IGNORE_INDEX))
+        assert torch.equal(
+            shard["labels"][0], _reference_local(ref_labels.tolist(), lengths, cp, r, IGNORE_INDEX)
+        )
         assert torch.equal(shard["loss_mask"][0], _reference_local(ref_mask.tolist(), lengths, cp, r, 0.0))
         local_pos = _reference_local(positions, lengths, cp, r, -1)
         real = local_pos >= 0
         assert torch.equal(shard["position_ids"][0][real], local_pos[real])
         local_lengths = [2 * -(-n // (2 * cp)) for n in lengths]
         assert shard["cu_seqlens"].tolist() == [0] + torch.tensor(local_lengths).cumsum(0).tolist()
-        assert shard["cu_seqlens_padded"].tolist() == [0] + (torch.tensor(local_lengths) * cp).cumsum(0).tolist()
+        assert (
+            shard["cu_seqlens_padded"].tolist() == [0] + (torch.tensor(local_lengths) * cp).cumsum(0).tolist()
+        )
         assert shard["cu_seqlens"].dtype == torch.int32
 
 
@@ -137,10 +150,30 @@ def test_labels_given_are_shifted_and_ignore_index_respected():
         ([torch.zeros(1, 4)], 2, 0, "'input_ids'"),
         ({"input_ids": torch.zeros(4, dtype=torch.long)}, 2, 0, "2-D integer"),
         ({"input_ids": torch.zeros(1, 4)}, 2, 0, "2-D integer"),
-        ({"input_ids": torch.zeros(1, 8, dtype=torch.long), "cu_seqlens": torch.tensor([0, 3, 6])}, 2, 0, "end at"),
-        ({"input_ids": torch.zeros(1, 8, dtype=torch.long), "cu_seqlens": torch.tensor([0, 5, 3, 8])}, 2, 0, "increase"),
-        ({"input_ids": torch.zeros(2, 8, dtype=torch.long), "cu_seqlens": torch.tensor([0, 8])}, 2, 0, r"\[1, T\]"),
-        ({"input_ids": torch.zeros(1, 8, dtype=torch.long), "loss_mask": torch.ones(1, 7)}, 2, 0, "loss_mask"),
+        (
+            {"input_ids": torch.zeros(1, 8, dtype=torch.long), "cu_seqlens": torch.tensor([0, 3, 6])},
+            2,
+            0,
+            "end at",
+        ),
+        (
+            {"input_ids": torch.zeros(1, 8, dtype=torch.long), "cu_seqlens": torch.tensor([0, 5, 3, 8])},
+            2,
+            0,
+            "increase",
+        ),
+        (
+            {"input_ids": torch.zeros(2, 8, dtype=torch.long), "cu_seqlens": torch.tensor([0, 8])},
+            2,
+            0,
+            r"\[1, T\]",
+        ),
+        (
+            {"input_ids": torch.zeros(1, 8, dtype=torch.long), "loss_mask": torch.ones(1, 7)},
+            2,
+            0,
+            "loss_mask",
+        ),
         ({"input_ids": torch.zeros(1, 8, dtype=torch.long)}, 2.0, 0, "cp_size"),
         ({"input_ids": torch.zeros(1, 8, dtype=torch.long)}, 0, 0, "cp_size"),
         ({"input_ids": torch.zeros(1, 8, dtype=torch.long)}, 2, 2, "cp_rank"),

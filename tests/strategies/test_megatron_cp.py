@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -22,17 +22,32 @@ CONFIG = GPTConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=32)
 GLOBAL_BATCH = 4
 STEPS = 5
 LR = 1e-2
-METRIC_KEYS = ("loss", "ppl", "accuracy", "entropy", "target_tokens", "input_tokens", "seq_ppl_mean", "seq_ppl_min", "seq_ppl_max")
+METRIC_KEYS = (
+    "loss",
+    "ppl",
+    "accuracy",
+    "entropy",
+    "target_tokens",
+    "input_tokens",
+    "seq_ppl_mean",
+    "seq_ppl_min",
+    "seq_ppl_max",
+)
 
 
 def _dataset(num_samples=GLOBAL_BATCH * STEPS, seed=3):
     # Unequal lengths: packed pieces straddle CP ranks and every rank holds a different number of targets.
-    return LongRangeCopyDataset(num_samples=num_samples, seq_len=26, vocab_size=CONFIG.vocab_size, seed=seed, min_len=10)
+    return LongRangeCopyDataset(
+        num_samples=num_samples, seq_len=26, vocab_size=CONFIG.vocab_size, seed=seed, min_len=10
+    )
 
 
 def _loader(batch_size, packed, dataset=None):
     return DataLoader(
-        dataset or _dataset(), batch_size=batch_size, shuffle=False, collate_fn=collate_packed if packed else collate_padded
+        dataset or _dataset(),
+        batch_size=batch_size,
+        shuffle=False,
+        collate_fn=collate_packed if packed else collate_padded,
     )
 
 
@@ -70,7 +85,11 @@ def _fit(cp, packed, accumulate=1):
     trainer = _trainer(cp, world, max_steps=STEPS, accumulate_grad_batches=accumulate, callbacks=[recorder])
     micro_batch = GLOBAL_BATCH // dp // accumulate
     data = _dataset(GLOBAL_BATCH * STEPS)
-    trainer.fit(module, _loader(micro_batch, packed, data), _loader(micro_batch, packed, _dataset(GLOBAL_BATCH, seed=9)))
+    trainer.fit(
+        module,
+        _loader(micro_batch, packed, data),
+        _loader(micro_batch, packed, _dataset(GLOBAL_BATCH, seed=9)),
+    )
     metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
     weights = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
     return recorder.losses, weights, metrics
@@ -83,7 +102,9 @@ def _targets(batch, packed):
         rows = list(zip(ids, mask))
     else:
         cu = batch["cu_seqlens"].tolist()
-        rows = [(batch["input_ids"][0, a:b], batch["loss_mask"][0, a:b].bool()) for a, b in zip(cu[:-1], cu[1:])]
+        rows = [
+            (batch["input_ids"][0, a:b], batch["loss_mask"][0, a:b].bool()) for a, b in zip(cu[:-1], cu[1:])
+        ]
     width = max(len(ids) for ids, _ in rows)
     width += width % 2
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -106,7 +127,12 @@ def _reference(packed, steps=STEPS):
     # not depend on the number of replicas, so every layout sees the same global batches as this one.
     data = _dataset()
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler, collate_fn=collate_packed if packed else collate_padded)
+    loader = DataLoader(
+        data,
+        batch_size=GLOBAL_BATCH,
+        sampler=sampler,
+        collate_fn=collate_packed if packed else collate_padded,
+    )
     for step, batch in enumerate(loader):
         if step == steps:
             break
@@ -149,7 +175,9 @@ def _check_against_reference(results, packed):
     ref_validation = _reference_validation(ref_weights, packed)
     for cp, (losses, weights, metrics) in results.items():
         assert len(losses) == STEPS
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=f"cp={cp}")
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=f"cp={cp}"
+        )
         for name, value in ref_weights.items():
             torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=f"cp={cp} {name}")
         for name, value in ref_validation.items():
@@ -157,7 +185,9 @@ def _check_against_reference(results, packed):
     # The weights must actually move, or comparing them says little.
     seed_everything(0)
     initial = GPT(CONFIG).state_dict()
-    assert max((ref_weights[k] - initial[k]).abs().max().item() for k in initial) > 2 * LR  # Adam moves a weight by at most ~LR a step
+    assert (
+        max((ref_weights[k] - initial[k]).abs().max().item() for k in initial) > 2 * LR
+    )  # Adam moves a weight by at most ~LR a step
 
 
 def _check_metrics_equal(results, reference_metrics=None):
@@ -212,9 +242,17 @@ def _fit_epochs(dirpath, epochs, resume):
         2, world, max_epochs=epochs, callbacks=[recorder, checkpoint, stopping], enable_checkpointing=True
     )
     micro_batch = GLOBAL_BATCH // (world // 2)
-    train, val = _loader(micro_batch, False, _dataset(2 * GLOBAL_BATCH)), _loader(micro_batch, False, _dataset(GLOBAL_BATCH, 9))
+    train, val = (
+        _loader(micro_batch, False, _dataset(2 * GLOBAL_BATCH)),
+        _loader(micro_batch, False, _dataset(GLOBAL_BATCH, 9)),
+    )
     trainer.fit(module, train, val, ckpt_path=os.path.join(dirpath, "last.ckpt") if resume else None)
-    return recorder.losses, trainer.callback_metrics["rank_mean"].item(), stopping.wait_count, checkpoint.best_model_path
+    return (
+        recorder.losses,
+        trainer.callback_metrics["rank_mean"].item(),
+        stopping.wait_count,
+        checkpoint.best_model_path,
+    )
 
 
 def test_resume_from_checkpoint_continues_with_the_same_losses(world4, tmp_path):
@@ -230,7 +268,10 @@ def test_resume_from_checkpoint_continues_with_the_same_losses(world4, tmp_path)
 def _bad_batches():
     seed_everything(0)
     messages = []
-    for batch in ({"tokens": torch.zeros(2, 8, dtype=torch.long)}, {"input_ids": torch.zeros(1, 8, dtype=torch.long), "cu_seqlens": torch.tensor([0, 5])}):
+    for batch in (
+        {"tokens": torch.zeros(2, 8, dtype=torch.long)},
+        {"input_ids": torch.zeros(1, 8, dtype=torch.long), "cu_seqlens": torch.tensor([0, 5])},
+    ):
         trainer = _trainer(2, dist.get_world_size(), max_steps=1)
         try:
             trainer.fit(GPTModule(CONFIG), DataLoader([batch], batch_size=None))
