@@ -120,8 +120,8 @@ class CPLossMixin:
             In training, the loss to back-propagate (``W * local_sum / N``, see the module docstring); in
             evaluation, the global token-mean loss (identical on every rank).
 
-        Communication: two scalar all-reduces over DP x CP, the metric synchronization, and the TP
-        all-reduces of the fused loss when ``tp > 1``.
+        Communication: one all-reduce of two scalars over DP x CP, the metric synchronization, and the
+        TP all-reduces of the fused loss when ``tp > 1``.
         """
         loss_sum, stats = linear_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1]),
@@ -153,11 +153,12 @@ class CPLossMixin:
         return self._cp_objective(loss_sum, stats, batch)
 
     def _cp_objective(self, loss_sum: Tensor, stats: TokenStats, batch: Mapping[str, Tensor]) -> Tensor:
-        group = groups.dp_cp_group()
-        count = _all_reduce(stats.valid.sum().to(torch.float32), group)
+        # One collective for both global totals: the count normalizes training, the sum is the eval loss.
+        totals = torch.stack([stats.valid.sum().to(torch.float32), loss_sum.detach().float()])
+        count, global_sum = _all_reduce(totals, groups.dp_cp_group()).unbind()
         self._update_lm_metrics(stats, batch)
         if not self._cp_is_training():
-            return _all_reduce(loss_sum.detach().clone(), group) / count.clamp(min=1)
+            return global_sum / count.clamp(min=1)
         if self._cp_reference_count is None:
             self._cp_reference_count = count.clamp(min=1)
             self._cp_window_count = torch.zeros_like(count)
