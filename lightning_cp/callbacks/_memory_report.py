@@ -23,8 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 # Allocator events that grow / shrink the reserved memory (``segment_map`` / ``segment_unmap`` are
 # what expandable segments emit instead of ``segment_alloc`` / ``segment_free``).
@@ -180,6 +178,10 @@ def _fmt_bytes(n_bytes: float) -> str:
 
 
 def _plot(timeline: MemoryTimeline, title: str, path: Path) -> None:
+    # Imported here: only writing a report needs matplotlib, and `import lightning_cp` must stay light.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     # A Figure without pyplot: no global state, and the user's matplotlib backend stays untouched.
     fig = Figure(figsize=(10, 4), dpi=100)
     FigureCanvasAgg(fig)

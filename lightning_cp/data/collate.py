@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from lightning_cp.parallel.sharding import IGNORE_INDEX
+from lightning_cp.constants import IGNORE_INDEX
 
 
 def collate_padded(samples: Sequence[Mapping[str, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:

@@ -8,22 +8,30 @@ group is the default world group (``None``), or no group at all when ``torch.dis
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch.distributed as dist
-
-with warnings.catch_warnings():
-    # megatron-core warns at import when TransformerEngine / Apex are absent; the package never needs them.
-    warnings.simplefilter("ignore")
-    from megatron.core import parallel_state
 
 ProcessGroup = dist.ProcessGroup
 
 
+def _parallel_state() -> ModuleType:
+    """Megatron-core's ``parallel_state``, imported on first use (DataLoader workers never need it)."""
+    with warnings.catch_warnings():
+        # megatron-core warns at import when TransformerEngine / Apex are absent; the package never needs them.
+        warnings.simplefilter("ignore")
+        from megatron.core import parallel_state
+    return parallel_state
+
+
 def model_parallel_initialized() -> bool:
     """Whether Megatron's ``parallel_state`` has been initialized in this process."""
-    return dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized()
+    if "megatron.core.parallel_state" not in sys.modules:
+        return False  # nobody initialized it: no need to import Megatron to find out
+    return dist.is_available() and dist.is_initialized() and _parallel_state().model_parallel_is_initialized()
 
 
 # Groups Megatron created in `initialize`: `destroy_model_parallel` only forgets them, and each one keeps
@@ -42,7 +50,7 @@ def initialize(tp: int, cp: int) -> None:
     shadow groups are only made for NCCL worlds (on a gloo world they would duplicate every group).
     """
     before = set(_live_groups())
-    parallel_state.initialize_model_parallel(
+    _parallel_state().initialize_model_parallel(
         tensor_model_parallel_size=tp,
         context_parallel_size=cp,
         create_gloo_process_groups=dist.get_backend() != "gloo",
@@ -53,51 +61,51 @@ def initialize(tp: int, cp: int) -> None:
 def destroy() -> None:
     """Tear down Megatron's groups and release their resources (the default process group stays)."""
     if model_parallel_initialized():
-        parallel_state.destroy_model_parallel()
+        _parallel_state().destroy_model_parallel()
     while _created_groups:
         dist.destroy_process_group(_created_groups.pop())
 
 
 def cp_group() -> ProcessGroup | None:
     """The context-parallel group of this rank, or ``None`` when CP is not set up."""
-    return parallel_state.get_context_parallel_group() if model_parallel_initialized() else None
+    return _parallel_state().get_context_parallel_group() if model_parallel_initialized() else None
 
 
 def cp_size() -> int:
-    return parallel_state.get_context_parallel_world_size() if model_parallel_initialized() else 1
+    return _parallel_state().get_context_parallel_world_size() if model_parallel_initialized() else 1
 
 
 def cp_rank() -> int:
-    return parallel_state.get_context_parallel_rank() if model_parallel_initialized() else 0
+    return _parallel_state().get_context_parallel_rank() if model_parallel_initialized() else 0
 
 
 def tp_group() -> ProcessGroup | None:
     """The tensor-parallel group of this rank, or ``None`` when TP is not set up."""
-    return parallel_state.get_tensor_model_parallel_group() if model_parallel_initialized() else None
+    return _parallel_state().get_tensor_model_parallel_group() if model_parallel_initialized() else None
 
 
 def tp_size() -> int:
-    return parallel_state.get_tensor_model_parallel_world_size() if model_parallel_initialized() else 1
+    return _parallel_state().get_tensor_model_parallel_world_size() if model_parallel_initialized() else 1
 
 
 def tp_rank() -> int:
-    return parallel_state.get_tensor_model_parallel_rank() if model_parallel_initialized() else 0
+    return _parallel_state().get_tensor_model_parallel_rank() if model_parallel_initialized() else 0
 
 
 def dp_group() -> ProcessGroup | None:
     """The data-parallel group without CP peers; the world group (``None``) without Megatron state."""
-    return parallel_state.get_data_parallel_group() if model_parallel_initialized() else None
+    return _parallel_state().get_data_parallel_group() if model_parallel_initialized() else None
 
 
 def dp_size() -> int:
     if model_parallel_initialized():
-        return parallel_state.get_data_parallel_world_size()
+        return _parallel_state().get_data_parallel_world_size()
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def dp_rank() -> int:
     if model_parallel_initialized():
-        return parallel_state.get_data_parallel_rank()
+        return _parallel_state().get_data_parallel_rank()
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -107,7 +115,7 @@ def dp_cp_group() -> ProcessGroup | None:
     Without Megatron state this is the world group (``None``), which is what plain DDP reduces over.
     """
     if model_parallel_initialized():
-        return parallel_state.get_data_parallel_group(with_context_parallel=True)
+        return _parallel_state().get_data_parallel_group(with_context_parallel=True)
     return None
 
 

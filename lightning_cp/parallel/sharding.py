@@ -25,8 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-IGNORE_INDEX = -100
-"""Label value of positions that are not targets (matches ``torch.nn.functional.cross_entropy``)."""
+from lightning_cp.constants import IGNORE_INDEX
 
 _PACKED_KEYS = ("cu_seqlens", "cu_seqlens_padded")
 _DERIVED_KEYS = ("labels", "loss_mask", "input_mask", "position_ids")

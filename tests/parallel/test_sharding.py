@@ -2,7 +2,8 @@ import megatron.core.utils as megatron_utils
 import pytest
 import torch
 
-from lightning_cp.parallel import IGNORE_INDEX, shard_batch, unshard
+from lightning_cp.constants import IGNORE_INDEX
+from lightning_cp.parallel import shard_batch, unshard
 
 
 def _reference_targets(input_ids, lengths, loss_mask=None):
