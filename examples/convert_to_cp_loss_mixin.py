@@ -13,9 +13,11 @@ changes, all in ``training_step`` and the ``Trainer``:
 3. No logits: ``self.lm_loss(hidden, self.head.weight, batch)`` fuses the head matmul with the loss, chunk
    by chunk, on this rank's tokens; nothing of size ``[tokens, vocab]`` is ever built.
 4. The model gets ``batch["position_ids"]`` (a rank's tokens are not contiguous, so positions cannot be
-   ``arange``) and the CP group for its attention. ``lightning_cp.models.GPT`` is such a model; in your own,
-   replace ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` with
-   ``lightning_cp.parallel.context_parallel_attention(q, k, v, cp_group=groups.cp_group())``.
+   ``arange``), the batch's ``shard_layout`` and the CP group for its attention. ``lightning_cp.models.GPT``
+   is such a model; in your own, replace ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` with
+   ``context_parallel_attention(q, k, v, shard_layout=batch["shard_layout"], cp_group=layout.cp_group)``
+   (``layout = lightning_cp.parallel.current_layout()``). A Hugging Face model only needs
+   ``attn_implementation="lightning_cp"`` (see the README).
 5. No ``self.log("train/loss", ...)``: the mixin logs ``train/loss`` (the mean over every target token of
    the global batch), perplexity, accuracy and token counts, reduced over all ranks.
 6. ``Trainer(strategy=MegatronCPStrategy(cp=...))``.
@@ -41,7 +43,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_cp import CPLossMixin, MegatronCPStrategy
 from lightning_cp.models import GPT, GPTConfig
-from lightning_cp.parallel import groups
+from lightning_cp.parallel import current_layout
 
 CONFIG = GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32)
 STEPS = 6
@@ -97,7 +99,12 @@ class AfterLM(CPLossMixin, BeforeLM):  # CHANGE 1: the mixin first
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         # CHANGE 2 and 4: `batch` is this CP rank's shard, with next-token labels and true positions.
-        hidden = self.body(batch["input_ids"], batch["position_ids"], cp_group=groups.cp_group())
+        hidden = self.body(
+            batch["input_ids"],
+            batch["position_ids"],
+            shard_layout=batch["shard_layout"],
+            cp_group=current_layout().cp_group,
+        )
         # CHANGE 3 and 5: no logits, no shift, no self.log; the loss is normalized over the global batch.
         return self.lm_loss(hidden, self.head.weight, batch)
 

@@ -21,9 +21,11 @@ Sequence-level metric, fed with per-sequence totals already combined over CP (se
 - :class:`SequencePerplexity`: ``update(seq_nll_sum, seq_valid_count)``; ``statistic`` picks the
   mean, min or max of the per-sequence perplexities, or the number of sequences.
 
-The default group is resolved when the metric synchronizes, not when it is built: metrics are
-usually created in a ``LightningModule.__init__``, before the strategy has created Megatron's groups.
-Without Megatron state both defaults are the world group (plain DDP, or one process).
+The default group is resolved from :func:`~lightning_cp.parallel.current_layout` when the metric
+synchronizes, not when it is built: metrics are usually created in a ``LightningModule.__init__``, before
+the strategy has created its groups. Without the strategy both defaults are the world group (plain DDP),
+and a group of one rank (a single process, or ``cp=1`` for per-sequence metrics with ``dp=1``) means no
+synchronization.
 
 States are float64 on whatever device the module is on, and stay float64 under ``module.to(dtype)``
 (Lightning's ``"bf16-true"`` precision), because float32 counts stop being exact at 2**24 tokens.
@@ -46,6 +48,7 @@ its compute groups only ever merge metrics that really share their inputs::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal
 
@@ -55,8 +58,7 @@ from torch import Tensor
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_cp.parallel import groups
-from lightning_cp.parallel.groups import ProcessGroup
+from lightning_cp.parallel.layout import ParallelLayout, ProcessGroup, current_layout
 
 SequenceStatistic = Literal["mean", "min", "max", "count"]
 _SEQUENCE_STATISTICS: tuple[str, ...] = ("mean", "min", "max", "count")
@@ -94,7 +96,7 @@ def sequence_totals(
         sequence_index: ``[N]`` int64, the sequence (``0 <= index < num_sequences``) of every local token;
             the same numbering on every CP peer (the global index of the sequence in the micro-batch).
         num_sequences: number of sequences in the micro-batch, the same on every CP peer.
-        cp_group: the group whose partial sums are added (``groups.cp_group()``). Unlike the
+        cp_group: the group whose partial sums are added (``layout.cp_group``). Unlike the
             ``torch.distributed`` convention, ``None`` means *no* communication (no CP), not the world.
 
     Returns:
@@ -126,16 +128,17 @@ def _safe_ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
 
 
 class _GroupResolvingMetric(Metric):
-    """Base of every metric here: a lazily resolved default group and float64 states.
+    """Base of every metric here: a default group resolved at sync time, and float64 states.
 
     ``sync`` is the public hook that ``compute()`` goes through before reducing states, so it is
-    where a missing ``process_group`` is replaced by ``_default_group()``: by then the strategy has
-    initialized Megatron, which it had not when the metric was constructed.
+    where a missing ``process_group`` is replaced by the default group of the current layout: by then the
+    strategy has set it up, which it had not when the metric was constructed. A group of ``None`` (a
+    dimension of size 1) means no synchronization.
     """
 
     is_differentiable: ClassVar[bool] = False
     full_state_update: ClassVar[bool] = False
-    _default_group: ClassVar[Callable[[], ProcessGroup | None]]
+    _default_group: ClassVar[Callable[[ParallelLayout], ProcessGroup | None]]
 
     def _add_scalar_state(self, name: str, default: float, dist_reduce_fx: str) -> None:
         self.add_state(name, torch.tensor(default, dtype=torch.float64), dist_reduce_fx=dist_reduce_fx)
@@ -162,7 +165,10 @@ class _GroupResolvingMetric(Metric):
     ) -> None:
         """:meth:`Metric.sync` over ``process_group``, else the constructor's group, else the default one."""
         if process_group is None:
-            process_group = self.process_group if self.process_group is not None else self._default_group()
+            process_group = self.process_group
+        if process_group is None:
+            process_group = type(self)._default_group(current_layout())
+            should_sync = should_sync and process_group is not None
         super().sync(
             dist_sync_fn=dist_sync_fn,
             process_group=process_group,
@@ -181,224 +187,133 @@ class _GroupResolvingMetric(Metric):
         return this
 
 
-class _TokenMetric(_GroupResolvingMetric):
-    """Token-level metric: states are sums over local tokens, reduced over DP x CP by default."""
+class _Totals(_GroupResolvingMetric):
+    """A metric computed from scalar totals of this rank's tokens, summed (or maxed) over DP x CP.
 
-    _default_group = staticmethod(groups.dp_cp_group)
-
-
-class MeanTokenLoss(_TokenMetric):
-    """Mean negative log-likelihood per valid target token of the global batch.
-
-    States (float64, ``dist_reduce_fx="sum"``): ``nll_sum``, ``valid_count``.
-    Default group: DP x CP (``groups.dp_cp_group()``, resolved at sync time); TP peers hold the
-    same totals and are not part of it.
-
-    ``compute()`` is ``sum(nll_sum) / sum(valid_count)`` over the group: the token-weighted mean,
-    which a mean of per-rank means is not when ranks hold different numbers of valid targets.
-    It is 0.0 while no valid token has been seen.
+    A subclass declares ``totals``: each update argument, which is also the name of its float64 state,
+    with the reduction across ranks. ``update`` takes exactly those arguments (by position or keyword)
+    and adds them to the states; ``compute`` turns the reduced states into the value. Default group:
+    ``layout.loss_group`` (DP x CP), resolved at sync time; TP peers hold the same totals and are not in it.
 
     Args:
-        process_group: group to reduce over; ``None`` resolves to ``groups.dp_cp_group()`` at sync time.
+        process_group: group to reduce over; ``None`` resolves to ``layout.loss_group`` at sync time.
         kwargs: further :class:`~torchmetrics.Metric` options (``sync_on_compute``, ...).
     """
 
-    higher_is_better: ClassVar[bool] = False
+    totals: ClassVar[dict[str, str]]
+    _default_group = staticmethod(lambda layout: layout.loss_group)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "totals" not in cls.__dict__:
+            return
+        parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
+            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="Tensor | float")
+            for name in cls.totals
+        ]
+        signature = inspect.Signature(parameters)
+
+        def update(self: _Totals, *args: Any, **kwargs: Any) -> None:
+            for name, value in list(signature.bind(self, *args, **kwargs).arguments.items())[1:]:
+                setattr(self, name, getattr(self, name) + self._as_scalar(value, name))
+
+        # A real signature: MetricCollection hands each metric only the keywords its update names.
+        update.__signature__ = signature  # type: ignore[attr-defined]
+        update.__doc__ = f"Add this rank's totals of one micro-batch (scalars): {', '.join(cls.totals)}."
+        cls.update = update  # type: ignore[method-assign]
 
     def __init__(self, process_group: ProcessGroup | None = None, **kwargs: Any) -> None:
         super().__init__(process_group=process_group, **kwargs)
-        self._add_scalar_state("nll_sum", 0.0, "sum")
-        self._add_scalar_state("valid_count", 0.0, "sum")
+        for name, reduce_fx in self.totals.items():
+            self._add_scalar_state(name, 0.0, reduce_fx)
 
-    @override
-    def update(self, loss_sum: Tensor | float, valid_count: Tensor | float) -> None:
-        """Add one micro-batch of this rank.
 
-        Args:
-            loss_sum: scalar, the sum of per-token NLL over this rank's valid target tokens.
-            valid_count: scalar, the number of those tokens.
-        """
-        self.nll_sum += self._as_scalar(loss_sum, "loss_sum")
-        self.valid_count += self._as_scalar(valid_count, "valid_count")
+class MeanTokenLoss(_Totals):
+    """Mean negative log-likelihood per valid target token of the global batch.
+
+    ``update(loss_sum, valid_count)``: this rank's NLL sum over its valid targets and their number.
+    ``compute()`` is ``sum(loss_sum) / sum(valid_count)`` over DP x CP: the token-weighted mean, which a
+    mean of per-rank means is not when ranks hold different numbers of targets. 0.0 before any target.
+    """
+
+    totals: ClassVar[dict[str, str]] = {"loss_sum": "sum", "valid_count": "sum"}
+    higher_is_better: ClassVar[bool] = False
 
     @override
     def compute(self) -> Tensor:
-        return _safe_ratio(self.nll_sum, self.valid_count)
+        return _safe_ratio(self.loss_sum, self.valid_count)
 
 
 class TokenPerplexity(MeanTokenLoss):
-    """Perplexity of the global batch: ``exp`` of :class:`MeanTokenLoss`.
+    """Perplexity of the global batch: ``exp`` of :class:`MeanTokenLoss` (same update and states).
 
-    Same ``update(loss_sum, valid_count)``, states (``nll_sum``, ``valid_count``, float64 sums)
-    and default group (DP x CP) as :class:`MeanTokenLoss`, so the logged perplexity is always the
-    exponential of the logged loss; with no valid token yet that is ``exp(0.0) = 1.0``.
+    The logged perplexity is always the exponential of the logged loss; ``exp(0.0) = 1.0`` before any target.
     """
 
     @override
     def compute(self) -> Tensor:
-        return _safe_ratio(self.nll_sum, self.valid_count).exp()
+        return super().compute().exp()
 
 
-class TokenAccuracy(_TokenMetric):
+class TokenAccuracy(_Totals):
     """Fraction of valid target tokens whose arg-max prediction is the target.
 
-    States (float64, ``dist_reduce_fx="sum"``): ``correct_count``, ``valid_count``.
-    Default group: DP x CP (resolved at sync time). 0.0 while no valid token has been seen.
-
-    Args:
-        process_group: group to reduce over; ``None`` resolves to ``groups.dp_cp_group()`` at sync time.
-        kwargs: further :class:`~torchmetrics.Metric` options.
+    ``update(correct_count, valid_count)``; 0.0 before any target.
     """
 
+    totals: ClassVar[dict[str, str]] = {"correct_count": "sum", "valid_count": "sum"}
     higher_is_better: ClassVar[bool] = True
-
-    def __init__(self, process_group: ProcessGroup | None = None, **kwargs: Any) -> None:
-        super().__init__(process_group=process_group, **kwargs)
-        self._add_scalar_state("correct_count", 0.0, "sum")
-        self._add_scalar_state("valid_count", 0.0, "sum")
-
-    @override
-    def update(self, correct_count: Tensor | float, valid_count: Tensor | float) -> None:
-        """Add one micro-batch of this rank.
-
-        Args:
-            correct_count: scalar, this rank's valid target tokens whose arg-max logit is the target.
-            valid_count: scalar, this rank's valid target tokens.
-        """
-        self.correct_count += self._as_scalar(correct_count, "correct_count")
-        self.valid_count += self._as_scalar(valid_count, "valid_count")
 
     @override
     def compute(self) -> Tensor:
         return _safe_ratio(self.correct_count, self.valid_count)
 
 
-class MeanTokenEntropy(_TokenMetric):
+class MeanTokenEntropy(_Totals):
     """Mean entropy (nats) of the predicted next-token distribution over valid target tokens.
 
-    States (float64, ``dist_reduce_fx="sum"``): ``entropy_sum``, ``valid_count``.
-    Default group: DP x CP (resolved at sync time). 0.0 while no valid token has been seen.
-
-    Args:
-        process_group: group to reduce over; ``None`` resolves to ``groups.dp_cp_group()`` at sync time.
-        kwargs: further :class:`~torchmetrics.Metric` options.
+    ``update(entropy_sum, valid_count)``; 0.0 before any target.
     """
 
-    def __init__(self, process_group: ProcessGroup | None = None, **kwargs: Any) -> None:
-        super().__init__(process_group=process_group, **kwargs)
-        self._add_scalar_state("entropy_sum", 0.0, "sum")
-        self._add_scalar_state("valid_count", 0.0, "sum")
-
-    @override
-    def update(self, entropy_sum: Tensor | float, valid_count: Tensor | float) -> None:
-        """Add one micro-batch of this rank.
-
-        Args:
-            entropy_sum: scalar, the sum of per-token entropies over this rank's valid target tokens.
-            valid_count: scalar, the number of those tokens.
-        """
-        self.entropy_sum += self._as_scalar(entropy_sum, "entropy_sum")
-        self.valid_count += self._as_scalar(valid_count, "valid_count")
+    totals: ClassVar[dict[str, str]] = {"entropy_sum": "sum", "valid_count": "sum"}
 
     @override
     def compute(self) -> Tensor:
         return _safe_ratio(self.entropy_sum, self.valid_count)
 
 
-class InputTokenCount(_TokenMetric):
-    """Number of non-padding input tokens seen by the whole DP x CP group.
+class InputTokenCount(_Totals):
+    """Non-padding input tokens seen by the whole DP x CP group (``update(input_count)``; exact to 2**53)."""
 
-    State (float64, ``dist_reduce_fx="sum"``, exact up to 2**53): ``input_count``.
-    Default group: DP x CP (resolved at sync time): each CP rank counts only its own slice.
-
-    Args:
-        process_group: group to reduce over; ``None`` resolves to ``groups.dp_cp_group()`` at sync time.
-        kwargs: further :class:`~torchmetrics.Metric` options.
-    """
-
-    def __init__(self, process_group: ProcessGroup | None = None, **kwargs: Any) -> None:
-        super().__init__(process_group=process_group, **kwargs)
-        self._add_scalar_state("input_count", 0.0, "sum")
-
-    @override
-    def update(self, input_count: Tensor | float) -> None:
-        """Add one micro-batch of this rank.
-
-        Args:
-            input_count: scalar, this rank's non-padding input tokens.
-        """
-        self.input_count += self._as_scalar(input_count, "input_count")
+    totals: ClassVar[dict[str, str]] = {"input_count": "sum"}
 
     @override
     def compute(self) -> Tensor:
         return self.input_count.clone()
 
 
-class TargetTokenCount(_TokenMetric):
-    """Number of valid target tokens (tokens the loss is taken on) of the whole DP x CP group.
+class TargetTokenCount(_Totals):
+    """Valid target tokens (the tokens the loss is taken on) of the whole DP x CP group (``update(valid_count)``)."""
 
-    State (float64, ``dist_reduce_fx="sum"``, exact up to 2**53): ``valid_count``; the same name
-    and update argument as the ratio metrics, so one keyword ``valid_count`` feeds all of them.
-    Default group: DP x CP (resolved at sync time).
-
-    Args:
-        process_group: group to reduce over; ``None`` resolves to ``groups.dp_cp_group()`` at sync time.
-        kwargs: further :class:`~torchmetrics.Metric` options.
-    """
-
-    def __init__(self, process_group: ProcessGroup | None = None, **kwargs: Any) -> None:
-        super().__init__(process_group=process_group, **kwargs)
-        self._add_scalar_state("valid_count", 0.0, "sum")
-
-    @override
-    def update(self, valid_count: Tensor | float) -> None:
-        """Add one micro-batch of this rank.
-
-        Args:
-            valid_count: scalar, this rank's valid target tokens.
-        """
-        self.valid_count += self._as_scalar(valid_count, "valid_count")
+    totals: ClassVar[dict[str, str]] = {"valid_count": "sum"}
 
     @override
     def compute(self) -> Tensor:
         return self.valid_count.clone()
 
 
-class TokensPerSecond(_TokenMetric):
+class TokensPerSecond(_Totals):
     """Throughput of the whole group: global non-padding input tokens per wall-clock second.
 
-    States (float64): ``input_count`` (``dist_reduce_fx="sum"``) and ``seconds``
-    (``dist_reduce_fx="max"``). On one rank ``seconds`` adds up the wall time of the steps counted;
-    across ranks it is *not* summed, because the ranks run those steps at the same time: the group's
-    wall time is that of its slowest rank, hence the max. Default group: DP x CP (resolved at sync time).
-    0.0 while no time has been counted.
-
-    ``full_state_update`` is on: the forward shortcut would merge step states with the
+    ``update(input_count, seconds)`` per step. ``seconds`` add up on one rank but are *maxed* across ranks,
+    which run their steps at the same time: the group's wall time is that of its slowest rank. 0.0 before
+    any time is counted. ``full_state_update`` is on: the forward shortcut would merge step states with the
     cross-rank reduction (max), while seconds of successive steps on one rank must add up.
-
-    Args:
-        process_group: group to reduce over; ``None`` resolves to ``groups.dp_cp_group()`` at sync time.
-        kwargs: further :class:`~torchmetrics.Metric` options.
     """
 
+    totals: ClassVar[dict[str, str]] = {"input_count": "sum", "seconds": "max"}
     full_state_update: ClassVar[bool] = True
     higher_is_better: ClassVar[bool] = True
-
-    def __init__(self, process_group: ProcessGroup | None = None, **kwargs: Any) -> None:
-        super().__init__(process_group=process_group, **kwargs)
-        self._add_scalar_state("input_count", 0.0, "sum")
-        self._add_scalar_state("seconds", 0.0, "max")
-
-    @override
-    def update(self, input_count: Tensor | float, seconds: Tensor | float) -> None:
-        """Add one step of this rank.
-
-        Args:
-            input_count: scalar, this rank's non-padding input tokens in the step.
-            seconds: wall-clock duration of the step on this rank.
-        """
-        self.input_count += self._as_scalar(input_count, "input_count")
-        self.seconds += self._as_scalar(seconds, "seconds")
 
     @override
     def compute(self) -> Tensor:
@@ -414,14 +329,16 @@ class SequencePerplexity(_GroupResolvingMetric):
     States (float64): ``ppl_sum`` and ``num_sequences`` (``dist_reduce_fx="sum"``), ``ppl_min``
     (``"min"``, starts at +inf), ``ppl_max`` (``"max"``, starts at -inf). Instances that differ only
     in ``statistic`` have the same states and share them inside a ``MetricCollection``.
-    Default group: DP only (``groups.dp_group()``, resolved at sync time), because the inputs are
+    Default group: DP only (``layout.dp_group``, resolved at sync time), because the inputs are
     totals already combined over CP (:func:`sequence_totals`) and identical on CP peers; reducing
     over DP x CP would count every sequence CP times.
 
     Args:
-        statistic: ``"mean"``, ``"min"`` or ``"max"`` of the per-sequence perplexities (0.0 while no
-            sequence has been seen), or ``"count"``, the number of sequences.
-        process_group: group to reduce over; ``None`` resolves to ``groups.dp_group()`` at sync time.
+        statistic: ``"mean"``, ``"min"`` or ``"max"`` of the per-sequence perplexities, or ``"count"``,
+            the number of sequences. Sequences without any valid target have no perplexity and are not
+            counted; before the first counted sequence every statistic is ``nan`` (nothing to report),
+            except ``"count"``, which is 0.
+        process_group: group to reduce over; ``None`` resolves to ``layout.dp_group`` at sync time.
         kwargs: further :class:`~torchmetrics.Metric` options.
 
     Raises:
@@ -429,7 +346,7 @@ class SequencePerplexity(_GroupResolvingMetric):
     """
 
     higher_is_better: ClassVar[bool] = False
-    _default_group = staticmethod(groups.dp_group)
+    _default_group = staticmethod(lambda layout: layout.dp_group)
 
     def __init__(
         self,
@@ -474,7 +391,8 @@ class SequencePerplexity(_GroupResolvingMetric):
     def compute(self) -> Tensor:
         if self.statistic == "count":
             return self.num_sequences.clone()
+        seen = self.num_sequences > 0
+        nan = torch.full_like(self.ppl_sum, float("nan"))
         if self.statistic == "mean":
-            return _safe_ratio(self.ppl_sum, self.num_sequences)
-        extreme = self.ppl_min if self.statistic == "min" else self.ppl_max
-        return torch.where(self.num_sequences > 0, extreme, 0.0)
+            return torch.where(seen, self.ppl_sum / self.num_sequences.clamp(min=1), nan)
+        return torch.where(seen, self.ppl_min if self.statistic == "min" else self.ppl_max, nan)

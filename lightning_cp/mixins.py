@@ -1,75 +1,30 @@
-"""``CPLossMixin``: the CP-local fused loss for a ``LightningModule``, normalized once and for all ranks.
+"""``CPLossMixin``: the CP-local fused loss for a ``LightningModule``, normalized once for all ranks.
 
-The objective is the mean loss over every valid target token of the global batch: all DP and CP
-ranks and all gradient-accumulation micro-batches of an optimizer step (DESIGN.md, flow step 5).
-Each rank only has its own tokens, so the mean cannot be taken locally (a CP-local mean is wrong as
-soon as ranks hold different numbers of targets). Instead, with ``W = |DP x CP|`` ranks that DDP
-averages over, and ``N`` the global number of valid targets:
-
-    rank loss = W * local_sum / N        =>   DDP average of gradients = grad(global_sum) / N.
-
-``N`` of a micro-batch is one scalar all-reduce. With gradient accumulation over ``A`` micro-batches
-``N`` is only known after the last one, so every micro-batch of the step is divided by the first
-micro-batch's count ``N_1`` and, just before the optimizer step, the gradients are multiplied by
-``A * N_1 / (N_1 + ... + N_A)``: the ``A`` undoes Lightning's own division of the loss by
-``accumulate_grad_batches`` (applied exactly once, here), the rest turns ``1 / N_1`` into ``1 / N``.
-Without accumulation the factor is exactly 1 and nothing is rescaled.
-
-This normalization is the only one in the package; the metrics (``lightning_cp.metrics``) are fed
-from the same pass over the vocabulary (NLL, arg-max, entropy come out of the fused loss).
+The mixin joins three pieces, each in its own module: the fused loss of this rank's tokens
+(:mod:`lightning_cp.ops`), its normalization into the global token mean
+(:class:`~lightning_cp.objective.GlobalTokenObjective`), and the metrics fed from the same pass over the
+vocabulary (:mod:`lightning_cp.lm_metrics`, configurable with :meth:`CPLossMixin.configure_lm_metrics`).
+Groups come from :func:`lightning_cp.parallel.current_layout` (the running strategy's layout).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from torchmetrics import MetricCollection
+from torchmetrics import Metric
 
-from lightning_cp.metrics import (
-    InputTokenCount,
-    MeanTokenEntropy,
-    MeanTokenLoss,
-    SequencePerplexity,
-    TargetTokenCount,
-    TokenAccuracy,
-    TokenPerplexity,
-    TokensPerSecond,
-    sequence_totals,
-)
+from lightning_cp.constants import LABELS
+from lightning_cp.lm_metrics import as_collection, default_lm_metrics, input_token_count, lm_totals
+from lightning_cp.metrics import TokensPerSecond
+from lightning_cp.objective import GlobalTokenObjective
 from lightning_cp.ops import TokenStats, cross_entropy, linear_cross_entropy
-from lightning_cp.parallel import groups
+from lightning_cp.parallel.layout import ParallelLayout, current_layout
 
 _STAGES = {"train": "train", "validate": "val", "sanity_check": "val", "test": "test"}
-
-
-def _all_reduce(value: Tensor, group: Any) -> Tensor:
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(value, group=group)
-    return value
-
-
-def _make_metrics(stage: str) -> MetricCollection:
-    # Training logs step values too, so its metrics synchronize in forward (every rank calls it).
-    sync = {"dist_sync_on_step": stage == "train"}
-    return MetricCollection(
-        {
-            "loss": MeanTokenLoss(**sync),
-            "ppl": TokenPerplexity(**sync),
-            "accuracy": TokenAccuracy(**sync),
-            "entropy": MeanTokenEntropy(**sync),
-            "target_tokens": TargetTokenCount(**sync),
-            "input_tokens": InputTokenCount(**sync),
-            "seq_ppl_mean": SequencePerplexity("mean", **sync),
-            "seq_ppl_min": SequencePerplexity("min", **sync),
-            "seq_ppl_max": SequencePerplexity("max", **sync),
-        },
-        prefix=f"{stage}/",
-    )
 
 
 class CPLossMixin:
@@ -81,26 +36,43 @@ class CPLossMixin:
     batch from ``lightning_cp.parallel.shard_batch(batch, 1, 0)`` (labels shifted).
 
     Logged (``self.log``; step and epoch values in training, epoch values in validation / test), under
-    ``train/``, ``val/`` and ``test/``: ``loss`` (token-weighted mean NLL), ``ppl``, ``accuracy`` (arg-max),
-    ``entropy`` (mean per-token entropy), ``target_tokens``, ``input_tokens`` (non-padding),
-    ``seq_ppl_mean`` / ``seq_ppl_min`` / ``seq_ppl_max`` (per-sequence perplexity over sequences), and in
-    training ``train/tokens_per_sec``. Every value is reduced over DP x CP (per-sequence ones over DP after
-    combining CP pieces), so it is the same for cp = 1, 2, 4.
+    ``train/``, ``val/`` and ``test/``, by default: ``loss`` (token-weighted mean NLL), ``ppl``, ``accuracy``
+    (arg-max), ``entropy`` (mean per-token entropy), ``target_tokens``, ``input_tokens`` (non-padding),
+    ``seq_ppl_mean`` / ``seq_ppl_min`` / ``seq_ppl_max`` (per-sequence perplexity over the sequences that
+    have targets; ``nan`` when none has), and in training ``train/tokens_per_sec``. Every value is reduced
+    over DP x CP (per-sequence ones over DP after combining CP pieces), so it is the same for cp = 1, 2, 4.
+    Override :meth:`configure_lm_metrics` to log fewer or more, and set ``log_tokens_per_sec = False`` to
+    drop the throughput.
 
     Gradient rescaling happens in ``on_before_optimizer_step``: if you override it, call ``super()``.
     Automatic optimization only (manual optimization has no ``accumulate_grad_batches`` division to undo).
     """
 
+    log_tokens_per_sec: ClassVar[bool] = True
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # Built with the module (not on first use): Lightning maps logged metric objects to attributes once.
         self._cp_metrics = nn.ModuleDict(
-            {f"{stage}_metrics": _make_metrics(stage) for stage in ("train", "val", "test")}
+            {
+                f"{stage}_metrics": as_collection(self.configure_lm_metrics(stage), stage)
+                for stage in ("train", "val", "test")
+            }
         )
-        self._cp_metrics["throughput"] = TokensPerSecond(dist_sync_on_step=True)
-        self._cp_reference_count: Tensor | None = None
-        self._cp_window_count: Tensor | None = None
+        if self.log_tokens_per_sec:
+            self._cp_metrics["throughput"] = TokensPerSecond(dist_sync_on_step=True)
+        self._cp_objective = GlobalTokenObjective()
         self._cp_last_step_time: float | None = None
+
+    def configure_lm_metrics(self, stage: str) -> Mapping[str, Metric]:
+        """The metrics logged under ``{stage}/`` (``"train"``, ``"val"``, ``"test"``), by name.
+
+        Called once per stage from ``__init__``. Override to log fewer (return ``{}`` for none) or to add
+        your own: each metric's ``update`` receives the keyword totals it names (see
+        :mod:`lightning_cp.lm_metrics`). Training metrics should synchronize on step
+        (``dist_sync_on_step=True``), since their step values are logged.
+        """
+        return default_lm_metrics(stage)
 
     def lm_loss(
         self, hidden: Tensor, weight: Tensor, batch: Mapping[str, Tensor], **loss_kwargs: Any
@@ -117,22 +89,23 @@ class CPLossMixin:
                 ``z_loss``, ``softcap``, ``chunk_size``, ``impl``).
 
         Returns:
-            In training, the loss to back-propagate (``W * local_sum / N``, see the module docstring); in
-            evaluation, the global token-mean loss (identical on every rank).
+            In training, the loss to back-propagate (``W * local_sum / N``, see
+            :mod:`lightning_cp.objective`); in evaluation, the global token-mean loss (identical on every rank).
 
         Communication: one all-reduce of two scalars over DP x CP, the metric synchronization, and the
         TP all-reduces of the fused loss when ``tp > 1``.
         """
+        layout = current_layout()
         loss_sum, stats = linear_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1]),
             weight,
-            batch["labels"].reshape(-1),
+            batch[LABELS].reshape(-1),
             reduction="sum",
             return_stats=True,
-            tp_group=_vocab_parallel_group(getattr(weight, "tensor_model_parallel", False)),
+            tp_group=_vocab_parallel_group(layout, getattr(weight, "tensor_model_parallel", False)),
             **loss_kwargs,
         )
-        return self._cp_objective(loss_sum, stats, batch)
+        return self._cp_loss(loss_sum, stats, batch, layout)
 
     def lm_loss_from_logits(
         self, logits: Tensor, batch: Mapping[str, Tensor], *, vocab_parallel: bool = False, **loss_kwargs: Any
@@ -142,40 +115,31 @@ class CPLossMixin:
         Set ``vocab_parallel=True`` when ``logits`` is this TP rank's ``[B, S_local, V / tp]`` shard (the
         output of a column-parallel head); a tensor does not say so itself.
         """
+        layout = current_layout()
         loss_sum, stats = cross_entropy(
             logits.reshape(-1, logits.shape[-1]),
-            batch["labels"].reshape(-1),
+            batch[LABELS].reshape(-1),
             reduction="sum",
             return_stats=True,
-            tp_group=_vocab_parallel_group(vocab_parallel),
+            tp_group=_vocab_parallel_group(layout, vocab_parallel),
             **loss_kwargs,
         )
-        return self._cp_objective(loss_sum, stats, batch)
-
-    def _cp_objective(self, loss_sum: Tensor, stats: TokenStats, batch: Mapping[str, Tensor]) -> Tensor:
-        # One collective for both global totals: the count normalizes training, the sum is the eval loss.
-        totals = torch.stack([stats.valid.sum().to(torch.float32), loss_sum.detach().float()])
-        count, global_sum = _all_reduce(totals, groups.dp_cp_group()).unbind()
-        self._update_lm_metrics(stats, batch)
-        if not self._cp_is_training():
-            return global_sum / count.clamp(min=1)
-        if self._cp_reference_count is None:
-            self._cp_reference_count = count.clamp(min=1)
-            self._cp_window_count = torch.zeros_like(count)
-        self._cp_window_count += count
-        return loss_sum * groups.dp_cp_size() / self._cp_reference_count
+        return self._cp_loss(loss_sum, stats, batch, layout)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Turn the first micro-batch's normalizer into the whole step's (see the module docstring)."""
-        reference = self._cp_reference_count
-        accumulate = self.trainer.accumulate_grad_batches
-        if reference is not None and accumulate > 1:
-            factor = accumulate * reference / self._cp_window_count.clamp(min=1)
-            for param in self.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(factor.to(param.grad.dtype))
-        self._cp_reference_count = None
+        """Turn the first micro-batch's normalizer into the whole step's (see :mod:`lightning_cp.objective`)."""
+        self._cp_objective.rescale_gradients(self.parameters(), self.trainer.accumulate_grad_batches)
         super().on_before_optimizer_step(optimizer)  # type: ignore[misc]
+
+    def _cp_loss(
+        self, loss_sum: Tensor, stats: TokenStats, batch: Mapping[str, Tensor], layout: ParallelLayout
+    ) -> Tensor:
+        # One collective for both global totals: the count normalizes training, the sum is the eval loss.
+        count, global_sum = GlobalTokenObjective.totals(stats.valid.sum(), loss_sum, layout)
+        self._log_lm_metrics(stats, batch, layout)
+        if not self._cp_is_training():
+            return global_sum / count.clamp(min=1)
+        return self._cp_objective.training_loss(loss_sum, count, layout)
 
     def _cp_is_training(self) -> bool:
         trainer = getattr(self, "_trainer", None)
@@ -183,39 +147,26 @@ class CPLossMixin:
 
     def _cp_stage(self) -> str | None:
         trainer = getattr(self, "_trainer", None)
-        return (
-            None if trainer is None else _STAGES.get(trainer.state.stage.value if trainer.state.stage else "")
-        )
+        if trainer is None or trainer.state.stage is None:
+            return None
+        return _STAGES.get(trainer.state.stage.value)
 
-    def _update_lm_metrics(self, stats: TokenStats, batch: Mapping[str, Tensor]) -> None:
+    def _log_lm_metrics(self, stats: TokenStats, batch: Mapping[str, Tensor], layout: ParallelLayout) -> None:
         stage = self._cp_stage()
         if stage is None:
             return
-        valid = stats.valid
-        nll = stats.nll.detach()
-        sequence, num_sequences = _sequence_index(batch)
-        per_sequence = sequence_totals(
-            torch.stack([nll.double(), valid.double()], dim=1), sequence, num_sequences, groups.cp_group()
-        )
         metrics = self._cp_metrics[f"{stage}_metrics"]  # "train" alone would clash with nn.Module.train
-        inputs = batch["input_mask"].sum() if "input_mask" in batch else torch.tensor(valid.numel())
-        sums = {
-            "loss_sum": nll.sum(),
-            "valid_count": valid.sum(),
-            "correct_count": stats.correct.sum(),
-            "entropy_sum": stats.entropy.sum(),
-            "input_count": inputs,
-            "seq_nll_sum": per_sequence[:, 0],
-            "seq_valid_count": per_sequence[:, 1],
-        }
         training = stage == "train"
-        if training:
-            metrics(**sums)  # forward: the step values Lightning logs on_step
-            self._log_throughput(inputs)
-        else:
-            metrics.update(**sums)
-        for name, metric in metrics.items():
-            self.log(name, metric, on_step=training, on_epoch=True, prog_bar=name.endswith("/loss"))
+        if len(metrics):
+            totals = lm_totals(stats, batch, layout)
+            if training:
+                metrics(**totals)  # forward: the step values Lightning logs on_step
+            else:
+                metrics.update(**totals)
+            for name, metric in metrics.items():
+                self.log(name, metric, on_step=training, on_epoch=True, prog_bar=name.endswith("/loss"))
+        if training and self.log_tokens_per_sec:
+            self._log_throughput(input_token_count(batch, stats))
 
     def _log_throughput(self, inputs: Tensor) -> None:
         now = time.perf_counter()
@@ -228,19 +179,6 @@ class CPLossMixin:
         self.log("train/tokens_per_sec", throughput, on_step=True, on_epoch=False)
 
 
-def _vocab_parallel_group(vocab_parallel: bool) -> Any:
+def _vocab_parallel_group(layout: ParallelLayout, vocab_parallel: bool) -> Any:
     """The TP group when the head is split over the vocabulary across more than one rank, else ``None``."""
-    return groups.tp_group() if vocab_parallel and groups.tp_size() > 1 else None
-
-
-def _sequence_index(batch: Mapping[str, Tensor]) -> tuple[Tensor, int]:
-    """The sequence of every local token (row for padded batches, document for packed ones)."""
-    labels = batch["labels"]
-    if batch.get("cu_seqlens") is not None:
-        cu = batch["cu_seqlens"].to(labels.device, torch.int64)
-        lengths = cu[1:] - cu[:-1]
-        return torch.repeat_interleave(torch.arange(len(lengths), device=labels.device), lengths), len(
-            lengths
-        )
-    rows, local_len = labels.shape
-    return torch.arange(rows, device=labels.device).repeat_interleave(local_len), rows
+    return layout.tp_group if vocab_parallel else None

@@ -216,7 +216,7 @@ def _check_one_line(status: int, out: str, err: str) -> str:
             ["--config", str(MAIN_JOB), "--trainer.strategy.init_args.cp", "0"],
             ["MegatronCPStrategy(cp=0)", ">= 1"],
         ),
-        (["--config", str(MAIN_JOB), "--trainer.devices", "3"], ["world size 3", "tp(1) * cp(2)"]),
+        (["--config", str(MAIN_JOB), "--trainer.devices", "3"], ["world size 3", "cp(2) * tp(1) = 2"]),
     ],
     ids=[
         "unknown-key",

@@ -20,7 +20,7 @@ from lightning_cp.metrics import (
     TokensPerSecond,
     sequence_totals,
 )
-from lightning_cp.parallel import groups
+from lightning_cp.parallel import groups, set_current_layout
 
 IGNORE = -100
 _SEQ_STATS = ("mean", "min", "max", "count")
@@ -141,7 +141,7 @@ def test_sequence_totals_are_detached():
     assert not sequence_totals(values * 2, torch.tensor([0, 1, 1, 0]), 2, None).requires_grad
 
 
-def test_no_data_gives_zero_not_nan():
+def test_no_data_gives_zero_token_values_and_no_sequence_perplexity():
     metrics = _all_metrics()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torchmetrics warns about compute() before update()
@@ -152,10 +152,12 @@ def test_no_data_gives_zero_not_nan():
     for s in _SEQ_STATS:
         metrics[f"seq_{s}"].update(torch.tensor([0.0, 3.0]), torch.tensor([0, 0]))  # sequences with no target
     after = {k: m.compute().item() for k, m in metrics.items() if k not in ("input_tokens", "target_tokens")}
-    # Perplexity is exp(mean loss) with the empty mean taken as 0.0, so it reads 1.0.
+    # Perplexity is exp(mean loss) with the empty mean taken as 0.0, so it reads 1.0. A sequence without
+    # targets has no perplexity: mean / min / max of none is nan (not a made-up 0.0), the count is 0.
     expected = {k: 1.0 if k == "ppl" else 0.0 for k in metrics}
-    assert before == expected
-    assert after == {k: expected[k] for k in after}
+    expected.update({f"seq_{s}": float("nan") for s in ("mean", "min", "max")})
+    assert before == pytest.approx(expected, nan_ok=True)
+    assert after == pytest.approx({k: expected[k] for k in after}, nan_ok=True)
 
 
 def test_updates_accumulate_forward_gives_the_step_value_and_reset_clears():
@@ -233,7 +235,7 @@ def test_metrics_follow_the_module_to_cuda():
     loss.update(torch.tensor(3.0, device="cuda"), torch.tensor(4, device="cuda"))
     seq = SequencePerplexity("max").cuda()
     seq.update(torch.tensor([1.0, 4.0], device="cuda"), torch.tensor([1.0, 2.0], device="cuda"))
-    assert loss.nll_sum.device.type == "cuda" and loss.nll_sum.dtype == torch.float64
+    assert loss.loss_sum.device.type == "cuda" and loss.loss_sum.dtype == torch.float64
     assert loss.compute().item() == 0.75
     assert seq.compute().item() == pytest.approx(math.e**2)
 
@@ -279,11 +281,13 @@ def _run_layouts(data: dict) -> dict:
         # Built before Megatron's groups exist, as in a LightningModule's __init__; synchronized in
         # forward too, for the per-step values a training step logs.
         lazy = MetricCollection(_all_metrics(dist_sync_on_step=True))
-        groups.initialize(tp=1, cp=cp)
+        layout = groups.initialize(tp=1, cp=cp)
+        set_current_layout(layout)
         try:
-            assert (groups.cp_rank(), groups.dp_rank()) == (rank % cp, rank // cp)
+            assert (layout.cp_rank, layout.dp_rank) == (rank % cp, rank // cp)
             explicit = MetricCollection(
-                _all_metrics(groups.dp_cp_group(), groups.dp_group()), compute_groups=False
+                _all_metrics(layout.loss_group, layout.dp_group),
+                compute_groups=False,
             )
             totals, steps = [], []
             for step in range(_STEPS):
@@ -292,7 +296,7 @@ def _run_layouts(data: dict) -> dict:
                 seq_index = torch.arange(n_seq).repeat_interleave(n_tok)
                 masked_nll = local["nll"] * local["valid"]
                 per_token = torch.stack([masked_nll.flatten(), local["valid"].flatten()], 1)
-                seq = sequence_totals(per_token, seq_index, n_seq, groups.cp_group())
+                seq = sequence_totals(per_token, seq_index, n_seq, layout.cp_group)
                 totals.append(seq)
                 kwargs = dict(
                     loss_sum=masked_nll.sum(),
@@ -309,6 +313,7 @@ def _run_layouts(data: dict) -> dict:
             out[cp] = {"lazy": lazy.compute(), "explicit": explicit.compute(), "totals": totals}
             out[cp].update({f"step{i}": value for i, value in enumerate(steps)})
         finally:
+            set_current_layout(None)
             groups.destroy()
     return out
 

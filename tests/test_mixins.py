@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 
 from lightning_cp import CPLossMixin
-from lightning_cp.parallel import groups, shard_batch
+from lightning_cp.parallel import groups, set_current_layout, shard_batch
 
 VOCAB, HIDDEN, ROWS, SEQ = 24, 8, 4, 14
 
@@ -28,36 +28,44 @@ def _batch():
     return {"input_ids": ids, "loss_mask": mask.float()}
 
 
-def _reference_grads():
+# Every option of the fused loss at once, with values large enough to move the loss by far more than 1%.
+LOSS_OPTIONS = {"label_smoothing": 0.2, "z_loss": 0.05, "softcap": 2.0}
+
+
+def _reference_grads(**options):
+    """The token mean over the whole batch, on materialized logits, with the options written out by hand."""
     module = _Head()
     batch = _batch()
     labels = batch["input_ids"].roll(-1, 1)
     target = batch["loss_mask"].roll(-1, 1).bool()
     target[:, -1] = False
-    logits = module.embed[batch["input_ids"]] @ module.head.T
-    loss = F.cross_entropy(logits[target], labels[target])
+    logits = (module.embed[batch["input_ids"]] @ module.head.T)[target]
+    if "softcap" in options:
+        logits = options["softcap"] * torch.tanh(logits / options["softcap"])
+    loss = F.cross_entropy(logits, labels[target], label_smoothing=options.get("label_smoothing", 0.0))
+    loss = loss + options.get("z_loss", 0.0) * torch.logsumexp(logits, -1).square().mean()
     loss.backward()
     return loss.detach(), module.embed.grad, module.head.grad
 
 
-def _sharded_grads(cp, from_logits):
+def _sharded_grads(cp, from_logits, **options):
     """The mixin's loss on this rank's shard of this DP rank's rows, then DDP's mean over DP x CP."""
-    groups.initialize(tp=1, cp=cp)
+    layout = groups.initialize(tp=1, cp=cp)
+    set_current_layout(layout)
     module = _Head()
-    dp, dp_rank = groups.dp_size(), groups.dp_rank()
+    dp, dp_rank = layout.dp, layout.dp_rank
     full = _batch()
     rows = slice(dp_rank * ROWS // dp, (dp_rank + 1) * ROWS // dp)
-    batch = shard_batch({k: v[rows] for k, v in full.items()}, cp, groups.cp_rank())
+    batch = shard_batch({k: v[rows] for k, v in full.items()}, cp, layout.cp_rank)
     hidden = module.embed[batch["input_ids"]]
     if from_logits:
-        loss = module.lm_loss_from_logits(hidden @ module.head.T, batch)
+        loss = module.lm_loss_from_logits(hidden @ module.head.T, batch, **options)
     else:
-        loss = module.lm_loss(hidden, module.head, batch)
+        loss = module.lm_loss(hidden, module.head, batch, **options)
     loss.backward()
-    world = groups.dp_cp_group()
     for param in (module.embed, module.head):
-        dist.all_reduce(param.grad, group=world)
-        param.grad /= groups.dp_cp_size()
+        dist.all_reduce(param.grad, group=groups.replica_group())
+        param.grad /= dp * cp
     return module.embed.grad, module.head.grad
 
 
@@ -70,24 +78,58 @@ def test_sharded_mixin_loss_has_the_gradient_of_the_global_token_mean(world4, cp
         torch.testing.assert_close(head_grad, ref_head, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("from_logits", [False, True], ids=["lm_loss", "lm_loss_from_logits"])
+def test_loss_options_reach_the_fused_loss(world4, from_logits):
+    ref_loss, ref_embed, ref_head = _reference_grads(**LOSS_OPTIONS)
+    plain_loss, _, _ = _reference_grads()
+    assert abs(ref_loss - plain_loss) > 0.05 * plain_loss  # the options matter at this size
+    for embed_grad, head_grad in world4.run(_sharded_grads, 2, from_logits, **LOSS_OPTIONS):
+        torch.testing.assert_close(embed_grad, ref_embed, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(head_grad, ref_head, rtol=1e-5, atol=1e-6)
+
+
+def _evaluation_losses():
+    """The value the mixin returns outside training (no trainer, no grad): for every layout."""
+    out = {}
+    for cp in (1, 2, 4):
+        layout = groups.initialize(tp=1, cp=cp)
+        set_current_layout(layout)
+        module = _Head()
+        rows = slice(layout.dp_rank * ROWS // layout.dp, (layout.dp_rank + 1) * ROWS // layout.dp)
+        batch = shard_batch({k: v[rows] for k, v in _batch().items()}, cp, layout.cp_rank)
+        with torch.no_grad():
+            out[cp] = module.lm_loss(module.embed[batch["input_ids"]], module.head, batch).item()
+        set_current_layout(None)
+        groups.destroy()
+    return out
+
+
+def test_evaluation_returns_the_global_token_mean_on_every_rank(world4):
+    ref_loss, _, _ = _reference_grads()
+    for losses in world4.run(_evaluation_losses):
+        for cp, loss in losses.items():
+            assert loss == pytest.approx(ref_loss.item(), rel=1e-6), f"cp={cp}"
+
+
 def _tensor_parallel_grads(vocab_parallel):
     """tp=2 x cp=2: the head either split over the vocabulary (marked as Megatron marks it) or replicated."""
-    groups.initialize(tp=2, cp=2)
+    layout = groups.initialize(tp=2, cp=2)
+    set_current_layout(layout)
     module = _Head()
     head = module.head
     if vocab_parallel:
         rows = VOCAB // 2
         head = torch.nn.Parameter(
-            module.head.detach()[groups.tp_rank() * rows : (groups.tp_rank() + 1) * rows].clone()
+            module.head.detach()[layout.tp_rank * rows : (layout.tp_rank + 1) * rows].clone()
         )
         head.tensor_model_parallel = True
-    batch = shard_batch(_batch(), 2, groups.cp_rank())
+    batch = shard_batch(_batch(), 2, layout.cp_rank)
     loss = module.lm_loss(module.embed[batch["input_ids"]], head, batch)
     loss.backward()
     for param in (module.embed, head):
-        dist.all_reduce(param.grad, group=groups.dp_cp_group())
-        param.grad /= groups.dp_cp_size()
-    return groups.tp_rank(), module.embed.grad, head.grad
+        dist.all_reduce(param.grad, group=groups.replica_group())
+        param.grad /= layout.dp * layout.cp
+    return layout.tp_rank, module.embed.grad, head.grad
 
 
 @pytest.mark.parametrize("vocab_parallel", [False, True], ids=["replicated_head", "vocab_parallel_head"])

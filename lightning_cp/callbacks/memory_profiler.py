@@ -25,11 +25,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_cp.callbacks import _memory_report
-from lightning_cp.parallel import groups
+from lightning_cp.parallel.layout import current_layout
 
 #: Name of a snapshot file. ``kind`` is ``step`` (a recorded step or window) or ``oom_step`` (a dump
 #: at an out-of-memory error); ``steps`` is ``000010`` or, for a window, ``000010-000012``;
-#: ``layout`` is ``.dp1-cp1-tp0`` under Megatron's parallel state and empty otherwise. The offline
+#: ``layout`` is this rank's ``.dp1-cp1-tp0`` in a distributed run and empty in a single process. The offline
 #: report and PyTorch's HTML share the stem: ``.png``, ``.md``, ``.html``.
 SNAPSHOT_FILENAME = "{kind}_{steps}.rank{rank:02d}{layout}.pickle"
 
@@ -298,9 +298,9 @@ class MemoryProfilerCallback(Callback):
                 "allocator events (does the model run on this rank's CUDA device?); no snapshot written."
             )
             return None
-        parallel = groups.layout()
+        parallel = current_layout()
         path = self._dir / SNAPSHOT_FILENAME.format(
-            kind=kind, steps=steps, rank=self._rank, layout=f".{parallel.tag()}" if parallel else ""
+            kind=kind, steps=steps, rank=self._rank, layout=f".{parallel.tag()}" if parallel.world_size > 1 else ""
         )
         partial = path.with_name(f"{path.name}.partial")
         with open(partial, "wb") as f:

@@ -8,10 +8,11 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
+from lightning_cp.constants import INPUT_IDS, POSITION_IDS, SHARD_LAYOUT
 from lightning_cp.mixins import CPLossMixin
 from lightning_cp.models.gpt import GPT, GPTConfig
 from lightning_cp.ops import token_logprobs
-from lightning_cp.parallel import groups
+from lightning_cp.parallel.layout import current_layout
 
 
 class GPTModule(CPLossMixin, LightningModule):
@@ -44,10 +45,10 @@ class GPTModule(CPLossMixin, LightningModule):
     def forward(self, batch: dict[str, Tensor]) -> Tensor:
         """Hidden states ``[B, S_local, n_embd]`` of this rank's tokens of a sharded batch."""
         return self.model(
-            batch["input_ids"],
-            batch["position_ids"],
-            cu_seqlens=batch.get("cu_seqlens"),
-            cp_group=groups.cp_group(),
+            batch[INPUT_IDS],
+            batch[POSITION_IDS],
+            shard_layout=batch.get(SHARD_LAYOUT),
+            cp_group=current_layout().cp_group,
         )
 
     def _loss(self, batch: dict[str, Tensor]) -> Tensor:

@@ -1,32 +1,33 @@
-"""Context-parallel causal attention, without TransformerEngine.
+"""Context-parallel causal attention, without TransformerEngine, for padded and packed batches.
 
-Each CP rank holds the query, key and value of its own tokens in the load-balanced layout made by
+Each CP rank holds the queries, keys and values of its own tokens in the load-balanced layout made by
 :func:`lightning_cp.parallel.shard_batch` (chunks ``r`` and ``2 * cp - 1 - r`` of every sequence). Keys
-and values are all-gathered over the CP group; every query then attends to the keys at or before its
-position in the *full* sequence (and, in a packed batch, only within its own sequence). The backward
-of the all-gather returns dK and dV to the ranks that own those tokens.
+and values are all-gathered over the CP group (one collective for both, only the key/value heads: with
+grouped-query attention that is ``Hkv``, not ``Hq``, heads). The batch's
+:class:`~lightning_cp.parallel.ShardLayout` then picks, for each local chunk of each sequence (a
+*piece*), the keys of that sequence up to the chunk's end, and a variable-length causal kernel attends
+piece by piece (:mod:`lightning_cp.parallel._varlen`: FlashAttention-2 varlen on CUDA, an exact
+blocked torch kernel elsewhere). Documents of a packed batch never see each other, and no
+``[T_local, T_total]`` mask is ever built.
 
-Why all-gather rather than a ring: it needs one collective per layer that works on gloo and NCCL
-alike, and K/V are ``2 * heads * head_dim`` values per token, far smaller than the activations the
-loss and MLP keep; the memory the package saves is the ``[tokens, vocab]`` logits.
-
-Kernels: padded batches go through ``scaled_dot_product_attention`` with a bottom-right-aligned causal
-bias per local chunk, which dispatches to the flash / memory-efficient kernels on CUDA and never builds
-a mask; packed batches need a document mask, built as a ``[T_local, T_total]`` boolean (the
-memory-efficient kernel takes it on CUDA; plain SDPA on CPU).
+Memory: the gathered keys and values live only inside the forward and the backward of a layer. The
+backward all-gathers them again instead of keeping them, so a layer saves ``O(T_local)`` (its local
+``q``, ``k``, ``v``, output and log-sum-exp), and returns dK, dV to their owners with one
+reduce-scatter (an all-reduce on gloo, which has none).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
 
-from lightning_cp.parallel.collectives import all_gather
-from lightning_cp.parallel.groups import ProcessGroup
-from lightning_cp.parallel.sharding import _split_index
+from lightning_cp.parallel import _varlen
+from lightning_cp.parallel.layout import ProcessGroup
+from lightning_cp.parallel.sharding import ShardLayout
 
 
 def context_parallel_attention(
@@ -34,91 +35,190 @@ def context_parallel_attention(
     k: Tensor,
     v: Tensor,
     *,
-    cu_seqlens: Tensor | None = None,
+    shard_layout: ShardLayout | None = None,
     cp_group: ProcessGroup | None = None,
     scale: float | None = None,
 ) -> Tensor:
-    """Causal attention over the whole sequence while each rank holds only its shard.
+    """Causal attention over the whole sequences while each rank holds only its shard.
 
     Args:
-        q, k, v: ``[B, heads, S_local, head_dim]``, this rank's tokens in ``shard_batch``'s layout
-            (``S_local`` even: two chunks). Any float dtype; the result has ``q``'s dtype.
-        cu_seqlens: packed batches only (``B == 1``): this rank's local sequence boundaries
-            ``[n + 1]`` as returned by ``shard_batch`` in ``batch["cu_seqlens"]``.
-        cp_group: the context-parallel group (``lightning_cp.parallel.groups.cp_group()``); ``None`` means
-            no context parallelism (plain causal attention over the local tokens).
-        scale: softmax scale, default ``head_dim ** -0.5``.
+        q: ``[B, Hq, S_local, D]``, this rank's queries in ``shard_batch``'s layout (any float dtype).
+        k, v: ``[B, Hkv, S_local, D]`` with ``Hkv`` dividing ``Hq`` (grouped- or multi-query attention
+            when smaller); same dtype and device as ``q``.
+        shard_layout: the batch's ``batch["shard_layout"]`` from :func:`~lightning_cp.parallel.shard_batch`.
+            Required under CP and for packed batches; without it (and without CP) every row is one
+            sequence and this is plain causal attention over the local tokens.
+        cp_group: the context-parallel group (``strategy.layout.cp_group``); ``None``: no CP.
+        scale: softmax scale, default ``D ** -0.5``.
 
     Returns:
-        ``[B, heads, S_local, head_dim]``: the attention output of this rank's queries.
+        ``[B, Hq, S_local, D]``: the attention output of this rank's queries, in ``q``'s dtype.
 
-    Communication: all-gather of K and V over ``cp_group`` (forward), reduce-scatter / all-reduce of
-    their gradients (backward).
+    Communication: one all-gather of K and V over ``cp_group`` in the forward; in the backward the same
+    all-gather again and one reduce-scatter (NCCL) or all-reduce (gloo) of their gradients.
+
+    Raises:
+        ValueError: on inconsistent shapes, a layout of another CP split than ``cp_group``'s, or CP
+            without a layout.
     """
-    if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[2] != k.shape[2]:
+    cp_size, cp_rank = _group_coordinates(cp_group)
+    batch, heads, local_len, dim = _check_shapes(q, k, v)
+    scale = dim**-0.5 if scale is None else float(scale)
+    if shard_layout is None:
+        if cp_size > 1:
+            raise ValueError(
+                f"context_parallel_attention over a CP group of {cp_size} ranks needs the batch's layout: pass "
+                "shard_layout=batch['shard_layout'] (set by shard_batch / MegatronCPStrategy)."
+            )
+        return _causal_rows(q, k, v, scale)
+    split = shard_layout.split
+    if (split.cp_size, split.cp_rank) != (cp_size, cp_rank):
         raise ValueError(
-            "q, k, v must be [B, heads, S_local, head_dim] with the same B, heads and S_local; "
+            f"shard_layout was made for CP rank {split.cp_rank} of {split.cp_size}, but this is rank {cp_rank} "
+            f"of cp_group's {cp_size}; shard the batch with the group's size and rank."
+        )
+    if shard_layout.local_tokens != batch * local_len:
+        raise ValueError(
+            f"shard_layout describes {shard_layout.local_tokens} local tokens but q holds B * S_local = "
+            f"{batch} * {local_len}; pass the layout of the batch these tensors come from."
+        )
+    if cp_size == 1 and shard_layout.num_sequences == batch:
+        return _causal_rows(q, k, v, scale)  # one sequence per row, all local: the fused causal kernel
+    if batch * local_len == 0:
+        return torch.empty_like(q)
+
+    def tokens(x: Tensor) -> Tensor:  # [B, H, S, D] -> [B * S, H, D]
+        return x.transpose(1, 2).reshape(batch * local_len, x.shape[1], dim)
+
+    out = _CPAttention.apply(tokens(q), tokens(k), tokens(v), shard_layout, cp_group, scale)
+    return out.view(batch, local_len, heads, dim).transpose(1, 2)
+
+
+def _group_coordinates(group: ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int]:
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(
+            "q must be [B, Hq, S_local, D] and k, v [B, Hkv, S_local, D]; "
             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}."
         )
-    cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
-    cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
-    if cp_size == 1 and cu_seqlens is None:
-        # No split: plain causal attention, for any length.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    local_len = q.shape[2]
-    if local_len % 2:
-        raise ValueError(
-            f"S_local={local_len} is odd: context-parallel attention expects the two-chunk layout of shard_batch "
-            "(every sequence padded to a multiple of 2 * cp)."
-        )
-    if cp_size > 1:
-        k = all_gather(k, 2, cp_group)
-        v = all_gather(v, 2, cp_group)
-    if cu_seqlens is None:
-        return _padded_attention(q, k, v, cp_size, cp_rank, scale)
-    if q.shape[0] != 1:
-        raise ValueError(f"Packed attention (cu_seqlens given) expects B == 1, got q {tuple(q.shape)}.")
-    return _packed_attention(q, k, v, cu_seqlens, cp_size, cp_rank, scale)
-
-
-def _padded_attention(
-    q: Tensor, k: Tensor, v: Tensor, cp_size: int, cp_rank: int, scale: float | None
-) -> Tensor:
-    """Each row is one sequence: reorder gathered K/V to sequence order, then two causal SDPA calls."""
     batch, heads, local_len, dim = q.shape
-    chunk = local_len // 2
-    if cp_size > 1:
-        # Gathered chunk order is [rank0: c0, c_{2cp-1} | rank1: c1, c_{2cp-2} | ...]; put chunk g at slot g.
-        g = torch.arange(2 * cp_size, device=q.device)
-        slot = torch.where(g < cp_size, 2 * g, 2 * (2 * cp_size - 1 - g) + 1)
-        k = k.view(batch, heads, 2 * cp_size, chunk, dim).index_select(2, slot).view(batch, heads, -1, dim)
-        v = v.view(batch, heads, 2 * cp_size, chunk, dim).index_select(2, slot).view(batch, heads, -1, dim)
-    outs = []
-    for half, global_chunk in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
-        keys = (global_chunk + 1) * chunk
-        outs.append(
-            F.scaled_dot_product_attention(
-                q[:, :, half * chunk : (half + 1) * chunk],
-                k[:, :, :keys],
-                v[:, :, :keys],
-                attn_mask=causal_lower_right(chunk, keys),
-                scale=scale,
-            )
+    kv_heads = k.shape[1]
+    if k.shape[0] != batch or k.shape[2] != local_len or k.shape[3] != dim or heads % kv_heads:
+        raise ValueError(
+            f"k, v {tuple(k.shape)} do not fit q {tuple(q.shape)}: they need the same B, S_local and D, and "
+            f"their head count ({kv_heads}) must divide q's ({heads})."
         )
-    return torch.cat(outs, dim=2)
+    return batch, heads, local_len, dim
 
 
-def _packed_attention(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cp_size: int, cp_rank: int, scale: float | None
-) -> Tensor:
-    """Mask by (sequence, position in sequence); every rank's token positions follow from the layout."""
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
-    padded_lengths = (cu[1:] - cu[:-1]) * cp_size
-    if q.shape[2] != int(cu[-1]):
-        raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but q holds {q.shape[2]} local tokens.")
-    seq_q, pos_q, _ = _split_index(padded_lengths, cp_size, cp_rank)
-    keys = [_split_index(padded_lengths, cp_size, r) for r in range(cp_size)]
-    seq_k = torch.cat([s for s, _, _ in keys])
-    pos_k = torch.cat([p for _, p, _ in keys])
-    mask = (seq_q[:, None] == seq_k[None, :]) & (pos_k[None, :] <= pos_q[:, None])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+def _causal_rows(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Plain causal attention of each row over its own tokens (no CP: the row is the whole sequence)."""
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
+
+
+def _pieces(layout: ShardLayout) -> _varlen.Pieces:
+    """Host-side ``(q_start, q_stop, k_start, k_stop)`` of every piece, from the CPU chunk lengths."""
+    kept = layout.split.kept_chunks
+    pieces, q0, k0 = [], 0, 0
+    for chunk in layout.chunk_lengths.tolist():
+        for global_chunk in kept:
+            keys = (global_chunk + 1) * chunk
+            pieces.append((q0, q0 + chunk, k0, k0 + keys))
+            q0, k0 = q0 + chunk, k0 + keys
+    return pieces
+
+
+def _gather_pieces_keys(kv: Tensor, layout: ShardLayout, group: ProcessGroup | None) -> Tensor:
+    """Every piece's keys and values ``[K, 2 * Hkv, D]`` from this rank's ``kv`` ``[T_local, 2 * Hkv, D]``."""
+    if group is not None:
+        gathered = kv.new_empty((dist.get_world_size(group) * kv.shape[0], *kv.shape[1:]))
+        dist.all_gather_into_tensor(gathered, kv, group=group)
+        kv = gathered
+    return kv.index_select(0, layout.key_index)
+
+
+def _return_to_owners(grad: Tensor, layout: ShardLayout, group: ProcessGroup | None, local: int) -> Tensor:
+    """Sum the pieces' key gradients ``[K, ...]`` into the ``[T_local, ...]`` of the ranks owning the keys."""
+    size = 1 if group is None else dist.get_world_size(group)
+    full = grad.new_zeros((size * local, *grad.shape[1:]))
+    full.index_add_(0, layout.key_index, grad)
+    if group is None:
+        return full
+    if dist.get_backend(group) == "nccl":
+        out = grad.new_empty((local, *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, full, group=group)
+        return out
+    dist.all_reduce(full, group=group)
+    rank = dist.get_rank(group)
+    return full[rank * local : (rank + 1) * local].clone()
+
+
+class _CPAttention(torch.autograd.Function):
+    """Token-major CP attention: ``q [T_local, Hq, D]``, ``k, v [T_local, Hkv, D]`` -> ``[T_local, Hq, D]``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        layout: ShardLayout,
+        group: ProcessGroup | None,
+        scale: float,
+    ) -> Tensor:
+        kv_heads = k.shape[1]
+        keys = _gather_pieces_keys(torch.cat([k, v], dim=1), layout, group)
+        piece_k, piece_v = keys[:, :kv_heads], keys[:, kv_heads:]
+        q = q.contiguous()
+        if _varlen.flash_available(q):
+            out, lse, rng = _varlen.flash_forward(
+                q,
+                piece_k,
+                piece_v,
+                layout.cu_queries,
+                layout.cu_keys,
+                layout.max_queries,
+                layout.max_keys,
+                scale,
+            )
+        else:
+            out, lse = _varlen.torch_forward(q, piece_k, piece_v, _pieces(layout), scale)
+            rng = None
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout, ctx.group, ctx.scale, ctx.rng = layout, group, scale, rng
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, group, scale = ctx.layout, ctx.group, ctx.scale
+        kv_heads = k.shape[1]
+        keys = _gather_pieces_keys(torch.cat([k, v], dim=1), layout, group)
+        piece_k, piece_v = keys[:, :kv_heads], keys[:, kv_heads:]
+        if ctx.rng is not None:
+            dq, dk, dv = _varlen.flash_backward(
+                dout,
+                q,
+                piece_k,
+                piece_v,
+                out,
+                lse,
+                layout.cu_queries,
+                layout.cu_keys,
+                layout.max_queries,
+                layout.max_keys,
+                scale,
+                ctx.rng,
+            )
+        else:
+            dq, dk, dv = _varlen.torch_backward(dout, q, piece_k, piece_v, out, lse, _pieces(layout), scale)
+        del keys, piece_k, piece_v
+        dkv = _return_to_owners(torch.cat([dk, dv], dim=1), layout, group, q.shape[0])
+        return dq, dkv[:, :kv_heads], dkv[:, kv_heads:], None, None, None

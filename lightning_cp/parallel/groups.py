@@ -1,25 +1,22 @@
-"""The one place that asks Megatron-core ``parallel_state`` for process groups and ranks.
+"""Creating and destroying Megatron-core's model-parallel state: the only module that touches it.
 
-Everything else in the package goes through these functions, so that the rest of the code works
-the same whether Megatron's model-parallel state is initialized (under ``MegatronCPStrategy``) or not
-(a single process, or plain DDP): without it, CP and TP are trivial (size 1) and the data-parallel
-group is the default world group (``None``), or no group at all when ``torch.distributed`` is off.
+:func:`initialize` builds Megatron's TP / CP / DP groups over the default process group and returns the
+:class:`~lightning_cp.parallel.ParallelLayout` read off them; everything else in the package uses that
+layout, never Megatron's globals. Megatron is imported on first use, so DataLoader workers (which import
+``lightning_cp.data``) never load it.
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch.distributed as dist
 
-ProcessGroup = dist.ProcessGroup
+from lightning_cp.parallel.layout import ParallelLayout, ProcessGroup
 
 
 def _parallel_state() -> ModuleType:
-    """Megatron-core's ``parallel_state``, imported on first use (DataLoader workers never need it)."""
     with warnings.catch_warnings():
         # megatron-core warns at import when TransformerEngine / Apex are absent; the package never needs them.
         warnings.simplefilter("ignore")
@@ -27,15 +24,8 @@ def _parallel_state() -> ModuleType:
     return parallel_state
 
 
-def model_parallel_initialized() -> bool:
-    """Whether Megatron's ``parallel_state`` has been initialized in this process."""
-    if "megatron.core.parallel_state" not in sys.modules:
-        return False  # nobody initialized it: no need to import Megatron to find out
-    return dist.is_available() and dist.is_initialized() and _parallel_state().model_parallel_is_initialized()
-
-
-# Groups Megatron created in `initialize`: `destroy_model_parallel` only forgets them, and each one keeps
-# its communication threads (about 50 per initialization on gloo) until it is destroyed explicitly.
+# Groups Megatron created in `initialize`: `destroy_model_parallel` forgets most of them without
+# destroying them, and each one keeps its communication threads (about 50 per initialization on gloo).
 _created_groups: list[ProcessGroup] = []
 
 
@@ -43,102 +33,76 @@ def _live_groups() -> list[ProcessGroup]:
     return list(dist.distributed_c10d._world.pg_map)
 
 
-def initialize(tp: int, cp: int) -> None:
-    """Create Megatron's TP / CP / DP groups over the already-initialized default process group.
+def initialize(tp: int, cp: int, *, gloo_shadow_groups: bool | None = None) -> ParallelLayout:
+    """Create Megatron's TP / CP / DP groups over the initialized default process group.
 
-    Megatron orders ranks ``tp-cp-ep-dp-pp``: TP peers are adjacent ranks, then CP, then DP. Gloo
-    shadow groups are only made for NCCL worlds (on a gloo world they would duplicate every group).
+    Megatron orders ranks ``tp-cp-ep-dp-pp``: TP peers are adjacent ranks, then CP, then DP.
+
+    Args:
+        tp: tensor-parallel size.
+        cp: context-parallel size; ``world_size`` must be a multiple of ``tp * cp``.
+        gloo_shadow_groups: also create Megatron's gloo copies of the data-parallel groups. Default: only
+            on NCCL worlds (on a gloo world they would duplicate every group).
+
+    Returns:
+        This rank's layout, with ``None`` for every group of size 1.
+
+    Communication: the collective creation of every Megatron group (all ranks must call it).
     """
+    parallel_state = _parallel_state()
     before = set(_live_groups())
-    _parallel_state().initialize_model_parallel(
+    parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         context_parallel_size=cp,
-        create_gloo_process_groups=dist.get_backend() != "gloo",
+        create_gloo_process_groups=(
+            dist.get_backend() != "gloo" if gloo_shadow_groups is None else gloo_shadow_groups
+        ),
     )
     _created_groups.extend(group for group in _live_groups() if group not in before)
+    dp = parallel_state.get_data_parallel_world_size()
+    return ParallelLayout(
+        dp=dp,
+        cp=cp,
+        tp=tp,
+        rank=dist.get_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        cp_group=parallel_state.get_context_parallel_group() if cp > 1 else None,
+        tp_group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
+        dp_group=parallel_state.get_data_parallel_group() if dp > 1 else None,
+        loss_group=(
+            parallel_state.get_data_parallel_group(with_context_parallel=True) if dp * cp > 1 else None
+        ),
+    )
 
 
 def destroy() -> None:
-    """Tear down Megatron's groups and release their resources (the default process group stays)."""
-    if model_parallel_initialized():
-        _parallel_state().destroy_model_parallel()
-    while _created_groups:
-        dist.destroy_process_group(_created_groups.pop())
+    """Tear down Megatron's state and release its groups (the default process group stays).
 
-
-def cp_group() -> ProcessGroup | None:
-    """The context-parallel group of this rank, or ``None`` when CP is not set up."""
-    return _parallel_state().get_context_parallel_group() if model_parallel_initialized() else None
-
-
-def cp_size() -> int:
-    return _parallel_state().get_context_parallel_world_size() if model_parallel_initialized() else 1
-
-
-def cp_rank() -> int:
-    return _parallel_state().get_context_parallel_rank() if model_parallel_initialized() else 0
-
-
-def tp_group() -> ProcessGroup | None:
-    """The tensor-parallel group of this rank, or ``None`` when TP is not set up."""
-    return _parallel_state().get_tensor_model_parallel_group() if model_parallel_initialized() else None
-
-
-def tp_size() -> int:
-    return _parallel_state().get_tensor_model_parallel_world_size() if model_parallel_initialized() else 1
-
-
-def tp_rank() -> int:
-    return _parallel_state().get_tensor_model_parallel_rank() if model_parallel_initialized() else 0
-
-
-def dp_group() -> ProcessGroup | None:
-    """The data-parallel group without CP peers; the world group (``None``) without Megatron state."""
-    return _parallel_state().get_data_parallel_group() if model_parallel_initialized() else None
-
-
-def dp_size() -> int:
-    if model_parallel_initialized():
-        return _parallel_state().get_data_parallel_world_size()
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def dp_rank() -> int:
-    if model_parallel_initialized():
-        return _parallel_state().get_data_parallel_rank()
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def dp_cp_group() -> ProcessGroup | None:
-    """The group over which gradients, loss sums and token counts are reduced (DP x CP).
-
-    Without Megatron state this is the world group (``None``), which is what plain DDP reduces over.
+    Megatron's ``destroy_model_parallel`` destroys some groups itself (the gloo shadow groups of NCCL
+    worlds) and only forgets the others; the ones still alive are destroyed here.
     """
-    if model_parallel_initialized():
-        return _parallel_state().get_data_parallel_group(with_context_parallel=True)
-    return None
+    if _created_groups:
+        _parallel_state().destroy_model_parallel()
+    live = set(_live_groups())
+    while _created_groups:
+        group = _created_groups.pop()
+        if group in live:
+            dist.destroy_process_group(group)
 
 
-def dp_cp_size() -> int:
-    return dp_size() * cp_size()
+def replica_group() -> ProcessGroup:
+    """Megatron's DP x CP group, also when it has a single rank: the group DDP / FSDP replicate over.
+
+    (The layout's ``loss_group`` is ``None`` for a single rank, but DDP needs a group object.)
+    """
+    return _parallel_state().get_data_parallel_group(with_context_parallel=True)
 
 
-@dataclass(frozen=True)
-class ParallelLayout:
-    """Where this rank sits in the parallel layout; used in file names and log messages."""
-
-    rank: int
-    dp: int
-    cp: int
-    tp: int
-
-    def tag(self) -> str:
-        """``dp1-cp0-tp0``: the coordinates of this rank in the DP x CP x TP grid."""
-        return f"dp{self.dp}-cp{self.cp}-tp{self.tp}"
-
-
-def layout() -> ParallelLayout | None:
-    """This rank's DP / CP / TP coordinates, or ``None`` when Megatron's state is not initialized."""
-    if not model_parallel_initialized():
-        return None
-    return ParallelLayout(rank=dist.get_rank(), dp=dp_rank(), cp=cp_rank(), tp=tp_rank())
+def seed_model_parallel_cuda_rng(seed: int) -> None:
+    """Seed Megatron's CUDA RNG tracker (per-TP-rank streams for model-parallel dropout) from ``seed``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core import tensor_parallel
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -1,66 +1,187 @@
 """Shift-then-split of batches along the sequence for context parallelism, and the inverse.
 
-``shard_batch`` runs on every rank on the *full* sequence, before any model code (DESIGN.md, flow
-step 2):
+``shard_batch`` runs on every rank on the *full* sequence, before any model code (``docs/design.md``,
+"How one batch flows"):
 
 1. labels become the next token (within each packed sequence; the last token of a sequence has none),
    ``loss_mask`` is rolled the same way, ``position_ids`` are taken from the full sequence;
 2. every sequence is padded to a multiple of ``2 * cp`` (padding is never a target) and cut into
-   ``2 * cp`` equal chunks; CP rank ``r`` keeps chunks ``r`` and ``2 * cp - 1 - r``.
+   ``2 * cp`` equal chunks; CP rank ``r`` keeps chunks ``r`` and ``2 * cp - 1 - r`` (:class:`CPSplit`);
+3. what attention needs to find every key of every local query (:class:`ShardLayout`) is computed once
+   and carried in the batch, so no layer recomputes it.
 
 The kept chunks balance the causal-attention work over ranks (an early chunk is cheap, a late one
 expensive). For padded ``[B, S]`` batches the layout is identical to Megatron-core's
 ``get_batch_on_this_cp_rank``; for packed ``[1, T]`` batches every sequence is split on its own, as
-TransformerEngine's THD layout does, so each rank holds two pieces of every sequence.
-
-All index arithmetic is vectorized over sequences (``_split_index``); the same function is used by
-the attention to recover each local token's position in its sequence, so the split lives in one place.
+TransformerEngine's THD layout does, so each rank holds two pieces of every sequence. All index
+arithmetic is vectorized over sequences.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_cp.constants import IGNORE_INDEX
+from lightning_cp.constants import (
+    CU_SEQLENS,
+    CU_SEQLENS_PADDED,
+    IGNORE_INDEX,
+    INPUT_IDS,
+    INPUT_MASK,
+    LABELS,
+    LOSS_MASK,
+    POSITION_IDS,
+    SHARD_LAYOUT,
+)
+from lightning_cp.parallel.layout import check_size
 
-_PACKED_KEYS = ("cu_seqlens", "cu_seqlens_padded")
-_DERIVED_KEYS = ("labels", "loss_mask", "input_mask", "position_ids")
+_PACKED_KEYS = (CU_SEQLENS, CU_SEQLENS_PADDED)
+_DERIVED_KEYS = (LABELS, LOSS_MASK, INPUT_MASK, POSITION_IDS, SHARD_LAYOUT)
 
 
-def _split_index(lengths: Tensor, cp_size: int, cp_rank: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Which tokens of each sequence CP rank ``cp_rank`` keeps, in its local order.
+@dataclass(frozen=True)
+class CPSplit:
+    """The load-balanced split of sequences over a CP group, for one rank.
 
-    Args:
-        lengths: ``[n]`` int64, the unpadded length of each sequence.
+    Every sequence is padded to a multiple of ``2 * cp_size`` and cut into ``2 * cp_size`` equal chunks;
+    rank ``r`` keeps chunks ``r`` and ``2 * cp_size - 1 - r`` (a cheap early chunk and an expensive late
+    one, which balances causal attention). This is the only place that knows the rule: ``shard_batch``,
+    ``unshard`` and the attention metadata (:class:`ShardLayout`) all ask it.
 
-    Returns:
-        ``(sequence, offset, local_lengths)``: for each local token, the index of its sequence ``[T_local]``
-        and its position inside that sequence after padding ``[T_local]`` (``offset >= length`` marks
-        padding); and the number of local tokens of each sequence ``[n]`` (``2 * ceil(length / (2 * cp))``).
+    Raises:
+        TypeError / ValueError: ``cp_size`` is not an integer >= 1, or ``cp_rank`` not in ``[0, cp_size)``.
     """
-    chunk = torch.div(lengths + 2 * cp_size - 1, 2 * cp_size, rounding_mode="floor")
-    local_lengths = 2 * chunk
-    total = int(local_lengths.sum())
-    sequence = torch.repeat_interleave(
-        torch.arange(len(lengths), device=lengths.device), local_lengths, output_size=total
-    )
-    starts = torch.cumsum(local_lengths, 0) - local_lengths
-    j = torch.arange(total, device=lengths.device) - starts[sequence]
-    c = chunk[sequence]
-    second = j >= c
-    offset = torch.where(second, (2 * cp_size - 1 - cp_rank) * c + (j - c), cp_rank * c + j)
-    return sequence, offset, local_lengths
+
+    cp_size: int
+    cp_rank: int
+
+    def __post_init__(self) -> None:
+        check_size("cp_size", self.cp_size)
+        if isinstance(self.cp_rank, bool) or not isinstance(self.cp_rank, int):
+            raise TypeError(f"cp_rank={self.cp_rank!r} must be an integer in [0, {self.cp_size}).")
+        if not 0 <= self.cp_rank < self.cp_size:
+            raise ValueError(f"cp_rank={self.cp_rank} must be in [0, cp_size={self.cp_size}).")
+
+    @property
+    def kept_chunks(self) -> tuple[int, int]:
+        """The indices (of ``2 * cp_size``) of the two chunks this rank keeps, in local order."""
+        return self.cp_rank, 2 * self.cp_size - 1 - self.cp_rank
+
+    def chunk_lengths(self, lengths: Tensor) -> Tensor:
+        """``[n]`` chunk length of each sequence: ``ceil(length / (2 * cp_size))``."""
+        return torch.div(lengths + 2 * self.cp_size - 1, 2 * self.cp_size, rounding_mode="floor")
+
+    def positions(self, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Which tokens of each sequence this rank keeps, in its local order.
+
+        Args:
+            lengths: ``[n]`` int64, the unpadded length of each sequence.
+
+        Returns:
+            ``(sequence, offset, local_lengths)``: for each local token, the index of its sequence
+            ``[T_local]`` and its position inside that sequence after padding ``[T_local]``
+            (``offset >= length`` marks padding); and the number of local tokens of each sequence ``[n]``
+            (``2 * chunk_length``).
+        """
+        chunk = self.chunk_lengths(lengths)
+        local_lengths = 2 * chunk
+        total = int(local_lengths.sum())
+        sequence = torch.repeat_interleave(
+            torch.arange(len(lengths), device=lengths.device), local_lengths, output_size=total
+        )
+        starts = torch.cumsum(local_lengths, 0) - local_lengths
+        j = torch.arange(total, device=lengths.device) - starts[sequence]
+        c = chunk[sequence]
+        first, second = self.kept_chunks
+        offset = torch.where(j >= c, second * c + (j - c), first * c + j)
+        return sequence, offset, local_lengths
 
 
-def _check_cp(cp_size: int, cp_rank: int) -> None:
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be an integer >= 1, got {cp_size!r}.")
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be an integer in [0, {cp_size}), got {cp_rank!r}.")
+@dataclass(frozen=True, eq=False)
+class ShardLayout:
+    """Where one rank's tokens of a sharded batch sit in their sequences: what CP attention needs.
+
+    Built once per batch by :func:`shard_batch` (``batch["shard_layout"]``) and read by every attention
+    layer. A *sequence* is a row of a padded ``[B, S]`` batch or a document of a packed ``[1, T]`` one;
+    this rank's ``T_local`` tokens (the batch flattened row-major) hold, sequence after sequence, the two
+    kept chunks of each. Attention splits them into *pieces* (one per kept chunk, ``2 * n`` in all):
+    piece ``(i, h)`` holds the queries of chunk ``g = kept_chunks[h]`` of sequence ``i``, which attend
+    causally (bottom-right aligned) to the first ``(g + 1) * chunk_lengths[i]`` keys of that sequence.
+
+    Keys are all-gathered over the CP group in rank order (``[cp * T_local]``); ``key_index`` picks, for
+    every piece in turn, its keys out of that gathered order, so the per-piece keys form one packed
+    ``[K]`` sequence described by ``cu_keys``: exactly the variable-length layout that
+    ``flash_attn_varlen_func`` / ``torch.nn.attention.varlen`` take, with no ``[T_local, T_total]`` mask.
+    """
+
+    split: CPSplit
+    """The CP split this batch was sharded with."""
+    chunk_lengths: Tensor
+    """``[n]`` int64 on the CPU: the chunk length of each sequence (its padded length is ``2 * cp`` times it)."""
+    cu_seqlens: Tensor
+    """``[n + 1]`` int32: boundaries of the sequences in this rank's ``T_local`` tokens."""
+    cu_queries: Tensor
+    """``[2 * n + 1]`` int32: boundaries of the query pieces in the ``T_local`` tokens."""
+    cu_keys: Tensor
+    """``[2 * n + 1]`` int32: boundaries of the pieces' keys in the ``[K]`` selection made by ``key_index``."""
+    key_index: Tensor
+    """``[K]`` int64: position in the gathered ``[cp * T_local]`` keys of every key of every piece."""
+    max_queries: int
+    """Longest query piece."""
+    max_keys: int
+    """Longest key piece."""
+
+    @classmethod
+    def build(cls, split: CPSplit, lengths: Tensor, device: torch.device | str) -> ShardLayout:
+        """The layout of sequences of (unpadded) ``lengths`` ``[n]`` for ``split``, index tensors on ``device``.
+
+        Computed on the CPU from ``lengths`` (no device synchronization), then copied to ``device``.
+        """
+        chunk = split.chunk_lengths(lengths.to("cpu", torch.int64))
+        n, cp = len(chunk), split.cp_size
+        kept = torch.tensor(split.kept_chunks)
+        local_lengths = 2 * chunk
+        local_starts = torch.cumsum(local_lengths, 0) - local_lengths
+        local_total = int(local_lengths.sum())
+        key_lengths = ((kept + 1).unsqueeze(0) * chunk.unsqueeze(1)).flatten()
+        key_total = int(key_lengths.sum())
+        # For every key of every piece: its sequence, and its position p in that (padded) sequence.
+        key_sequence = (
+            torch.arange(n).repeat_interleave(2).repeat_interleave(key_lengths, output_size=key_total)
+        )
+        piece_starts = torch.cumsum(key_lengths, 0) - key_lengths
+        p = torch.arange(key_total) - piece_starts.repeat_interleave(key_lengths, output_size=key_total)
+        c = chunk[key_sequence]
+        global_chunk = torch.div(p, c, rounding_mode="floor")
+        owner = torch.where(global_chunk < cp, global_chunk, 2 * cp - 1 - global_chunk)
+        second_half = (global_chunk >= cp).long()
+        key_index = (
+            owner * local_total + local_starts[key_sequence] + second_half * c + (p - global_chunk * c)
+        )
+        longest = int(chunk.max()) if n else 0
+        return cls(
+            split=split,
+            chunk_lengths=chunk,
+            cu_seqlens=_cumulative(local_lengths).to(device),
+            cu_queries=_cumulative(chunk.repeat_interleave(2)).to(device),
+            cu_keys=_cumulative(key_lengths).to(device),
+            key_index=key_index.to(device),
+            max_queries=longest,
+            max_keys=(split.kept_chunks[1] + 1) * longest,
+        )
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.chunk_lengths)
+
+    @property
+    def local_tokens(self) -> int:
+        """``T_local``: this rank's tokens of the batch (all rows)."""
+        return 2 * int(self.chunk_lengths.sum())
 
 
 def _check_cu_seqlens(cu_seqlens: Any, total: int) -> Tensor:
@@ -121,8 +242,8 @@ def shard_batch(
             Optional ``labels`` (aligned with ``input_ids``, as in Hugging Face: *not* shifted; defaults to
             ``input_ids``), ``loss_mask`` (aligned with ``input_ids``: 1 where the token is a target) and
             ``position_ids``, and ``input_mask`` (1 on real tokens, 0 on collate padding). Every other tensor
-            whose first two dims are those of ``input_ids`` is split
-            the same way (padded with zeros); anything else passes through unchanged.
+            whose first two dims are those of ``input_ids`` is split the same way (padded with zeros);
+            anything else passes through unchanged.
         cp_size: number of ranks in the context-parallel group.
         cp_rank: this rank's index in it.
         ignore_index: label of positions that are not targets.
@@ -132,49 +253,52 @@ def shard_batch(
         A new dict with this rank's tokens: ``input_ids``, ``labels`` (next token, ``ignore_index`` where
         not a target), ``loss_mask`` (float32, 1 on targets), ``position_ids`` (position inside the
         sequence, int64), ``input_mask`` (bool, False on padding, including the padding added here, so
-        token counts need no knowledge of the layout), the other sequence tensors, and for packed batches
-        ``cu_seqlens`` (this rank's local boundaries, int32) and ``cu_seqlens_padded`` (boundaries of the
-        padded full sequence, int32).
+        token counts need no knowledge of the layout), the other sequence tensors, ``shard_layout`` (the
+        :class:`ShardLayout` that attention reads), and for packed batches ``cu_seqlens`` (this rank's local
+        boundaries, int32) and ``cu_seqlens_padded`` (boundaries of the padded full sequence, int32).
         Local length is ``S_pad / cp`` (padded) or ``sum(len_pad_i) / cp`` (packed).
 
     Raises:
         ValueError: no ``input_ids``, wrong shapes or dtypes, or ``cu_seqlens`` that do not cover the tokens.
+        TypeError / ValueError: a ``cp_size`` / ``cp_rank`` that is not a valid split (see :class:`CPSplit`).
     """
-    _check_cp(cp_size, cp_rank)
-    if not isinstance(batch, Mapping) or "input_ids" not in batch:
+    split = CPSplit(cp_size, cp_rank)
+    if not isinstance(batch, Mapping) or INPUT_IDS not in batch:
         keys = list(batch) if isinstance(batch, Mapping) else type(batch).__name__
         raise ValueError(
             f"A context-parallel batch must be a dict with 'input_ids' [B, S] (or [1, T] with 'cu_seqlens'); got {keys}."
         )
-    input_ids = batch["input_ids"]
+    input_ids = batch[INPUT_IDS]
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         raise ValueError(f"batch['input_ids'] must be a 2-D integer tensor [B, S], got {input_ids!r}.")
     rows, seq_len = input_ids.shape
     device = input_ids.device
-    packed = batch.get("cu_seqlens") is not None
+    packed = batch.get(CU_SEQLENS) is not None
 
     if packed:
         if rows != 1:
             raise ValueError(
                 f"A packed batch (with 'cu_seqlens') must have input_ids of shape [1, T], got {tuple(input_ids.shape)}."
             )
-        cu = _check_cu_seqlens(batch["cu_seqlens"], seq_len).to(device)
-        lengths = cu[1:] - cu[:-1]
-        starts = cu[:-1]
+        cu_cpu = _check_cu_seqlens(batch[CU_SEQLENS], seq_len)
+        lengths_cpu = cu_cpu[1:] - cu_cpu[:-1]
+        cu = cu_cpu.to(device)
+        lengths, starts = cu[1:] - cu[:-1], cu[:-1]
     else:
-        lengths = torch.tensor([seq_len], device=device)
+        lengths_cpu = torch.tensor([seq_len])
+        lengths = lengths_cpu.to(device)
         starts = torch.zeros(1, dtype=torch.int64, device=device)
 
     last = torch.zeros_like(input_ids, dtype=torch.bool)
     last[0 if packed else slice(None), (starts + lengths - 1)] = True
     labels, target = _shift_targets(input_ids, batch, last, ignore_index)
 
-    sequence, offset, local_lengths = _split_index(lengths, cp_size, cp_rank)
+    sequence, offset, local_lengths = split.positions(lengths)
     valid = offset < lengths[sequence]
     src = starts[sequence] + offset
 
-    if "position_ids" in batch:
-        position_ids = torch.where(valid, _gather_tokens(batch["position_ids"], src, valid, 0), offset)
+    if POSITION_IDS in batch:
+        position_ids = torch.where(valid, _gather_tokens(batch[POSITION_IDS], src, valid, 0), offset)
     else:
         position_ids = offset.unsqueeze(0).expand(rows, -1)
 
@@ -183,17 +307,19 @@ def shard_batch(
         if key in _PACKED_KEYS or key in _DERIVED_KEYS:
             continue
         if isinstance(value, Tensor) and value.shape[:2] == input_ids.shape:
-            value = _gather_tokens(value, src, valid, pad_id if key == "input_ids" else 0)
+            value = _gather_tokens(value, src, valid, pad_id if key == INPUT_IDS else 0)
         out[key] = value
-    input_mask = batch.get("input_mask", torch.ones_like(input_ids, dtype=torch.bool))
-    out["input_mask"] = _gather_tokens(input_mask.bool(), src, valid, False)
-    out["labels"] = _gather_tokens(labels, src, valid, ignore_index)
-    out["loss_mask"] = _gather_tokens(target, src, valid, False).float()
-    out["position_ids"] = position_ids.to(torch.int64).contiguous()
+    input_mask = batch.get(INPUT_MASK, torch.ones_like(input_ids, dtype=torch.bool))
+    out[INPUT_MASK] = _gather_tokens(input_mask.bool(), src, valid, False)
+    out[LABELS] = _gather_tokens(labels, src, valid, ignore_index)
+    out[LOSS_MASK] = _gather_tokens(target, src, valid, False).float()
+    out[POSITION_IDS] = position_ids.to(torch.int64).contiguous()
+    # A padded batch is B sequences of one length; a packed one, the documents of its row.
+    layout = ShardLayout.build(split, lengths_cpu if packed else lengths_cpu.expand(rows), device)
+    out[SHARD_LAYOUT] = layout
     if packed:
-        padded_lengths = local_lengths * cp_size
-        out["cu_seqlens"] = _cumulative(local_lengths)
-        out["cu_seqlens_padded"] = _cumulative(padded_lengths)
+        out[CU_SEQLENS] = layout.cu_seqlens
+        out[CU_SEQLENS_PADDED] = _cumulative(local_lengths * cp_size)
     return out
 
 
@@ -228,7 +354,7 @@ def unshard(
         starts = torch.zeros(1, dtype=torch.int64, device=device)
     out = shards[0].new_zeros((rows, total, *shards[0].shape[2:]))
     for rank, shard in enumerate(shards):
-        sequence, offset, _ = _split_index(lengths, cp_size, rank)
+        sequence, offset, _ = CPSplit(cp_size, rank).positions(lengths)
         if shard.shape[1] != len(offset):
             raise ValueError(
                 f"shard {rank} has {shard.shape[1]} tokens, expected {len(offset)} for this layout."

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import inspect
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -18,17 +18,38 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_cp.parallel import groups
+from lightning_cp.parallel.layout import (
+    ParallelLayout,
+    check_size,
+    data_parallel_size,
+    set_current_layout,
+)
 from lightning_cp.parallel.sharding import shard_batch
 
+# Keywords the strategy passes on: DDPStrategy's own, then DistributedDataParallel's. The strategy sets
+# `module`, `device_ids` and the group itself.
+_DDP_STRATEGY_KEYWORDS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+_DDP_KEYWORDS = tuple(
+    name
+    for name in inspect.signature(DistributedDataParallel.__init__).parameters
+    if name not in ("self", "module", "device_ids", "process_group", "device_mesh")
+)
 
-def _check_size(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+
+def _check_ddp_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
+    for reserved in ("process_group", "device_mesh"):
+        # LightningCLI may fill a DDP keyword with its default (None); only a real value conflicts.
+        if kwargs.pop(reserved, None) is not None:
+            raise ValueError(
+                f"MegatronCPStrategy({reserved}=...): the strategy gives DDP the DP x CP group itself; remove it."
+            )
+    unknown = sorted(set(kwargs) - set(_DDP_STRATEGY_KEYWORDS) - set(_DDP_KEYWORDS))
+    if unknown:
         raise TypeError(
-            f"MegatronCPStrategy({name}={value!r}): {name} must be an integer >= 1, e.g. {name}=2."
+            f"MegatronCPStrategy got unexpected keyword argument(s) {unknown}. It takes cp, tp, the arguments "
+            f"of DDPStrategy and these DistributedDataParallel options: {', '.join(_DDP_KEYWORDS)}."
         )
-    if value < 1:
-        raise ValueError(f"MegatronCPStrategy({name}={value}): {name} must be >= 1 (1 disables it).")
-    return value
+    return kwargs
 
 
 class MegatronCPStrategy(DDPStrategy):
@@ -39,12 +60,14 @@ class MegatronCPStrategy(DDPStrategy):
 
     - initializes the process group (NCCL on CUDA, gloo on CPU) and Megatron-core ``parallel_state``
       with ``tensor_model_parallel_size=tp`` and ``context_parallel_size=cp``; the remaining factor of the
-      world size is data parallelism (``dp = world_size / (tp * cp)``);
+      world size is data parallelism (``dp = world_size / (tp * cp)``). The result is :attr:`layout`,
+      which is also :func:`lightning_cp.parallel.current_layout` while the strategy is set up;
     - the distributed sampler splits data over DP ranks only, so CP and TP peers see the same samples;
     - every train / val / test / predict batch is sharded for this CP rank by
       :func:`lightning_cp.parallel.shard_batch` after it reaches the device: the step methods receive
-      next-token ``labels``, ``loss_mask``, ``position_ids`` and, for packed batches, local ``cu_seqlens``;
-    - gradients are averaged over DP x CP (DDP on ``groups.dp_cp_group()``): with the loss normalized as
+      next-token ``labels``, ``loss_mask``, ``position_ids``, ``shard_layout`` and, for packed batches,
+      local ``cu_seqlens``;
+    - gradients are averaged over DP x CP (DDP on ``layout.loss_group``): with the loss normalized as
       :class:`lightning_cp.CPLossMixin` does, the update equals a single process on the global batch;
     - parameters that are not tensor-parallel shards are broadcast within the TP group before DDP
       broadcasts over DP x CP, so every replica starts from the same weights.
@@ -54,10 +77,11 @@ class MegatronCPStrategy(DDPStrategy):
         tp: tensor-parallel size (ranks that share one layer's weights).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
-        **kwargs: passed to :class:`~torch.nn.parallel.DistributedDataParallel`.
+        **kwargs: ``DDPStrategy``'s communication-hook options and
+            :class:`~torch.nn.parallel.DistributedDataParallel` options (``find_unused_parameters``, ...).
 
     Raises:
-        TypeError: ``cp`` or ``tp`` is not an integer.
+        TypeError: ``cp`` or ``tp`` is not an integer, or an unknown keyword argument.
         ValueError: ``cp`` or ``tp`` < 1, or the world size is not divisible by ``tp * cp`` (raised when
             the Trainer is built, before any process is launched or collective is run).
 
@@ -82,14 +106,8 @@ class MegatronCPStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        self.cp = _check_size("cp", cp)
-        self.tp = _check_size("tp", tp)
-        for reserved in ("process_group", "device_mesh"):
-            # LightningCLI fills every DDP keyword with its default (None here); only a real value conflicts.
-            if kwargs.pop(reserved, None) is not None:
-                raise ValueError(
-                    f"MegatronCPStrategy({reserved}=...): the strategy gives DDP the DP x CP group itself; remove it."
-                )
+        self.cp = check_size("cp", cp, "MegatronCPStrategy")
+        self.tp = check_size("tp", tp, "MegatronCPStrategy")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -99,64 +117,65 @@ class MegatronCPStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
-            **kwargs,
+            **_check_ddp_keywords(kwargs),
         )
+        self._layout: ParallelLayout | None = None
 
     @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
+    def layout(self) -> ParallelLayout:
+        """This rank's DP x CP x TP layout and groups; available once the processes are set up."""
+        if self._layout is None:
+            raise RuntimeError(
+                "Accessing MegatronCPStrategy.layout before the processes have initialized is not allowed: "
+                "use it in the LightningModule's hooks (configure_model, the step methods), not in __init__."
+            )
+        return self._layout
 
     @property
     def dp(self) -> int:
         """Data-parallel size: ``world_size / (tp * cp)``."""
-        return self._check_world_size()
+        return self._data_parallel_size()
 
-    def _check_world_size(self) -> int:
+    def _data_parallel_size(self) -> int:
         world = self.num_nodes * self.num_processes
-        if world % (self.tp * self.cp):
+        try:
+            return data_parallel_size(world, self.cp, self.tp)
+        except ValueError as error:
             raise ValueError(
-                f"MegatronCPStrategy: world size {world} (num_nodes={self.num_nodes} x devices={self.num_processes}) "
-                f"is not divisible by tp({self.tp}) * cp({self.cp}) = {self.tp * self.cp}. "
-                f"Use a device count that is a multiple of {self.tp * self.cp}, or change cp / tp."
-            )
-        return world // (self.tp * self.cp)
+                f"MegatronCPStrategy: num_nodes={self.num_nodes} x devices={self.num_processes}: {error}"
+            ) from None
 
     @override
     def _configure_launcher(self) -> None:
-        self._check_world_size()
+        self._data_parallel_size()
         super()._configure_launcher()
 
     @override
     def setup_distributed(self) -> None:
-        self._check_world_size()
+        self._data_parallel_size()
         super().setup_distributed()
-        groups.initialize(tp=self.tp, cp=self.cp)
+        self._layout = groups.initialize(tp=self.tp, cp=self.cp)
+        set_current_layout(self._layout)
         if self.root_device.type == "cuda":
-            from megatron.core import tensor_parallel
-
-            tensor_parallel.model_parallel_cuda_manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 1234)))
+            # The seed Lightning used (reset_seed above re-applies PL_GLOBAL_SEED when seed_everything ran).
+            groups.seed_model_parallel_cuda_rng(torch.initial_seed())
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if not groups.model_parallel_initialized():
-            raise RuntimeError(
-                "MegatronCPStrategy: the sampler layout is known only after the process groups are initialized."
-            )
-        return {"num_replicas": groups.dp_size(), "rank": groups.dp_rank()}
+        return {"num_replicas": self.layout.dp, "rank": self.layout.dp_rank}
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         self._broadcast_within_tp(model)
-        device_ids = self.determine_ddp_device_ids()
-        return DistributedDataParallel(
-            module=model, device_ids=device_ids, process_group=groups.dp_cp_group(), **self._ddp_kwargs
-        )
+        # Lightning's own construction (side CUDA stream, device ids), over the DP x CP ranks only.
+        self._ddp_kwargs["process_group"] = groups.replica_group()
+        return super()._setup_model(model)
 
     def _broadcast_within_tp(self, model: Module) -> None:
         """TP peers are not in DDP's group: give them the replicated (non-sharded) weights of TP rank 0."""
-        group = groups.tp_group()
-        if groups.tp_size() == 1:
+        group = self.layout.tp_group
+        if group is None:
             return
         src = dist.get_global_rank(group, 0)
         for tensor in [*model.parameters(), *model.buffers()]:
@@ -167,11 +186,13 @@ class MegatronCPStrategy(DDPStrategy):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Move the batch (user transfer hooks see the full batch), then keep this CP rank's shard."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        return shard_batch(batch, groups.cp_size(), groups.cp_rank())
+        return shard_batch(batch, self.layout.cp, self.layout.cp_rank)
 
     @override
     def teardown(self) -> None:
         super().teardown()
+        set_current_layout(None)
+        self._layout = None
         groups.destroy()
 
     @classmethod

@@ -21,8 +21,8 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_cp.callbacks import MemoryProfilerCallback, _memory_report
-from lightning_cp.parallel import groups
+from lightning_cp.callbacks import MemoryProfilerCallback, _memory_report, memory_profiler
+from lightning_cp.parallel import ParallelLayout
 
 MiB = 2**20
 GiB = 2**30
@@ -280,9 +280,13 @@ def test_window_cut_short_by_max_steps_dumps_what_was_recorded(tmp_path, monkeyp
     assert _stems(tmp_path) == {"step_000004-000005.rank00"}
 
 
-def test_file_names_carry_the_megatron_layout(tmp_path, monkeypatch):
+def test_file_names_carry_the_parallel_layout(tmp_path, monkeypatch):
     fake = FakeCuda().install(monkeypatch)
-    monkeypatch.setattr(groups, "layout", lambda: groups.ParallelLayout(rank=0, dp=1, cp=1, tp=0))
+    group = object()  # never called into
+    layout = ParallelLayout(
+        dp=2, cp=2, rank=3, dp_rank=1, cp_rank=1, cp_group=group, dp_group=group, loss_group=group
+    )
+    monkeypatch.setattr(memory_profiler, "current_layout", lambda: layout)
     _fit(tmp_path, MemoryProfilerCallback(steps=[2], log_peak=False), StepModel(fake.events), max_steps=3)
 
     # dirpath defaults to <trainer.log_dir>/memory_snapshots; with logger=False log_dir is default_root_dir.
@@ -607,7 +611,7 @@ def test_ddp_records_on_selected_ranks_and_logs_the_max_over_ranks(tmp_path, wor
         ("snapshot",),
         ("record", None),
     ]
-    assert _stems(Path(snaps)) == {"step_000001.rank01"}
+    assert _stems(Path(snaps)) == {"step_000001.rank01.dp1-cp0-tp0"}  # plain DDP: dp = world size
 
 
 def test_ddp_unwritable_dirpath_on_one_rank_fails_setup_on_every_rank(tmp_path, world2):

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_cp import MegatronCPStrategy
 from lightning_cp.data import LongRangeCopyDataset, collate_packed, collate_padded
 from lightning_cp.models import GPT, GPTConfig, GPTModule
+from lightning_cp.parallel import CPSplit, ParallelLayout, ShardLayout, current_layout
 
 CONFIG = GPTConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=32)
 GLOBAL_BATCH = 4
@@ -54,10 +55,15 @@ def _loader(batch_size, packed, dataset=None):
 class _Recorder(Callback):
     def __init__(self):
         self.losses = []
+        self.val_losses = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
             self.losses.append(trainer.callback_metrics["train/loss_step"].item())
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.val_losses.append(trainer.callback_metrics["val/loss"].item())
 
 
 def _trainer(cp, world, **kwargs):
@@ -247,22 +253,34 @@ def _fit_epochs(dirpath, epochs, resume):
         _loader(micro_batch, False, _dataset(GLOBAL_BATCH, 9)),
     )
     trainer.fit(module, train, val, ckpt_path=os.path.join(dirpath, "last.ckpt") if resume else None)
-    return (
-        recorder.losses,
-        trainer.callback_metrics["rank_mean"].item(),
-        stopping.wait_count,
-        checkpoint.best_model_path,
-    )
+    return {
+        "losses": recorder.losses,
+        "val_losses": recorder.val_losses,
+        "rank_mean": trainer.callback_metrics["rank_mean"].item(),
+        "wait": stopping.wait_count,
+        "best_score": stopping.best_score.item(),
+        "best_path": checkpoint.best_model_path,
+        "best_model_score": checkpoint.best_model_score.item(),
+    }
 
 
 def test_resume_from_checkpoint_continues_with_the_same_losses(world4, tmp_path):
-    straight, mean, _, _ = world4.run(_fit_epochs, str(tmp_path / "straight"), 3, False)[0]
-    first, _, _, _ = world4.run(_fit_epochs, str(tmp_path / "resumed"), 1, False)[0]
-    resumed, _, wait, best = world4.run(_fit_epochs, str(tmp_path / "resumed"), 3, True)[0]
-    assert len(straight) == 6 and len(first) == 2 and len(resumed) == 4
-    assert first + resumed == pytest.approx(straight, rel=1e-6)
-    assert mean == pytest.approx(1.5)  # self.log(sync_dist=True) averages over all 4 ranks
-    assert os.path.exists(best) and wait >= 0
+    straight = world4.run(_fit_epochs, str(tmp_path / "straight"), 3, False)[0]
+    first = world4.run(_fit_epochs, str(tmp_path / "resumed"), 1, False)[0]
+    resumed = world4.run(_fit_epochs, str(tmp_path / "resumed"), 3, True)[0]
+    assert len(straight["losses"]) == 6 and len(first["losses"]) == 2 and len(resumed["losses"]) == 4
+    assert first["losses"] + resumed["losses"] == pytest.approx(straight["losses"], rel=1e-6)
+    assert straight["rank_mean"] == pytest.approx(1.5)  # self.log(sync_dist=True) averages over all 4 ranks
+    # EarlyStopping and ModelCheckpoint state survive the resume: the best validation loss of all three
+    # epochs, and the number of epochs since it, as in the uninterrupted run.
+    val_losses = first["val_losses"] + resumed["val_losses"]
+    assert val_losses == pytest.approx(straight["val_losses"], rel=1e-6)
+    best_epoch = min(range(3), key=val_losses.__getitem__)
+    for run in (straight, resumed):
+        assert run["best_score"] == pytest.approx(min(val_losses), rel=1e-6)
+        assert run["best_model_score"] == pytest.approx(min(val_losses), rel=1e-6)
+        assert run["wait"] == 2 - best_epoch
+    assert os.path.exists(resumed["best_path"])
 
 
 def _bad_batches():
@@ -302,10 +320,72 @@ def test_bad_sizes_fail_at_construction(kwargs, error, match):
 
 
 def test_world_size_not_divisible_fails_when_the_trainer_is_built():
-    with pytest.raises(ValueError, match=r"world size 3 .* tp\(1\) \* cp\(2\) = 2"):
+    with pytest.raises(
+        ValueError, match=r"devices=3: world size 3 is not divisible by cp\(2\) \* tp\(1\) = 2"
+    ):
         Trainer(accelerator="cpu", devices=3, strategy=MegatronCPStrategy(cp=2), logger=False)
+
+
+def test_unknown_keywords_fail_at_construction():
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['find_unused_parameter'\]"):
+        MegatronCPStrategy(cp=2, find_unused_parameter=True)
+    with pytest.raises(ValueError, match="gives DDP the DP x CP group itself"):
+        MegatronCPStrategy(process_group=object())
+    assert MegatronCPStrategy(find_unused_parameters=True, ddp_comm_hook=None)._ddp_kwargs == {
+        "find_unused_parameters": True
+    }
+
+
+def test_the_layout_is_not_available_before_setup():
+    with pytest.raises(RuntimeError, match="before the processes have initialized"):
+        _ = MegatronCPStrategy(cp=2).layout
 
 
 def test_registered_by_name():
     trainer = Trainer(accelerator="cpu", devices=2, strategy="megatron_cp", logger=False)
     assert isinstance(trainer.strategy, MegatronCPStrategy) and trainer.strategy.cp == 1
+
+
+class _Probe(Callback):
+    def on_train_start(self, trainer, pl_module):
+        strategy = trainer.strategy
+        self.info = {
+            "ddp_group_size": dist.get_world_size(strategy.model.process_group),
+            "layout": (strategy.layout.dp, strategy.layout.cp, strategy.layout.cp_rank),
+            "current": current_layout() is strategy.layout,
+            "sampler": strategy.distributed_sampler_kwargs,
+        }
+
+
+def _count_layout_work():
+    """Fit 3 packed steps of a 2-layer GPT, counting the CP split's index work."""
+    calls = {"build": 0, "positions": 0}
+    build, positions = ShardLayout.build.__func__, CPSplit.positions
+
+    def counted_build(cls, *args, **kwargs):
+        calls["build"] += 1
+        return build(cls, *args, **kwargs)
+
+    def counted_positions(self, *args, **kwargs):
+        calls["positions"] += 1
+        return positions(self, *args, **kwargs)
+
+    ShardLayout.build, CPSplit.positions = classmethod(counted_build), counted_positions
+    try:
+        seed_everything(0)
+        probe = _Probe()
+        trainer = _trainer(2, dist.get_world_size(), max_steps=3, callbacks=[probe])
+        trainer.fit(GPTModule(CONFIG), _loader(2, True))
+    finally:
+        ShardLayout.build, CPSplit.positions = classmethod(build), positions
+    return calls, probe.info, current_layout() == ParallelLayout.data_parallel()
+
+
+def test_strategy_builds_ddp_over_dp_x_cp_and_splits_each_batch_once(world4):
+    for rank, (calls, info, restored) in enumerate(world4.run(_count_layout_work)):
+        # 3 training batches: one split and one layout each, whatever the number of layers.
+        assert calls == {"build": 3, "positions": 3}
+        assert info["ddp_group_size"] == 4  # DDP reduces over DP x CP = 2 x 2
+        assert info["layout"] == (2, 2, rank % 2) and info["current"]
+        assert info["sampler"] == {"num_replicas": 2, "rank": rank // 2}
+        assert restored  # teardown hands the current layout back
