@@ -11,6 +11,7 @@ and ``weight.grad``. The cases differ only in how they get there, which is what 
 ``torch_lce[...]``     ``torch.nn.functional.linear_cross_entropy`` (torch >= 2.13), per chunking option
 ``megatron_vocab_ce``  Megatron-core ``vocab_parallel_cross_entropy`` with TP = 1 on [S, B, V] logits
 ``liger_flce``         Liger-Kernel ``LigerFusedLinearCrossEntropyLoss`` (CUDA only)
+``cce``                cut-cross-entropy ``linear_cross_entropy`` (Apple's CCE; CUDA only)
 ``ours_*``             ``lightning_cp.ops``: fused head + loss (torch / Triton), loss from logits,
                        per-token log-probabilities
 =====================  ======================================================================
@@ -88,7 +89,7 @@ _RUNTIME_OVERHEAD_BYTES = 1 * GIB
 _LOSS_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 """How far a case's loss may be from ``plain``'s before the table flags it (low-precision cases
 compute the softmax from rounded logits)."""
-_PACKAGES = ("megatron-core", "triton", "liger-kernel")
+_PACKAGES = ("megatron-core", "triton", "liger-kernel", "cut-cross-entropy")
 """Whose versions the JSON report records."""
 
 _QUICK = {"tokens": [512], "vocab": [4096], "hidden": [256], "chunk_size": 128, "repeat": 1, "warmup": 1}
@@ -323,7 +324,17 @@ def _build_liger(p: _Problem) -> Callable[[], Tensor]:
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
     loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="mean")
-    return lambda: loss_fn(p.weight, p.hidden, p.labels)
+    return lambda: loss_fn(p.weight, p.hidden, p.labels)  # Liger takes the weight first
+
+
+def _build_cce(p: _Problem) -> Callable[[], Tensor]:
+    from cut_cross_entropy import linear_cross_entropy
+
+    # CCE's embeddings ``e`` are [..., H] and its classifier ``c`` is [V, H], like ours; "mean" averages
+    # over the non-ignored labels. impl="cce" with its default gradient filtering is what users get.
+    return lambda: linear_cross_entropy(
+        p.hidden, p.weight, p.labels, ignore_index=IGNORE_INDEX, reduction="mean", impl="cce"
+    )
 
 
 def _ours_lce_builder(impl: str) -> Callable[[_Problem], Callable[[], Tensor]]:
@@ -422,6 +433,15 @@ _CASES: tuple[_LossCase, ...] = (
         _build_liger,
         lambda s: 3 * s.chunk32 + s.weight32,
         needs=(needs_cuda, needs_module("liger_kernel", "liger-kernel")),
+    ),
+    _LossCase(
+        "cce",
+        "cut-cross-entropy linear_cross_entropy, impl='cce' (default gradient filtering)",
+        _build_cce,
+        # No [N, V] block at all: per-token statistics, a [V] logit average for the gradient filter and
+        # the kernels' scratch; a [V, H] fp32 copy covers them with margin.
+        lambda s: s.chunk32 + s.weight32,
+        needs=(needs_cuda, needs_module("cut_cross_entropy", "cut-cross-entropy")),
     ),
     _LossCase(
         "ours_lce_torch",
