@@ -90,7 +90,7 @@ def context_parallel_attention(
     def tokens(x: Tensor) -> Tensor:  # [B, H, S, D] -> [B * S, H, D]
         return x.transpose(1, 2).reshape(batch * local_len, x.shape[1], dim)
 
-    out = _CPAttention.apply(tokens(q), tokens(k), tokens(v), shard_layout, cp_group, scale)
+    out = _CPAttention.apply(tokens(q), tokens(k), tokens(v), shard_layout, GroupExchange(cp_group), scale)
     return out.view(batch, local_len, heads, dim).transpose(1, 2)
 
 
@@ -135,33 +135,60 @@ def _pieces(layout: ShardLayout) -> _varlen.Pieces:
     return pieces
 
 
-def _gather_pieces_keys(kv: Tensor, layout: ShardLayout, group: ProcessGroup | None) -> Tensor:
-    """Every piece's keys and values ``[K, 2 * Hkv, D]`` from this rank's ``kv`` ``[T_local, 2 * Hkv, D]``."""
-    if group is not None:
-        gathered = kv.new_empty((dist.get_world_size(group) * kv.shape[0], *kv.shape[1:]))
-        dist.all_gather_into_tensor(gathered, kv, group=group)
-        kv = gathered
-    return kv.index_select(0, layout.key_index)
+class GroupExchange:
+    """How the CP ranks exchange keys and values: collectives over ``group`` (``None``: one rank).
+
+    :class:`_CPAttention` only talks to its peers through these two methods, so a benchmark can stand in
+    for the peers on one device (``benchmarks/attention.py``).
+    """
+
+    def __init__(self, group: ProcessGroup | None) -> None:
+        self.group = group
+
+    def all_gather(self, local: Tensor) -> Tensor:
+        """``[cp * T_local, ...]``: every rank's ``local`` ``[T_local, ...]``, in rank order."""
+        if self.group is None:
+            return local
+        gathered = local.new_empty((dist.get_world_size(self.group) * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(gathered, local.contiguous(), group=self.group)
+        return gathered
+
+    def reduce_scatter(self, full: Tensor) -> Tensor:
+        """This rank's ``[T_local, ...]`` slice of the sum over ranks of ``full`` ``[cp * T_local, ...]``."""
+        if self.group is None:
+            return full
+        size = dist.get_world_size(self.group)
+        local = full.shape[0] // size
+        if dist.get_backend(self.group) == "nccl":
+            out = full.new_empty((local, *full.shape[1:]))
+            dist.reduce_scatter_tensor(out, full, group=self.group)
+            return out
+        # gloo has no reduce-scatter: all-reduce, then keep this rank's slice (twice the traffic).
+        dist.all_reduce(full, group=self.group)
+        rank = dist.get_rank(self.group)
+        return full[rank * local : (rank + 1) * local].clone()
 
 
-def _return_to_owners(grad: Tensor, layout: ShardLayout, group: ProcessGroup | None, local: int) -> Tensor:
+def _pieces_keys(kv: Tensor, layout: ShardLayout, exchange: GroupExchange) -> tuple[Tensor, Tensor]:
+    """Every piece's keys and values ``[K, Hkv, D]`` from this rank's ``kv`` ``[T_local, 2 * Hkv, D]``."""
+    keys = exchange.all_gather(kv).index_select(0, layout.key_index)
+    kv_heads = kv.shape[1] // 2
+    return keys[:, :kv_heads], keys[:, kv_heads:]
+
+
+def _return_to_owners(grad: Tensor, layout: ShardLayout, exchange: GroupExchange, local: int) -> Tensor:
     """Sum the pieces' key gradients ``[K, ...]`` into the ``[T_local, ...]`` of the ranks owning the keys."""
-    size = 1 if group is None else dist.get_world_size(group)
+    size = layout.split.cp_size
     full = grad.new_zeros((size * local, *grad.shape[1:]))
     full.index_add_(0, layout.key_index, grad)
-    if group is None:
-        return full
-    if dist.get_backend(group) == "nccl":
-        out = grad.new_empty((local, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, full, group=group)
-        return out
-    dist.all_reduce(full, group=group)
-    rank = dist.get_rank(group)
-    return full[rank * local : (rank + 1) * local].clone()
+    return exchange.reduce_scatter(full)
 
 
 class _CPAttention(torch.autograd.Function):
-    """Token-major CP attention: ``q [T_local, Hq, D]``, ``k, v [T_local, Hkv, D]`` -> ``[T_local, Hq, D]``."""
+    """Token-major CP attention: ``q [T_local, Hq, D]``, ``k, v [T_local, Hkv, D]`` -> ``[T_local, Hq, D]``.
+
+    Saves only the local tensors; the backward exchanges the keys and values again.
+    """
 
     @staticmethod
     def forward(
@@ -170,12 +197,10 @@ class _CPAttention(torch.autograd.Function):
         k: Tensor,
         v: Tensor,
         layout: ShardLayout,
-        group: ProcessGroup | None,
+        exchange: GroupExchange,
         scale: float,
     ) -> Tensor:
-        kv_heads = k.shape[1]
-        keys = _gather_pieces_keys(torch.cat([k, v], dim=1), layout, group)
-        piece_k, piece_v = keys[:, :kv_heads], keys[:, kv_heads:]
+        piece_k, piece_v = _pieces_keys(torch.cat([k, v], dim=1), layout, exchange)
         q = q.contiguous()
         if _varlen.flash_available(q):
             out, lse, rng = _varlen.flash_forward(
@@ -192,16 +217,14 @@ class _CPAttention(torch.autograd.Function):
             out, lse = _varlen.torch_forward(q, piece_k, piece_v, _pieces(layout), scale)
             rng = None
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.group, ctx.scale, ctx.rng = layout, group, scale, rng
+        ctx.layout, ctx.exchange, ctx.scale, ctx.rng = layout, exchange, scale, rng
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        layout, group, scale = ctx.layout, ctx.group, ctx.scale
-        kv_heads = k.shape[1]
-        keys = _gather_pieces_keys(torch.cat([k, v], dim=1), layout, group)
-        piece_k, piece_v = keys[:, :kv_heads], keys[:, kv_heads:]
+        layout, scale = ctx.layout, ctx.scale
+        piece_k, piece_v = _pieces_keys(torch.cat([k, v], dim=1), layout, ctx.exchange)
         if ctx.rng is not None:
             dq, dk, dv = _varlen.flash_backward(
                 dout,
@@ -219,6 +242,7 @@ class _CPAttention(torch.autograd.Function):
             )
         else:
             dq, dk, dv = _varlen.torch_backward(dout, q, piece_k, piece_v, out, lse, _pieces(layout), scale)
-        del keys, piece_k, piece_v
-        dkv = _return_to_owners(torch.cat([dk, dv], dim=1), layout, group, q.shape[0])
+        del piece_k, piece_v
+        kv_heads = k.shape[1]
+        dkv = _return_to_owners(torch.cat([dk, dv], dim=1), layout, ctx.exchange, q.shape[0])
         return dq, dkv[:, :kv_heads], dkv[:, kv_heads:], None, None, None
