@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,8 +30,9 @@ from lightning.pytorch import Trainer
 
 from lightning_cp import MegatronCPStrategy, MemoryProfilerCallback
 from lightning_cp.cli import main
-from lightning_cp.data import LongRangeDataModule, TokenFileDataset
+from lightning_cp.data import LongRangeDataModule, TokenFileDataset, write_token_file
 from lightning_cp.models import GPTConfig, GPTModule
+from tests.data._megatron import write_megatron_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "examples" / "configs"
@@ -217,6 +219,7 @@ def _check_one_line(status: int, out: str, err: str) -> str:
             ["MegatronCPStrategy(cp=0)", ">= 1"],
         ),
         (["--config", str(MAIN_JOB), "--trainer.devices", "3"], ["world size 3", "tp(1) * cp(2)"]),
+        (["--data.init_args.seq_len", "127"], ["seq_len=127 must be an even number"]),
     ],
     ids=[
         "unknown-key",
@@ -227,6 +230,7 @@ def _check_one_line(status: int, out: str, err: str) -> str:
         "bad-model-size",
         "bad-cp",
         "cp-does-not-divide-devices",
+        "odd-seq-len",
     ],
 )
 def test_configuration_errors_are_one_line(args, expected, cli):
@@ -242,6 +246,74 @@ def test_unknown_key_in_a_yaml_file_is_one_line(cli, tmp_path):
     assert "trainer.max_stepz" in message
 
 
+def _token_file_mistake(case: str, tmp_path: Path) -> tuple[list[str], list[str]]:
+    """Arguments over the packed token-file config that the data module rejects, and parts of its message."""
+    path = tmp_path / "tokens.bin"
+    tokens = np.random.default_rng(0).integers(0, 1023, size=4000)
+    if case == "missing-file":
+        return ["--data.init_args.path", str(path)], [f"path='{path}' does not exist"]
+    if case == "empty-file":
+        path.write_bytes(b"")
+        return ["--data.init_args.path", str(path), "--data.init_args.dtype", "uint16"], [
+            "is empty (0 bytes)"
+        ]
+    if case == "no-dtype":
+        tokens.astype(np.uint16).tofile(path)
+        return ["--data.init_args.path", str(path)], [
+            "has no sidecar",
+            "pass dtype='uint16' or dtype='uint32'",
+        ]
+    if case == "uint32-read-as-uint16":
+        tokens.astype(np.uint32).tofile(path)
+        return ["--data.init_args.path", str(path), "--data.init_args.dtype", "uint16"], [
+            "looks like a uint32 file",
+            "Pass dtype='uint32'",
+        ]
+    if case == "dtype-contradicts-sidecar":
+        write_token_file(path, tokens, vocab_size=1024)
+        return ["--data.init_args.path", str(path), "--data.init_args.dtype", "uint32"], [
+            "dtype='uint32' contradicts the sidecar"
+        ]
+    assert case == "megatron-with-eos-id"
+    prefix = write_megatron_dataset(tmp_path / "train_text_document", [tokens[:100], tokens[100:]], np.uint16)
+    return ["--data.init_args.path", prefix], ["eos_id=1023", "leave eos_id unset"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing-file",
+        "empty-file",
+        "no-dtype",
+        "uint32-read-as-uint16",
+        "dtype-contradicts-sidecar",
+        "megatron-with-eos-id",
+    ],
+)
+def test_token_file_mistakes_are_one_line(case, cli, tmp_path):
+    args, expected = _token_file_mistake(case, tmp_path)
+    message = _check_one_line(*cli("fit", "--config", str(PACKED), *args))
+    for part in expected:
+        assert part in message
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--config", str(PACKED), "--data.init_args.path", "no/such/tokens.bin"], "does not exist"),
+        (
+            ["--config", str(MAIN_JOB), "--data.init_args.seq_len", "127"],
+            "seq_len=127 must be an even number",
+        ),
+    ],
+    ids=["missing-token-file", "odd-seq-len"],
+)
+def test_console_script_data_error_is_one_line_on_stderr(args, expected):
+    """Raised while the data module is built, before Lightning starts one process per device."""
+    result = _run_console_script("fit", *args)
+    assert expected in _check_one_line(result.returncode, result.stdout, result.stderr)
+
+
 def test_console_script_error_is_one_line_on_stderr():
     """The installed command prints the strategy's own message, alone, and no import-time noise."""
     result = _run_console_script("fit", "--config", str(MAIN_JOB), "--trainer.devices", "3")
@@ -250,16 +322,16 @@ def test_console_script_error_is_one_line_on_stderr():
 
 def test_errors_while_training_keep_their_traceback(cli, tmp_path):
     """Only parsing and building are shortened to one line; the data module fails here in ``setup``."""
-    broken = tmp_path / "odd_size.bin"
-    broken.write_bytes(b"\x01\x00\x02")  # 3 bytes: not a whole number of uint16 tokens
-    with pytest.raises(ValueError, match="odd_size.bin"):
+    one_document = tmp_path / "one_document.bin"
+    write_token_file(one_document, [5, 6, 1023], vocab_size=1024, eos_id=1023)  # found by the scan in setup
+    with pytest.raises(ValueError, match=r"1 samples in path='.*one_document.bin' leaves no training sample"):
         main(
             [
                 "fit",
                 "--config",
                 str(PACKED),
                 "--data.init_args.path",
-                str(broken),
+                str(one_document),
                 "--trainer.devices",
                 "1",
                 "--trainer.strategy",
