@@ -13,6 +13,7 @@ import ast
 import csv
 import dataclasses
 import inspect
+import itertools
 import json
 import math
 import os
@@ -75,7 +76,13 @@ def _run_console_script(*args: str, timeout: float = 240) -> subprocess.Complete
     # One intra-op thread per process: 2 or 4 training processes share the small CI machine's cores.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [str(CONSOLE_SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        [str(CONSOLE_SCRIPT), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 
@@ -93,7 +100,7 @@ def _attribute_docstrings(cls: type) -> dict[str, str]:
     """Field name -> the string literal written under it in the class body (read with ``ast``)."""
     body = ast.parse(inspect.getsource(cls)).body[0].body
     docs = {}
-    for node, following in zip(body, body[1:]):
+    for node, following in itertools.pairwise(body):
         if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
             docs[node.target.id] = " ".join(following.value.value.split())
     return docs
