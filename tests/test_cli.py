@@ -299,7 +299,10 @@ def _token_file_mistake(case: str, tmp_path: Path) -> tuple[list[str], list[str]
 )
 def test_token_file_mistakes_are_one_line(case, cli, tmp_path):
     args, expected = _token_file_mistake(case, tmp_path)
-    message = _check_one_line(*cli("fit", "--config", str(PACKED), *args))
+    # One device: were the mistake found only in `setup`, Lightning would otherwise start rank 1 by re-running
+    # this process's command, `python -m pytest`, instead of the test failing here.
+    one_device = ["--trainer.devices", "1", "--trainer.strategy.init_args.cp", "1"]
+    message = _check_one_line(*cli("fit", "--config", str(PACKED), *one_device, *args))
     for part in expected:
         assert part in message
 
