@@ -13,6 +13,7 @@ import ast
 import csv
 import dataclasses
 import inspect
+import itertools
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,8 +31,9 @@ from lightning.pytorch import Trainer
 
 from lightning_cp import MegatronCPStrategy, MemoryProfilerCallback
 from lightning_cp.cli import main
-from lightning_cp.data import LongRangeDataModule, TokenFileDataset
+from lightning_cp.data import LongRangeDataModule, TokenFileDataset, write_token_file
 from lightning_cp.models import GPTConfig, GPTModule
+from tests.data._megatron import write_megatron_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "examples" / "configs"
@@ -73,7 +76,13 @@ def _run_console_script(*args: str, timeout: float = 240) -> subprocess.Complete
     # One intra-op thread per process: 2 or 4 training processes share the small CI machine's cores.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [str(CONSOLE_SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        [str(CONSOLE_SCRIPT), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 
@@ -91,7 +100,7 @@ def _attribute_docstrings(cls: type) -> dict[str, str]:
     """Field name -> the string literal written under it in the class body (read with ``ast``)."""
     body = ast.parse(inspect.getsource(cls)).body[0].body
     docs = {}
-    for node, following in zip(body, body[1:]):
+    for node, following in itertools.pairwise(body):
         if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
             docs[node.target.id] = " ".join(following.value.value.split())
     return docs
@@ -217,6 +226,7 @@ def _check_one_line(status: int, out: str, err: str) -> str:
             ["MegatronCPStrategy(cp=0)", ">= 1"],
         ),
         (["--config", str(MAIN_JOB), "--trainer.devices", "3"], ["world size 3", "cp(2) * tp(1) = 2"]),
+        (["--data.init_args.seq_len", "127"], ["seq_len=127 must be an even number"]),
     ],
     ids=[
         "unknown-key",
@@ -227,6 +237,7 @@ def _check_one_line(status: int, out: str, err: str) -> str:
         "bad-model-size",
         "bad-cp",
         "cp-does-not-divide-devices",
+        "odd-seq-len",
     ],
 )
 def test_configuration_errors_are_one_line(args, expected, cli):
@@ -242,6 +253,77 @@ def test_unknown_key_in_a_yaml_file_is_one_line(cli, tmp_path):
     assert "trainer.max_stepz" in message
 
 
+def _token_file_mistake(case: str, tmp_path: Path) -> tuple[list[str], list[str]]:
+    """Arguments over the packed token-file config that the data module rejects, and parts of its message."""
+    path = tmp_path / "tokens.bin"
+    tokens = np.random.default_rng(0).integers(0, 1023, size=4000)
+    if case == "missing-file":
+        return ["--data.init_args.path", str(path)], [f"path='{path}' does not exist"]
+    if case == "empty-file":
+        path.write_bytes(b"")
+        return ["--data.init_args.path", str(path), "--data.init_args.dtype", "uint16"], [
+            "is empty (0 bytes)"
+        ]
+    if case == "no-dtype":
+        tokens.astype(np.uint16).tofile(path)
+        return ["--data.init_args.path", str(path)], [
+            "has no sidecar",
+            "pass dtype='uint16' or dtype='uint32'",
+        ]
+    if case == "uint32-read-as-uint16":
+        tokens.astype(np.uint32).tofile(path)
+        return ["--data.init_args.path", str(path), "--data.init_args.dtype", "uint16"], [
+            "looks like a uint32 file",
+            "Pass dtype='uint32'",
+        ]
+    if case == "dtype-contradicts-sidecar":
+        write_token_file(path, tokens, vocab_size=1024)
+        return ["--data.init_args.path", str(path), "--data.init_args.dtype", "uint32"], [
+            "dtype='uint32' contradicts the sidecar"
+        ]
+    assert case == "megatron-with-eos-id"
+    prefix = write_megatron_dataset(tmp_path / "train_text_document", [tokens[:100], tokens[100:]], np.uint16)
+    return ["--data.init_args.path", prefix], ["eos_id=1023", "leave eos_id unset"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing-file",
+        "empty-file",
+        "no-dtype",
+        "uint32-read-as-uint16",
+        "dtype-contradicts-sidecar",
+        "megatron-with-eos-id",
+    ],
+)
+def test_token_file_mistakes_are_one_line(case, cli, tmp_path):
+    args, expected = _token_file_mistake(case, tmp_path)
+    # One device: were the mistake found only in `setup`, Lightning would otherwise start rank 1 by re-running
+    # this process's command, `python -m pytest`, instead of the test failing here.
+    one_device = ["--trainer.devices", "1", "--trainer.strategy.init_args.cp", "1"]
+    message = _check_one_line(*cli("fit", "--config", str(PACKED), *one_device, *args))
+    for part in expected:
+        assert part in message
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--config", str(PACKED), "--data.init_args.path", "no/such/tokens.bin"], "does not exist"),
+        (
+            ["--config", str(MAIN_JOB), "--data.init_args.seq_len", "127"],
+            "seq_len=127 must be an even number",
+        ),
+    ],
+    ids=["missing-token-file", "odd-seq-len"],
+)
+def test_console_script_data_error_is_one_line_on_stderr(args, expected):
+    """Raised while the data module is built, before Lightning starts one process per device."""
+    result = _run_console_script("fit", *args)
+    assert expected in _check_one_line(result.returncode, result.stdout, result.stderr)
+
+
 def test_console_script_error_is_one_line_on_stderr():
     """The installed command prints the strategy's own message, alone, and no import-time noise."""
     result = _run_console_script("fit", "--config", str(MAIN_JOB), "--trainer.devices", "3")
@@ -250,16 +332,16 @@ def test_console_script_error_is_one_line_on_stderr():
 
 def test_errors_while_training_keep_their_traceback(cli, tmp_path):
     """Only parsing and building are shortened to one line; the data module fails here in ``setup``."""
-    broken = tmp_path / "odd_size.bin"
-    broken.write_bytes(b"\x01\x00\x02")  # 3 bytes: not a whole number of uint16 tokens
-    with pytest.raises(ValueError, match="odd_size.bin"):
+    one_document = tmp_path / "one_document.bin"
+    write_token_file(one_document, [5, 6, 1023], vocab_size=1024, eos_id=1023)  # found by the scan in setup
+    with pytest.raises(ValueError, match=r"1 samples in path='.*one_document.bin' leaves no training sample"):
         main(
             [
                 "fit",
                 "--config",
                 str(PACKED),
                 "--data.init_args.path",
-                str(broken),
+                str(one_document),
                 "--trainer.devices",
                 "1",
                 "--trainer.strategy",

@@ -5,6 +5,7 @@ The configs in ``examples/configs`` are run by ``tests/test_cli.py``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -14,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lightning_cp.data import TokenFileDataset
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NUMBER = r"([-+]?\d+\.\d+(?:e[-+]\d+)?)"
 
@@ -21,6 +24,7 @@ NUMBER = r"([-+]?\d+\.\d+(?:e[-+]\d+)?)"
 def _run(script: str, *args: str) -> str:
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
+        check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
@@ -30,7 +34,8 @@ def _run(script: str, *args: str) -> str:
     return result.stdout
 
 
-def test_make_token_file_writes_eos_separated_periodic_documents(tmp_path):
+@pytest.mark.parametrize(("vocab_size", "dtype"), [(300, "uint16"), (70_000, "uint32")])
+def test_make_token_file_writes_eos_separated_periodic_documents(tmp_path, vocab_size, dtype):
     path = tmp_path / "tokens.bin"
     out = _run(
         "make_token_file.py",
@@ -44,21 +49,26 @@ def test_make_token_file_writes_eos_separated_periodic_documents(tmp_path):
         "--period",
         "4",
         "--vocab-size",
-        "300",
+        str(vocab_size),
         "--eos-id",
         "7",
     )
-    tokens = np.fromfile(path, dtype=np.uint16)
-    assert f"wrote 50 documents, {len(tokens)} tokens" in out
+    tokens = np.fromfile(path, dtype=dtype)
+    assert f"wrote 50 documents, {len(tokens)} tokens" in out and f"as {dtype} to {path}" in out
+    sidecar = json.loads(path.with_name("tokens.bin.json").read_text())
+    assert sidecar == {"dtype": dtype, "num_tokens": len(tokens), "vocab_size": vocab_size, "eos_id": 7}
     ends = np.flatnonzero(tokens == 7)
     assert len(ends) == 50 and ends[-1] == len(tokens) - 1
     documents = np.split(tokens, ends[:-1] + 1)
     lengths = [len(d) for d in documents]
     assert min(lengths) >= 10 and max(lengths) <= 40 and len(set(lengths)) > 5
-    assert tokens.max() < 300
+    assert tokens.max() < vocab_size and tokens.max() > 0.9 * vocab_size  # the whole vocabulary is used
     for document in documents:
         body = document[:-1]
         np.testing.assert_array_equal(body[4:], body[:-4])  # the pattern of 4 ids repeats
+    # The data module of configs/packed_sft_token_file.yaml reads it without a dtype: the sidecar has it.
+    dataset = TokenFileDataset(path, seq_len=64, vocab_size=vocab_size, eos_id=7)
+    assert [dataset[i]["input_ids"].tolist() for i in range(len(dataset))] == [d.tolist() for d in documents]
 
 
 def test_make_token_file_rejects_impossible_lengths(tmp_path):
@@ -72,6 +82,7 @@ def test_make_token_file_rejects_impossible_lengths(tmp_path):
             "--max-len",
             "40",
         ],
+        check=False,
         capture_output=True,
         text=True,
     )
@@ -81,7 +92,9 @@ def test_make_token_file_rejects_impossible_lengths(tmp_path):
 
 def test_convert_to_cp_loss_mixin_gives_the_same_losses():
     out = _run("convert_to_cp_loss_mixin.py")
-    rows = [tuple(map(float, m)) for m in re.findall(rf"^\s+\d+\s+{NUMBER}\s+{NUMBER}$", out, flags=re.M)]
+    rows = [
+        tuple(map(float, m)) for m in re.findall(rf"^\s+\d+\s+{NUMBER}\s+{NUMBER}$", out, flags=re.MULTILINE)
+    ]
     assert len(rows) == 6
     before, after = zip(*rows)
     assert after[0] == pytest.approx(before[0], abs=1e-5)  # same weights, same batch

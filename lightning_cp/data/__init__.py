@@ -2,24 +2,30 @@
 
 - :class:`LongRangeCopyDataset` / :class:`LongRangeDataModule`: a synthetic copy task that only a model
   whose attention crosses CP shards can learn (the default end-to-end check).
-- :class:`TokenFileDataset` / :class:`TokenFileDataModule`: a user's flat ``uint16`` / ``uint32`` token
-  file, as fixed windows or EOS-delimited documents.
+- :class:`TokenFileDataModule`: a user's pre-tokenized corpus, either a flat ``uint16`` / ``uint32`` token
+  file (:class:`TokenFileDataset`; fixed windows or EOS-delimited documents; its dtype recorded in the
+  sidecar that :func:`write_token_file` writes) or a Megatron-LM / NeMo indexed dataset
+  (:class:`MegatronIndexedDataset`, ``prefix.bin`` + ``prefix.idx``; its documents).
 - :func:`collate_padded` (``[B, S]``) and :func:`collate_packed` (``[1, T]`` + ``cu_seqlens``).
 
 Samples and batches are un-shifted: ``loss_mask[t] == 1`` marks token ``t`` as a target, and the
-strategy's ``shard_batch`` makes the next-token labels and the CP split.
+strategy's ``shard_batch`` makes the next-token labels and the CP split. Nothing here imports
+Megatron-core, so DataLoader workers stay light.
 """
 
 from lightning_cp.data.collate import collate_packed, collate_padded
 from lightning_cp.data.datamodule import LongRangeDataModule, TokenFileDataModule
+from lightning_cp.data.megatron_indexed import MegatronIndexedDataset
 from lightning_cp.data.synthetic import LongRangeCopyDataset
-from lightning_cp.data.token_file import TokenFileDataset
+from lightning_cp.data.token_file import TokenFileDataset, write_token_file
 
 __all__ = [
     "LongRangeCopyDataset",
     "LongRangeDataModule",
+    "MegatronIndexedDataset",
     "TokenFileDataModule",
     "TokenFileDataset",
     "collate_packed",
     "collate_padded",
+    "write_token_file",
 ]

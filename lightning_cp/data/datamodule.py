@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from lightning_cp.data._token_spans import _check_sampled_ids, _check_seq_len
 from lightning_cp.data.collate import collate_packed, collate_padded
-from lightning_cp.data.synthetic import LongRangeCopyDataset
-from lightning_cp.data.token_file import TokenDType, TokenFileDataset
+from lightning_cp.data.megatron_indexed import MegatronIndexedDataset, _is_megatron_prefix, _MegatronIndex
+from lightning_cp.data.synthetic import LongRangeCopyDataset, _check_copy_task
+from lightning_cp.data.token_file import TokenDType, TokenFileDataset, _check_token_file
 
 
 class _CPDataModule(LightningDataModule):
@@ -121,6 +124,13 @@ class LongRangeDataModule(_CPDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__(batch_size=batch_size, packed=packed, shuffle=shuffle, num_workers=num_workers)
+        _check_copy_task(
+            seq_len=seq_len,
+            vocab_size=vocab_size,
+            min_len=min_len,
+            num_train_samples=num_train_samples,
+            num_val_samples=num_val_samples,
+        )
         self.save_hyperparameters()
         self.vocab_size = vocab_size
         self.seq_len = seq_len
@@ -133,27 +143,46 @@ class LongRangeDataModule(_CPDataModule):
         """Create the (lazy, on-the-fly) train and validation datasets; cheap, the same on every rank."""
         if self._train is not None:
             return
-        common = dict(seq_len=self.seq_len, vocab_size=self.vocab_size, min_len=self.min_len)
+        common = {"seq_len": self.seq_len, "vocab_size": self.vocab_size, "min_len": self.min_len}
         self._train = LongRangeCopyDataset(self.num_train_samples, seed=self.seed, **common)
         val_seed = self.seed + self.num_train_samples
         self._val = LongRangeCopyDataset(self.num_val_samples, seed=val_seed, **common)
 
 
 class TokenFileDataModule(_CPDataModule):
-    """Training on a user's pre-tokenized file (:class:`~lightning_cp.data.TokenFileDataset`).
+    """Training on a user's pre-tokenized corpus: a flat token file or a Megatron indexed dataset.
+
+    ``path`` names one of two formats, told apart by the files present:
+
+    - a **Megatron-LM / NeMo indexed dataset**, by its prefix (``path.idx`` exists):
+      ``data/train_text_document`` for ``data/train_text_document.bin`` + ``.idx``, as given to Megatron's
+      ``--data-path``. Documents and dtype come from the index
+      (:class:`~lightning_cp.data.MegatronIndexedDataset`); leave ``dtype`` and ``eos_id`` unset. Pointing
+      at the ``.bin`` or ``.idx`` itself is an error that names the prefix.
+    - a **flat token file** (:class:`~lightning_cp.data.TokenFileDataset`): raw ``uint16`` / ``uint32`` ids.
+      Its dtype comes from the sidecar ``path.json`` that :func:`~lightning_cp.data.write_token_file` (and
+      ``examples/make_token_file.py``) write next to it, or, for a file without one, from ``dtype``, which is
+      then required. Samples are fixed windows, or EOS-delimited documents with ``eos_id``.
 
     The last ``val_fraction`` of the samples (at least one) is the validation set and the rest the
     training set: a contiguous tail, so validation text does not sit next to training windows of the
     same documents.
 
+    The constructor checks everything that does not need a full read of the data (files, sidecar, index,
+    dtype, ``seq_len``, a sample of the ids), so that ``lightning-cp`` reports these mistakes as one
+    line; ``setup`` then scans the ids once (``vocab_size``, EOS positions) and splits the samples.
+
     Args:
-        path: flat binary file of token ids (no header), e.g. ``np.asarray(ids, np.uint16).tofile(path)``.
-        vocab_size: the tokenizer's vocabulary size. Every id in the file is checked against it once at
-            ``setup`` (one sequential read of the file); the model's vocabulary must be at least this.
-        seq_len: window length, or with ``eos_id`` the longest piece a document is cut into.
-        dtype: the integer type the file was written with (``uint16`` for vocabularies up to 65536).
-        eos_id: end-of-document token id. Set it to train on whole documents (split after each EOS,
-            long ones cut at ``seq_len``), usually with ``packed=True``; ``None`` cuts fixed windows.
+        path: a flat token file or the prefix of a Megatron indexed dataset (see above).
+        vocab_size: the tokenizer's vocabulary size. Every id is checked against it once at ``setup`` (one
+            sequential read of the file); the model's vocabulary must be at least this.
+        seq_len: window length, or the longest piece a document is cut into.
+        dtype: flat files without a sidecar: the integer type the file was written with (``uint16`` for
+            vocabularies up to 65536). Otherwise leave it unset: the sidecar or the index records it, and a
+            different value is an error.
+        eos_id: flat files: end-of-document token id. Set it to train on whole documents (split after each
+            EOS, long ones cut at ``seq_len``), usually with ``packed=True``; ``None`` cuts fixed windows.
+            Megatron datasets: leave it unset (documents come from the index).
         val_fraction: share of the samples held out for validation, in ``(0, 1)``.
         batch_size: samples per batch on each data-parallel rank (CP peers share the same batch).
         packed: concatenate each batch into one ``[1, T]`` row with ``cu_seqlens`` instead of padding.
@@ -165,8 +194,11 @@ class TokenFileDataModule(_CPDataModule):
         num_workers: DataLoader worker processes per rank (0: load in the training process).
 
     Raises:
-        ValueError: if ``val_fraction`` is outside ``(0, 1)`` or leaves no training sample; the
-            dataset's own errors (file size, dtype, ids, ``eos_id``) surface at ``setup``.
+        ValueError: in the constructor, on a missing path, a bad sidecar or index, a ``dtype`` / ``eos_id``
+            that is missing or contradicts the sidecar or index, ``seq_len < 1``, a ``val_fraction`` outside
+            ``(0, 1)``, and the other checks of :class:`~lightning_cp.data.TokenFileDataset`; at ``setup``, on
+            an id ``>= vocab_size``, an ``eos_id`` that never occurs, or a ``val_fraction`` that leaves no
+            training sample.
     """
 
     def __init__(
@@ -174,7 +206,7 @@ class TokenFileDataModule(_CPDataModule):
         path: str,
         vocab_size: int,
         seq_len: int = 1024,
-        dtype: TokenDType = "uint16",
+        dtype: TokenDType | None = None,
         eos_id: int | None = None,
         val_fraction: float = 0.01,
         batch_size: int = 8,
@@ -191,6 +223,11 @@ class TokenFileDataModule(_CPDataModule):
                 f"val_fraction={val_fraction} must be in (0, 1); to skip validation keep a small fraction "
                 "and set Trainer(limit_val_batches=0)."
             )
+        self._megatron = _is_megatron_prefix(path)
+        if self._megatron:
+            _check_megatron_arguments(path, seq_len, dtype, vocab_size, eos_id)
+        else:
+            _check_token_file(path, seq_len, dtype, vocab_size, eos_id)
         self.save_hyperparameters()
         self.path = path
         self.vocab_size = vocab_size
@@ -200,12 +237,19 @@ class TokenFileDataModule(_CPDataModule):
         self.val_fraction = val_fraction
 
     def setup(self, stage: str) -> None:
-        """Memory-map and scan the file, then split it into the train and validation sets."""
+        """Scan the file once (ids, documents), then split its samples into the train and validation sets."""
         if self._train is not None:
             return
-        dataset = TokenFileDataset(
-            self.path, seq_len=self.seq_len, dtype=self.dtype, vocab_size=self.vocab_size, eos_id=self.eos_id
-        )
+        if self._megatron:
+            dataset = MegatronIndexedDataset(self.path, seq_len=self.seq_len, vocab_size=self.vocab_size)
+        else:
+            dataset = TokenFileDataset(
+                self.path,
+                seq_len=self.seq_len,
+                dtype=self.dtype,
+                vocab_size=self.vocab_size,
+                eos_id=self.eos_id,
+            )
         num_val = max(1, round(self.val_fraction * len(dataset)))
         if num_val >= len(dataset):
             raise ValueError(
@@ -214,3 +258,23 @@ class TokenFileDataModule(_CPDataModule):
             )
         self._train = Subset(dataset, range(len(dataset) - num_val))
         self._val = Subset(dataset, range(len(dataset) - num_val, len(dataset)))
+
+
+def _check_megatron_arguments(
+    prefix: str, seq_len: int, dtype: TokenDType | None, vocab_size: int, eos_id: int | None
+) -> None:
+    """The checks of a Megatron indexed dataset that read its index and a sample of its ids, and of the
+    arguments that only flat files take."""
+    _check_seq_len(seq_len)
+    index = _MegatronIndex.read(prefix)
+    if eos_id is not None:
+        raise ValueError(
+            f"eos_id={eos_id}: the documents of the Megatron indexed dataset path={prefix!r} come from "
+            f"{prefix}.idx; leave eos_id unset (null)."
+        )
+    if dtype is not None and np.dtype(dtype) != index.dtype:
+        raise ValueError(
+            f"dtype={dtype!r} contradicts {prefix}.idx, which records {index.dtype.name} ids; leave dtype "
+            "unset (null)."
+        )
+    _check_sampled_ids(prefix + ".bin", index.dtype, vocab_size)

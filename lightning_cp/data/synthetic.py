@@ -55,17 +55,7 @@ class LongRangeCopyDataset(Dataset):
         seed: int = 0,
         min_len: int | None = None,
     ) -> None:
-        if num_samples < 1:
-            raise ValueError(f"num_samples={num_samples} must be at least 1.")
-        if vocab_size < 2:
-            raise ValueError(f"vocab_size={vocab_size} must be at least 2 for the copy task to be learnable.")
-        _check_even("seq_len", seq_len)
-        if min_len is not None:
-            _check_even("min_len", min_len)
-            if min_len > seq_len:
-                raise ValueError(
-                    f"min_len={min_len} is larger than seq_len={seq_len}; use min_len <= seq_len."
-                )
+        _check_copy_task(num_samples=num_samples, seq_len=seq_len, vocab_size=vocab_size, min_len=min_len)
         self.num_samples = num_samples
         self.seq_len = seq_len
         self.vocab_size = vocab_size
@@ -86,6 +76,20 @@ class LongRangeCopyDataset(Dataset):
         loss_mask = torch.zeros(2 * half, dtype=torch.float32)
         loss_mask[half:] = 1.0
         return {"input_ids": torch.cat([first, first]), "loss_mask": loss_mask}
+
+
+def _check_copy_task(seq_len: int, vocab_size: int, min_len: int | None, **num_samples: int) -> None:
+    """Validate the copy task's arguments; ``num_samples`` are keyword counts, each named in its error."""
+    for name, count in num_samples.items():
+        if count < 1:
+            raise ValueError(f"{name}={count} must be at least 1.")
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size={vocab_size} must be at least 2 for the copy task to be learnable.")
+    _check_even("seq_len", seq_len)
+    if min_len is not None:
+        _check_even("min_len", min_len)
+        if min_len > seq_len:
+            raise ValueError(f"min_len={min_len} is larger than seq_len={seq_len}; use min_len <= seq_len.")
 
 
 def _check_even(name: str, value: int) -> None:

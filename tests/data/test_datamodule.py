@@ -1,10 +1,14 @@
+import itertools
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from jsonargparse import ArgumentParser
 from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
-from lightning_cp.data import LongRangeCopyDataset, LongRangeDataModule, TokenFileDataModule
+from lightning_cp.data import LongRangeCopyDataset, LongRangeDataModule, TokenFileDataModule, write_token_file
+from tests.data._megatron import megatron_documents, random_documents, write_megatron_dataset
 
 
 def _check_padded(batch, batch_size):
@@ -21,6 +25,24 @@ def _check_packed(batch):
     assert batch["loss_mask"].shape == ids.shape
     assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == ids.shape[1]
     assert bool((cu.diff() > 0).all())
+
+
+def _samples(dm, packed, batch_size, pad_id) -> list[list[int]]:
+    """The ids of every sample of the train then validation loaders, in order, after checking each batch's
+    form: every real token is a target, and padding (``pad_id``) is not."""
+    samples = []
+    for batch in [*dm.train_dataloader(), *dm.val_dataloader()]:
+        if packed:
+            _check_packed(batch)
+            assert batch["loss_mask"].tolist() == [[1.0] * batch["input_ids"].shape[1]]
+            cu = batch["cu_seqlens"].tolist()
+            samples += [batch["input_ids"][0, a:b].tolist() for a, b in itertools.pairwise(cu)]
+        else:
+            _check_padded(batch, batch_size)
+            mask = batch["loss_mask"].bool()
+            assert bool((batch["input_ids"][~mask] == pad_id).all()) and bool(mask[:, 0].all())
+            samples += [row[row_mask].tolist() for row, row_mask in zip(batch["input_ids"], mask)]
+    return samples
 
 
 def test_long_range_padded_batches_are_the_dataset_samples():
@@ -100,24 +122,14 @@ def test_token_file_documents_cover_the_file_exactly_once(tmp_path, packed):
     )
     dm.setup("fit")
     assert dm.vocab_size == 5
-    seen = []
-    for batch in [*dm.train_dataloader(), *dm.val_dataloader()]:
-        if packed:
-            _check_packed(batch)
-            assert batch["loss_mask"].tolist() == [[1.0] * batch["input_ids"].shape[1]]
-            seen.append(batch["input_ids"][0])
-        else:
-            _check_padded(batch, 3)
-            mask = batch["loss_mask"].bool()
-            assert bool((batch["input_ids"][~mask] == 4).all())  # pad_id where nothing is scored
-            seen.append(batch["input_ids"][mask])  # row-major: samples in order
-    assert torch.cat(seen).tolist() == tokens.tolist()
+    samples = _samples(dm, packed, batch_size=3, pad_id=4)
+    assert [t for sample in samples for t in sample] == tokens.tolist()
 
 
 def test_token_file_windows_split_into_train_and_val_tail(tmp_path):
     tokens = np.arange(105) % 50
     path = tmp_path / "tok.bin"
-    tokens.astype(np.uint16).tofile(path)
+    write_token_file(path, tokens, vocab_size=50)
     dm = TokenFileDataModule(
         str(path), vocab_size=50, seq_len=10, val_fraction=0.2, batch_size=4, shuffle=False
     )
@@ -133,9 +145,132 @@ def test_token_file_val_fraction_errors(tmp_path):
     np.arange(20, dtype=np.uint16).tofile(path)
     with pytest.raises(ValueError, match="val_fraction=0.0 must be in \\(0, 1\\)"):
         TokenFileDataModule(str(path), vocab_size=20, val_fraction=0.0)
-    dm = TokenFileDataModule(str(path), vocab_size=20, seq_len=10, val_fraction=0.9)
+    dm = TokenFileDataModule(str(path), vocab_size=20, seq_len=10, dtype="uint16", val_fraction=0.9)
     with pytest.raises(ValueError, match="of the 2 samples .* leaves no training sample"):
         dm.setup("fit")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_megatron_dataset_documents_cover_it_exactly_once(tmp_path, packed):
+    rng = np.random.default_rng(3)
+    prefix = write_megatron_dataset(
+        tmp_path / "train_text_document", random_documents(rng, 60, 1000), np.uint16
+    )
+    dm = TokenFileDataModule(
+        prefix,
+        vocab_size=1000,
+        seq_len=6,
+        val_fraction=0.1,
+        batch_size=3,
+        packed=packed,
+        shuffle=False,
+        pad_id=7,
+    )
+    dm.setup("fit")
+    expected = [
+        p for doc in megatron_documents(prefix) for p in (doc[i : i + 6] for i in range(0, len(doc), 6))
+    ]
+    num_val = round(0.1 * len(expected))
+    assert (len(dm._train), len(dm._val)) == (len(expected) - num_val, num_val)
+    assert _samples(dm, packed, batch_size=3, pad_id=7) == expected
+
+
+def test_megatron_dataset_takes_its_dtype_and_documents_from_the_index(tmp_path):
+    prefix = write_megatron_dataset(tmp_path / "corpus", [[[1, 2, 3]], [[4, 5]]] * 4, np.int32)
+    with pytest.raises(
+        ValueError, match=r"eos_id=3: the documents .* come from .*corpus.idx; leave eos_id unset"
+    ):
+        TokenFileDataModule(prefix, vocab_size=10, eos_id=3)
+    with pytest.raises(ValueError, match=r"dtype='uint32' contradicts .*corpus.idx, which records int32 ids"):
+        TokenFileDataModule(prefix, vocab_size=10, dtype="uint32")
+    with pytest.raises(ValueError, match=f"one of the two files .*pass the prefix, path='{prefix}'"):
+        TokenFileDataModule(prefix + ".bin", vocab_size=10, dtype="uint16")
+    with pytest.raises(ValueError, match="seq_len=0 must be at least 1"):
+        TokenFileDataModule(prefix, vocab_size=10, seq_len=0)
+    Path(prefix + ".bin").write_bytes(b"\x00" * 4)
+    with pytest.raises(ValueError, match="the two files do not belong together"):
+        TokenFileDataModule(prefix, vocab_size=10)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"path": "no/such/dir/tok.bin"}, r"path='no/such/dir/tok.bin' does not exist"),
+        ({"dtype": None}, "no sidecar .* pass dtype='uint16' or dtype='uint32'"),
+        ({"seq_len": 0}, "seq_len=0 must be at least 1"),
+        ({"seq_len": 500}, "holds 400 tokens, fewer than one window of seq_len=500"),
+        ({"eos_id": 70_000}, "eos_id=70000 is not a valid id"),
+    ],
+)
+def test_token_file_mistakes_fail_in_the_constructor(tmp_path, kwargs, match):
+    """So that ``lightning-cp`` reports them as one line instead of a traceback per rank from ``setup``."""
+    path = tmp_path / "tok.bin"
+    (np.arange(400) % 50).astype(np.uint32).tofile(path)
+    kwargs = {"path": str(path), "vocab_size": 50, "seq_len": 10, "dtype": "uint32", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        TokenFileDataModule(**kwargs)
+
+
+def test_uint32_file_configured_as_uint16_fails_in_the_constructor(tmp_path):
+    path = tmp_path / "tok.bin"
+    np.random.default_rng(0).integers(0, 50, size=4000).astype(np.uint32).tofile(path)
+    with pytest.raises(ValueError, match=r"looks like a uint32 file.*Pass dtype='uint32'"):
+        TokenFileDataModule(str(path), vocab_size=50, seq_len=10, dtype="uint16")
+
+
+def test_token_file_dtype_that_contradicts_the_sidecar_fails_in_the_constructor(tmp_path):
+    path = tmp_path / "tok.bin"
+    write_token_file(path, np.arange(400) % 50, vocab_size=50)
+    with pytest.raises(ValueError, match=r"dtype='uint32' contradicts the sidecar"):
+        TokenFileDataModule(str(path), vocab_size=50, seq_len=10, dtype="uint32")
+
+
+@pytest.mark.parametrize("megatron", [False, True])
+def test_out_of_vocab_ids_in_the_sample_fail_in_the_constructor_the_others_at_setup(tmp_path, megatron):
+    tokens = np.arange(200_000) % 1000
+    sampled, unsampled = 199_999, 20_000  # the sample: 16 blocks of 4096 ids, from the first id to the last
+    tokens[unsampled] = 5000
+    if megatron:
+        path = write_megatron_dataset(tmp_path / "corpus", [tokens], np.int32)
+    else:
+        path = str(tmp_path / "tok.bin")
+        tokens.astype(np.uint16).tofile(path)
+    kwargs = {"path": path, "vocab_size": 1000, "seq_len": 100, "dtype": None if megatron else "uint16"}
+    dm = TokenFileDataModule(**kwargs)
+    with pytest.raises(ValueError, match=r"holds token id 5000 \(at position 20000\).*vocab_size=1000"):
+        dm.setup("fit")
+    tokens[sampled] = 7000
+    if megatron:
+        write_megatron_dataset(tmp_path / "corpus", [tokens], np.int32)
+    else:
+        tokens.astype(np.uint16).tofile(path)
+    with pytest.raises(ValueError, match=r"holds token id 7000 \(at position 199999\).*at least 7001"):
+        TokenFileDataModule(**kwargs)
+
+
+def test_uint16_file_configured_as_uint32_fails_in_the_constructor(tmp_path):
+    path = tmp_path / "tok.bin"
+    (np.arange(4000) % 50 + 1).astype(np.uint16).tofile(path)
+    as_uint32 = np.fromfile(path, dtype=np.uint32)  # ids 1..50 pairwise, e.g. (2, 3) -> 3 * 65536 + 2
+    biggest = f"holds token id {as_uint32.max()} \\(at position {as_uint32.argmax()}\\)"
+    with pytest.raises(ValueError, match=biggest + ".*really holds uint32 ids"):
+        TokenFileDataModule(str(path), vocab_size=50, seq_len=10, dtype="uint32")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"seq_len": 127}, "seq_len=127 must be an even number"),
+        ({"min_len": 7}, "min_len=7 must be an even number"),
+        ({"min_len": 300}, "min_len=300 is larger than seq_len=256"),
+        ({"vocab_size": 1}, "vocab_size=1 must be at least 2"),
+        ({"num_train_samples": 0}, "num_train_samples=0 must be at least 1"),
+        ({"num_val_samples": 0}, "num_val_samples=0 must be at least 1"),
+    ],
+)
+def test_long_range_mistakes_fail_in_the_constructor(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LongRangeDataModule(**kwargs)
 
 
 def test_cli_arguments_come_from_the_signatures(tmp_path):

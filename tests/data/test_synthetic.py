@@ -58,12 +58,12 @@ def test_variable_lengths_are_even_within_range_and_cover_it():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(seq_len=15), "seq_len=15"),
-        (dict(seq_len=0), "seq_len=0"),
-        (dict(seq_len=16, min_len=5), "min_len=5"),
-        (dict(seq_len=16, min_len=18), "min_len=18 is larger than seq_len=16"),
-        (dict(seq_len=16, vocab_size=1), "vocab_size=1"),
-        (dict(seq_len=16, num_samples=0), "num_samples=0"),
+        ({"seq_len": 15}, "seq_len=15"),
+        ({"seq_len": 0}, "seq_len=0"),
+        ({"seq_len": 16, "min_len": 5}, "min_len=5"),
+        ({"seq_len": 16, "min_len": 18}, "min_len=18 is larger than seq_len=16"),
+        ({"seq_len": 16, "vocab_size": 1}, "vocab_size=1"),
+        ({"seq_len": 16, "num_samples": 0}, "num_samples=0"),
     ],
 )
 def test_invalid_arguments_are_named(kwargs, match):
