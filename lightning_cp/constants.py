@@ -1,8 +1,8 @@
 """Names and values every part of the package shares: the batch contract's keys and the ignore label.
 
-This module imports nothing, so DataLoader workers, benchmarks and the ops can use it without pulling in
-Lightning, Megatron-core or the process groups. The batch contract itself is described in
-``docs/design.md`` ("The batch contract").
+This module imports nothing itself (importing it still runs ``lightning_cp/__init__.py``, which imports
+Lightning but never Megatron-core). The batch contract is described in ``docs/design.md`` ("The batch
+contract").
 """
 
 IGNORE_INDEX = -100
