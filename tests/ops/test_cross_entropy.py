@@ -13,13 +13,13 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_cp.ops import (
     TokenStats,
-    _chunked,
+    _engine,
     _torch_kernels,
     cross_entropy,
     linear_cross_entropy,
     token_logprobs,
 )
-from lightning_cp.ops._chunked import auto_chunk_size
+from lightning_cp.ops._plan import auto_chunk_size
 from tests.ops import _reference as ref
 from tests.ops._reference import IGNORE, assert_close, make_case, upcast_leaves
 
@@ -283,9 +283,9 @@ def test_low_precision_inputs_are_close_to_fp32_reference(path):
 
 
 def test_low_precision_weight_gradient_in_vocabulary_blocks(monkeypatch):
-    # A tiny budget splits each chunk's bf16 weight-gradient product into 3-row vocabulary blocks
-    # (50 = 16 * 3 + 2: the last one ragged) that are added to the fp32 accumulator one by one.
-    monkeypatch.setattr(_chunked, "_CHUNK_BUDGET_BYTES", 3 * H * 2)
+    # A tiny budget makes the weight-gradient pass walk 3-row vocabulary blocks (50 = 16 * 3 + 2: the
+    # last one ragged), each with its own fp32 accumulator and block-relative labels.
+    monkeypatch.setattr(_engine, "_WEIGHT_BLOCK_BYTES", 3 * H * 4)
     hidden, weight, labels = make_case(N, H, V, torch.bfloat16)
     linear_cross_entropy(hidden, weight, labels, chunk_size=8, impl="torch").backward()
     ref_hidden, ref_weight = upcast_leaves(hidden, weight)
