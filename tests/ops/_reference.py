@@ -100,8 +100,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     fp32: every element within ``2e-5`` (relative and absolute).
 
     bf16 / fp16 (the inputs and logits were rounded, the reference was not): the whole tensor within
-    0.5% in norm, ``||actual - expected|| <= 5e-3 ||expected||``, which a 1% systematic error fails
-    (correct bf16 paths stay near 0.3%); and every element within 2% of its reference value plus 5% of
+    0.75% in norm, ``||actual - expected|| <= 7.5e-3 ||expected||``, which a 1% systematic error fails
+    (correct bf16 paths stay within 0.3% for gradients, 0.6% for per-token losses); and every element within 2% of its reference value plus 5% of
     the reference's root mean square, which a few elements far off fail.
     """
     actual, expected = actual.detach().float(), expected.detach().float()
@@ -111,8 +111,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
         return
     ref_norm = torch.linalg.vector_norm(expected)
     error = torch.linalg.vector_norm(actual - expected)
-    assert error <= 5e-3 * ref_norm, (
-        f"relative error {(error / ref_norm).item():.3%} of the norm > 0.5% (||ref|| = {ref_norm.item():.4g})"
+    assert error <= 7.5e-3 * ref_norm, (
+        f"relative error {(error / ref_norm).item():.3%} of the norm > 0.75% (||ref|| = {ref_norm.item():.4g})"
     )
     rms = ref_norm / max(expected.numel(), 1) ** 0.5
     torch.testing.assert_close(actual, expected, rtol=2e-2, atol=5e-2 * rms.item())
