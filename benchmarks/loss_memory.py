@@ -549,7 +549,7 @@ def _chunk_rows(shape: Shape, chunk_size: int | None) -> tuple[int, bool]:
     if chunk_size is not None:
         return min(chunk_size, shape.tokens), True
     try:
-        from lightning_cp.ops._chunked import auto_chunk_size
+        from lightning_cp.ops._plan import auto_chunk_size
     except ImportError:
         return min(DEFAULT_CHUNK_ROWS, shape.tokens), False
     return auto_chunk_size(shape.tokens, shape.vocab), True

@@ -1,4 +1,4 @@
-"""Per-token softmax statistics of one chunk of logits, and their merge over vocabulary shards.
+"""Per-token softmax statistics: a backend's partials, their merge over vocabulary shards, :class:`TokenStats`.
 
 A backend (torch or Triton) reduces each row of a ``[n, V_local]`` chunk of (transformed) logits ``s`` to
 a few numbers, relative to the row's local maximum ``m``:
@@ -33,32 +33,85 @@ NUM_STATS = 6
 _NO_INDEX = torch.iinfo(torch.int32).max
 
 
-@dataclass
-class ChunkStats:
-    """Statistics of the full (all-shard) softmax for the rows of one chunk; all ``[n]``.
+@dataclass(frozen=True)
+class TokenStats:
+    """Per-token statistics of the softmax of the (softcapped) logits; all ``[n]``, detached.
 
-    ``entropy`` is only meaningful when the partials carried ``SHIFTED``, ``total`` only when they
-    carried ``SUM``.
+    They are byproducts of the loss pass (no extra pass over the vocabulary). The metrics (loss,
+    perplexity, accuracy, entropy) read :attr:`nll`, :attr:`correct`, :attr:`entropy` and :attr:`valid`
+    and sum them over valid tokens. The same type holds the statistics of one chunk of tokens
+    (:func:`merge`) and of the whole input (:meth:`empty`, filled chunk by chunk with :meth:`write`).
     """
 
+    labels: torch.Tensor
+    """int64 global vocabulary ids of the targets (``ignore_index`` where ignored)."""
+    valid: torch.Tensor
+    """bool: the label is not ``ignore_index``."""
     lse: torch.Tensor
-    """fp32 ``log sum_j exp(s_j)``."""
+    """fp32 ``log sum_j exp(s_j)`` over the full (all-shard) vocabulary."""
     target: torch.Tensor
-    """fp32 ``s[label]``; 0 where the label is ignored."""
+    """fp32 ``s[label]``; 0 at ignored tokens."""
     argmax: torch.Tensor
-    """int64 global vocabulary id of the first maximum."""
-    entropy: torch.Tensor
-    """fp32 entropy of ``softmax(s)``."""
-    total: torch.Tensor
-    """fp32 ``sum_j s_j`` over the full vocabulary."""
+    """int64 global vocabulary id of the first maximal logit."""
+    entropy: torch.Tensor | None
+    """fp32 entropy of the softmax (nats), 0 at ignored tokens; ``None`` when not asked for."""
+    total: torch.Tensor | None
+    """fp32 ``sum_j s_j`` over the full vocabulary; only kept for label smoothing."""
+
+    @property
+    def nll(self) -> torch.Tensor:
+        """fp32 ``-log p(label)``, without label smoothing or z-loss; 0 at ignored tokens."""
+        return torch.where(self.valid, self.lse - self.target, 0.0)
+
+    @property
+    def correct(self) -> torch.Tensor:
+        """bool: the first arg-max of the logits is the label; False at ignored tokens."""
+        return (self.argmax == self.labels) & self.valid
+
+    @classmethod
+    def empty(
+        cls, labels: torch.Tensor, valid: torch.Tensor, *, entropy: bool, smoothing: bool
+    ) -> TokenStats:
+        """Uninitialized statistics for the tokens of ``labels`` ``[N]``, to :meth:`write` chunk by chunk."""
+
+        def vec() -> torch.Tensor:
+            return torch.empty(labels.shape, dtype=torch.float32, device=labels.device)
+
+        return cls(
+            labels=labels,
+            valid=valid,
+            lse=vec(),
+            target=vec(),
+            argmax=torch.empty(labels.shape, dtype=torch.int64, device=labels.device),
+            entropy=vec() if entropy else None,
+            total=vec() if smoothing else None,
+        )
+
+    def write(self, start: int, stop: int, chunk: TokenStats) -> None:
+        """Copy the statistics of the chunk of tokens ``[start, stop)``."""
+        for name in ("lse", "target", "argmax", "entropy", "total"):
+            mine = getattr(self, name)
+            if mine is not None:
+                mine[start:stop] = getattr(chunk, name)
 
 
-def merge(partial: torch.Tensor, group: dist.ProcessGroup | None, local_vocab: int) -> ChunkStats:
-    """Merge the ``[NUM_STATS, n]`` partials of every vocabulary shard of ``group`` into :class:`ChunkStats`.
+def merge(
+    partial: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    local_vocab: int,
+    entropy: bool,
+    smoothing: bool,
+) -> TokenStats:
+    """The :class:`TokenStats` of the ``n`` tokens of ``labels`` / ``valid`` from the ``[NUM_STATS, n]``
+    partials of every vocabulary shard of ``group``.
 
     With a tensor-parallel ``group`` of size ``tp``, rank ``r`` holds vocabulary ids
     ``[r * local_vocab, (r + 1) * local_vocab)``; one all-gather of the partials (``tp * NUM_STATS * n``
     floats) is the only communication. Without a group the same arithmetic runs on one shard.
+    ``entropy`` / ``smoothing`` say whether the partials carry ``SHIFTED`` / ``SUM``.
     """
     if group is not None:
         parts = partial.new_empty((dist.get_world_size(group), *partial.shape))
@@ -70,16 +123,21 @@ def merge(partial: torch.Tensor, group: dist.ProcessGroup | None, local_vocab: i
     shift = shard_max - row_max
     rescale = shift.exp()
     sumexp = (rescale * parts[:, SUMEXP]).sum(0)
-    shifted = (rescale * (parts[:, SHIFTED] + shift * parts[:, SUMEXP])).sum(0)
     log_sumexp = sumexp.log()
+    token_entropy = None
+    if entropy:
+        shifted = (rescale * (parts[:, SHIFTED] + shift * parts[:, SUMEXP])).sum(0)
+        token_entropy = torch.where(valid, log_sumexp - shifted / sumexp, 0.0)
 
     offsets = torch.arange(parts.shape[0], device=parts.device, dtype=torch.int64).unsqueeze(1) * local_vocab
     local_argmax = parts[:, ARGMAX].view(torch.int32).to(torch.int64)
     candidates = torch.where(shard_max == row_max, local_argmax + offsets, _NO_INDEX)
-    return ChunkStats(
+    return TokenStats(
+        labels=labels,
+        valid=valid,
         lse=row_max + log_sumexp,
         target=parts[:, TARGET].sum(0),
         argmax=candidates.amin(0),
-        entropy=log_sumexp - shifted / sumexp,
-        total=parts[:, SUM].sum(0),
+        entropy=token_entropy,
+        total=parts[:, SUM].sum(0) if smoothing else None,
     )

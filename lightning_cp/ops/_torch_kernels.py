@@ -94,7 +94,7 @@ class TorchChunk:
         """Gradient w.r.t. ``z``: ``(p_j * (alpha + beta * s_j) - gamma * [j == label] - eta) * ds_j/dz_j``.
 
         ``p = softmax(s)`` comes from the global ``lse`` ``[n]``; the per-row coefficients ``[n]`` encode
-        the loss (see ``_chunked``), ``ds/dz`` is the softcap slope ``1 - tanh^2`` (the temperature is
+        the loss (see ``_engine``), ``ds/dz`` is the softcap slope ``1 - tanh^2`` (the temperature is
         folded into the coefficients). Written block by block into ``out`` (any float dtype) when given,
         else over the chunk's own fp32 buffer (a new one if the logits belong to the caller), which is
         returned. The chunk is consumed.

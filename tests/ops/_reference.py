@@ -95,10 +95,24 @@ def token_stats(z: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
-    """fp32: tight. Low precision: relative to the tensor's scale, as bf16 rounds every logit."""
+    """Compare a result with the fp32 reference; ``dtype`` is the precision of the inputs.
+
+    fp32: every element within ``2e-5`` (relative and absolute).
+
+    bf16 / fp16 (the inputs and logits were rounded, the reference was not): the whole tensor within
+    0.75% in norm, ``||actual - expected|| <= 7.5e-3 ||expected||``, which a 1% systematic error fails
+    (correct bf16 paths stay within 0.3% for gradients, 0.6% for per-token losses); and every element within 2% of its reference value plus 5% of
+    the reference's root mean square, which a few elements far off fail.
+    """
     actual, expected = actual.detach().float(), expected.detach().float()
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     if dtype == torch.float32:
         torch.testing.assert_close(actual, expected, rtol=2e-5, atol=2e-5)
-    else:
-        scale = expected.abs().max().item() or 1.0
-        torch.testing.assert_close(actual, expected, rtol=3e-2, atol=3e-2 * scale)
+        return
+    ref_norm = torch.linalg.vector_norm(expected)
+    error = torch.linalg.vector_norm(actual - expected)
+    assert error <= 7.5e-3 * ref_norm, (
+        f"relative error {(error / ref_norm).item():.3%} of the norm > 0.75% (||ref|| = {ref_norm.item():.4g})"
+    )
+    rms = ref_norm / max(expected.numel(), 1) ** 0.5
+    torch.testing.assert_close(actual, expected, rtol=2e-2, atol=5e-2 * rms.item())

@@ -25,11 +25,13 @@ def upstream(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) if shape else torch.tensor(0.7)
 
 
-def run_sharded(path: str, impl: str, reduction: str | None, options: dict) -> dict[str, torch.Tensor]:
+def run_sharded(
+    path: str, impl: str, reduction: str | None, options: dict, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """On every rank: one loss path on this rank's vocabulary shard, forward and backward."""
-    groups.initialize(tp=TP, cp=1)
-    group, rank = groups.tp_group(), groups.tp_rank()
-    hidden, weight, labels = make_case(N, H, V)
+    layout = groups.initialize(tp=TP, cp=1)
+    group, rank = layout.tp_group, layout.tp_rank
+    hidden, weight, labels = make_case(N, H, V, dtype)
     hidden = hidden.detach().requires_grad_()
     shard = weight.detach()[rank * SHARD : (rank + 1) * SHARD].clone().requires_grad_()
     common = {"tp_group": group, "chunk_size": 8, "impl": impl}
@@ -62,12 +64,18 @@ def run_sharded(path: str, impl: str, reduction: str | None, options: dict) -> d
 
 
 def check_against_single_rank_reference(
-    world: WorkerPool, path: str, impl: str, reduction: str | None, options: dict
+    world: WorkerPool,
+    path: str,
+    impl: str,
+    reduction: str | None,
+    options: dict,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Run :func:`run_sharded` on ``world`` (2 ranks) and compare every rank with the unsharded reference."""
-    results = world.run(run_sharded, path, impl, reduction, options)
+    """Run :func:`run_sharded` on ``world`` (2 ranks) and compare every rank with the unsharded fp32
+    reference; ``dtype`` is the dtype of the inputs."""
+    results = world.run(run_sharded, path, impl, reduction, options, dtype)
 
-    hidden, weight, labels = make_case(N, H, V)
+    hidden, weight, labels = make_case(N, H, V, dtype)
     ref_hidden, ref_weight = upcast_leaves(hidden, weight)
     softcap = options.get("softcap")
     expected: dict[str, torch.Tensor] = {}
@@ -94,11 +102,11 @@ def check_against_single_rank_reference(
         rows = slice(rank * SHARD, (rank + 1) * SHARD)
         for name in ("loss", "logprobs", "entropy", "nll"):
             if name in got:
-                assert_close(got[name], expected[name])
+                assert_close(got[name], expected[name], dtype)
         if "correct" in got:
             assert torch.equal(got["correct"], expected["correct"])
         if path == "logits":
-            assert_close(got["grad_logits_shard"], expected["grad_logits"][:, rows])
+            assert_close(got["grad_logits_shard"], expected["grad_logits"][:, rows], dtype)
         else:
-            assert_close(got["grad_hidden"], ref_hidden.grad)  # the full gradient, on every rank
-            assert_close(got["grad_shard"], ref_weight.grad[rows])
+            assert_close(got["grad_hidden"], ref_hidden.grad, dtype)  # the full gradient, on every rank
+            assert_close(got["grad_shard"], ref_weight.grad[rows], dtype)

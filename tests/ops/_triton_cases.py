@@ -1,10 +1,13 @@
 """The Triton kernels against plain PyTorch on materialized fp32 logits; run by ``test_triton.py``.
 
-With CUDA the kernels are compiled and run on the GPU. Without it they run in Triton's interpreter on
-CPU tensors, which needs ``TRITON_INTERPRET=1`` in the environment before *Triton itself* is imported
-(its standard library, ``tl.max`` and friends, is decorated at import, and Megatron-core imports
-Triton): ``test_triton.py`` therefore runs this module in a fresh pytest process with it set, and the
-``world2`` workers of that process inherit it.
+``test_triton.py`` runs this module twice, each time in a fresh pytest process:
+
+* with ``TRITON_INTERPRET=1``, always: the kernels run in Triton's interpreter on CPU tensors, including
+  the tensor-parallel cases, whose ``world2`` gloo workers (which inherit the variable) hold CPU
+  tensors. The variable must be set before *Triton itself* is imported (its standard library,
+  ``tl.max`` and friends, is decorated at import, and Megatron-core imports Triton), hence the fresh
+  process;
+* without it, on a CUDA machine: the kernels are compiled and run on the GPU; the gloo cases skip.
 """
 
 from __future__ import annotations
@@ -14,28 +17,32 @@ import os
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
     raise RuntimeError(
         "Without CUDA these cases need TRITON_INTERPRET=1 from process start; run tests/ops/test_triton.py."
     )
 
 pytest.importorskip("triton")
 
-from lightning_cp.ops import (  # noqa: E402
+from lightning_cp.ops import (
+    _engine,
     _triton_kernels,
     cross_entropy,
     linear_cross_entropy,
     token_logprobs,
 )
-from tests.ops import _reference as ref  # noqa: E402
-from tests.ops._reference import IGNORE, assert_close, make_case, upcast_leaves  # noqa: E402
-from tests.ops._tp import check_against_single_rank_reference  # noqa: E402
+from tests.ops import _reference as ref
+from tests.ops import _softcap_cases
+from tests.ops._reference import IGNORE, assert_close, make_case, upcast_leaves
+from tests.ops._tp import check_against_single_rank_reference
 
-DEVICE = torch.device("cuda" if CUDA else "cpu")
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 N, H, V = 37, 16, 50
 ALL = {"label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 2.0}
 SMALL_BLOCK = 16  # several vocabulary tiles per row, the last one partial: exercises the online recurrences
+# Vocabulary rows per block of the low-precision weight-gradient pass: 50 = 3 * 16 + 2, the last ragged.
+WEIGHT_BLOCK_ROWS = 16
 
 
 def _case(dtype: torch.dtype = torch.float32):
@@ -68,6 +75,7 @@ def _upstream(loss: torch.Tensor) -> torch.Tensor:
 def test_linear_cross_entropy_matches_reference(reduction, options, dtype, block, monkeypatch):
     if block is not None:
         monkeypatch.setattr(_triton_kernels, "_MAX_BLOCK", block)
+    monkeypatch.setattr(_engine, "_WEIGHT_BLOCK_BYTES", WEIGHT_BLOCK_ROWS * H * 4)
     hidden, weight, labels = _case(dtype)
     labels[1::2] = ref.head_logits(hidden.detach(), weight.detach(), options.get("softcap")).argmax(-1)[1::2]
     loss, stats = linear_cross_entropy(
@@ -123,10 +131,14 @@ def test_cross_entropy_from_logits_matches_reference(reduction, options, dtype, 
     assert torch.equal(logits.detach(), before), "the caller's logits were modified"
 
 
-@pytest.mark.parametrize("temperature, softcap, return_entropy", [(0.7, 2.0, True), (1.0, None, False)])
-def test_token_logprobs_matches_reference(temperature, softcap, return_entropy, monkeypatch):
+@pytest.mark.parametrize(
+    "temperature, softcap, return_entropy, dtype",
+    [(0.7, 2.0, True, torch.float32), (1.0, None, False, torch.float32), (0.7, 2.0, True, torch.bfloat16)],
+)
+def test_token_logprobs_matches_reference(temperature, softcap, return_entropy, dtype, monkeypatch):
     monkeypatch.setattr(_triton_kernels, "_MAX_BLOCK", SMALL_BLOCK)
-    hidden, weight, labels = _case()
+    monkeypatch.setattr(_engine, "_WEIGHT_BLOCK_BYTES", WEIGHT_BLOCK_ROWS * H * 4)
+    hidden, weight, labels = _case(dtype)
     out = token_logprobs(
         hidden,
         weight,
@@ -147,11 +159,18 @@ def test_token_logprobs_matches_reference(temperature, softcap, return_entropy, 
     )
     ((exp_lp * up).sum() + (exp_ent.sum() if return_entropy else 0.0)).backward()
 
-    assert_close(logprobs, exp_lp)
+    assert_close(logprobs, exp_lp, dtype)
     if return_entropy:
-        assert_close(entropy, exp_ent)
-    assert_close(hidden.grad, ref_hidden.grad)
-    assert_close(weight.grad, ref_weight.grad)
+        assert_close(entropy, exp_ent, dtype)
+    assert_close(hidden.grad, ref_hidden.grad, dtype)
+    assert_close(weight.grad, ref_weight.grad, dtype)
+
+
+@pytest.mark.parametrize("softcap", _softcap_cases.SOFTCAPS)
+@pytest.mark.parametrize("path", _softcap_cases.PATHS)
+def test_saturated_softcap_matches_reference(path, softcap, monkeypatch):
+    monkeypatch.setattr(_triton_kernels, "_MAX_BLOCK", SMALL_BLOCK)
+    _softcap_cases.check_saturated_softcap(path, softcap, "triton", DEVICE)
 
 
 def test_correct_breaks_ties_to_the_first_maximum_across_tiles(monkeypatch):
@@ -174,14 +193,16 @@ def test_all_ignored_gives_zero_loss_and_zero_grads():
     )
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the gloo workers hold CPU tensors: run in the interpreter")
 @pytest.mark.parametrize(
-    "path, reduction, options",
+    "path, reduction, options, dtype",
     [
-        ("linear", "mean", {}),
-        ("linear", "none", ALL),
-        ("logits", "none", ALL),
-        ("logprobs", None, {"temperature": 0.7}),
+        ("linear", "mean", {}, torch.float32),
+        ("linear", "none", ALL, torch.float32),
+        ("logits", "none", ALL, torch.float32),
+        ("logprobs", None, {"temperature": 0.7}, torch.float32),
+        ("linear", "mean", ALL, torch.bfloat16),
     ],
 )
-def test_tp2_matches_the_single_rank_reference(world2, path, reduction, options):
-    check_against_single_rank_reference(world2, path, "triton", reduction, options)
+def test_tp2_matches_the_single_rank_reference(world2, path, reduction, options, dtype):
+    check_against_single_rank_reference(world2, path, "triton", reduction, options, dtype)

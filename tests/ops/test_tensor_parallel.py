@@ -20,18 +20,21 @@ ALL = {"label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 2.0}
 
 
 @pytest.mark.parametrize(
-    "path, reduction, options",
+    "path, reduction, options, dtype",
     [
-        ("linear", "mean", ALL),
-        ("linear", "none", {}),
-        ("linear", "sum", {"z_loss": 1e-2}),
-        ("logits", "mean", {"label_smoothing": 0.1}),
-        ("logits", "none", ALL),
-        ("logprobs", None, {"softcap": 2.0, "temperature": 0.7}),
+        ("linear", "mean", ALL, torch.float32),
+        ("linear", "none", {}, torch.float32),
+        ("linear", "sum", {"z_loss": 1e-2}, torch.float32),
+        ("logits", "mean", {"label_smoothing": 0.1}, torch.float32),
+        ("logits", "none", ALL, torch.float32),
+        ("logprobs", None, {"softcap": 2.0, "temperature": 0.7}, torch.float32),
+        # bf16: the weight gradient of each shard comes from the vocabulary-block pass
+        ("linear", "mean", ALL, torch.bfloat16),
+        ("logprobs", None, {"temperature": 0.7}, torch.bfloat16),
     ],
 )
-def test_tp2_matches_the_single_rank_reference(world2, path, reduction, options):
-    check_against_single_rank_reference(world2, path, "torch", reduction, options)
+def test_tp2_matches_the_single_rank_reference(world2, path, reduction, options, dtype):
+    check_against_single_rank_reference(world2, path, "torch", reduction, options, dtype)
 
 
 def _run_against_megatron(tp: int, megatron_smoothing: float) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -39,8 +42,8 @@ def _run_against_megatron(tp: int, megatron_smoothing: float) -> dict[str, tuple
         warnings.simplefilter("ignore")
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    groups.initialize(tp=tp, cp=1)
-    group, rank = groups.tp_group(), groups.tp_rank()
+    layout = groups.initialize(tp=tp, cp=1)
+    group, rank = layout.tp_group, layout.tp_rank
     seq, batch = 7, 3
     shard_size = V // tp
     hidden, weight, labels = make_case(seq * batch, H, V, ignore_every=0)  # Megatron has no ignore_index
@@ -99,13 +102,13 @@ def test_matches_megatron_vocab_parallel_cross_entropy(world2, tp, megatron_smoo
 
 
 def _run_tie_across_shards(impl: str) -> list[bool]:
-    groups.initialize(tp=2, cp=1)
-    rank = groups.tp_rank()
+    layout = groups.initialize(tp=2, cp=1)
+    rank = layout.tp_rank
     logits = torch.zeros(4, V)
     logits[:, 5] = logits[:, 30] = 2.0  # equal maxima on shard 0 (ids 0..24) and shard 1 (ids 25..49)
     labels = torch.tensor([5, 30, -100, 7])
     shard = logits[:, rank * (V // 2) : (rank + 1) * (V // 2)]
-    _, stats = cross_entropy(shard, labels, tp_group=groups.tp_group(), impl=impl, return_stats=True)
+    _, stats = cross_entropy(shard, labels, tp_group=layout.tp_group, impl=impl, return_stats=True)
     return stats.correct.tolist()
 
 

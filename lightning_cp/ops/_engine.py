@@ -1,0 +1,328 @@
+"""The chunked loss engine: walks the tokens chunk by chunk, never holding ``[tokens, vocab]``.
+
+Per chunk of ``n`` tokens the logits ``z = hidden[chunk] @ weight.T`` (``[n, V_local]``, input dtype)
+are handed to a backend (:class:`~lightning_cp.ops._torch_kernels.TorchChunk` or
+:class:`~lightning_cp.ops._triton_kernels.TritonChunk`) which reduces every row to softmax partials;
+:func:`~lightning_cp.ops._stats.merge` combines them over the tensor-parallel group (one all-gather of
+``[6, n]`` floats) and the per-token results land in the input's :class:`~lightning_cp.ops._stats.TokenStats`.
+
+Gradients. Every loss here has a logits gradient of the form
+``dL/ds_j = p_j * (alpha + beta * s_j) - gamma * [j == label] - eta`` with per-token coefficients
+(:class:`GradCoefs`, from the formulas below), times the softcap slope. The backend writes it over the
+chunk, and a sink streams it into preallocated gradients:
+
+* ``grad_hidden[chunk] = d @ weight``: each row written once, by one matmul over the local vocabulary;
+* ``grad_weight``: for fp32 weights, ``grad_weight += d.T @ hidden[chunk]`` in the same sweep (3 matmuls
+  per chunk in all). A low-precision weight's gradient would round at every chunk if summed in its own
+  dtype, and an fp32 ``[V, H]`` accumulator costs 2.4 GiB at 151936 x 4096; so it comes from a second,
+  vocabulary-outer pass (:func:`_weight_grad_by_vocab_blocks`): per block of ``V_block`` vocabulary
+  rows, an fp32 ``[V_block, H]`` accumulator sums ``d_block.T @ hidden[chunk]`` over all token chunks
+  (the block's logits recomputed, ``d`` from the saved per-token ``lse``) and is rounded once. That
+  pass costs 2 more matmuls per chunk and ``[chunk, V_block] + 2 x [V_block, H]`` fp32, each at most
+  ``_WEIGHT_BLOCK_BYTES``;
+* logits path: ``grad_logits[chunk] = d``, one buffer in the logits' dtype.
+
+For a scalar loss (``mean`` / ``sum``) with gradients needed, the linear path computes the gradient
+of the *summed* loss during the forward and the backward only multiplies by ``grad_output`` (and
+``1 / count``). Per-token upstream gradients (``reduction="none"``, ``token_logprobs``) recompute the
+chunk logits in the backward instead, reusing the saved per-token ``lse``, so no statistics collective
+runs in the backward. The logits path always takes the backward route: there it only costs an
+elementwise pass. Under tensor parallelism each rank's ``grad_hidden`` is a partial sum over its
+vocabulary shard, all-reduced over the group in the backward (:func:`sum_over_shards`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_cp.ops._plan import Plan
+from lightning_cp.ops._stats import TokenStats, merge
+
+# Bytes of the fp32 [V_block, H] weight-gradient accumulator of a low-precision weight.
+_WEIGHT_BLOCK_BYTES = 256 * 2**20
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+# --------------------------------------------------------------------------------------------------
+# Loss formulas: per-token losses from the statistics, and the coefficients of their logits gradient
+
+
+@dataclass(frozen=True)
+class CEOptions:
+    """The cross-entropy options of the public functions."""
+
+    reduction: str
+    label_smoothing: float
+    z_loss: float
+
+    @classmethod
+    def build(cls, *, reduction: str, label_smoothing: float, z_loss: float) -> CEOptions:
+        """Validate the user's options (errors name the argument)."""
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"`reduction` must be one of {_REDUCTIONS}, got {reduction!r}.")
+        if not 0.0 <= label_smoothing <= 1.0:
+            raise ValueError(f"`label_smoothing` must be in [0, 1], got {label_smoothing}.")
+        if not z_loss >= 0.0:
+            raise ValueError(f"`z_loss` must be >= 0, got {z_loss}.")
+        return cls(reduction=reduction, label_smoothing=float(label_smoothing), z_loss=float(z_loss))
+
+
+@dataclass(frozen=True)
+class GradCoefs:
+    """Per-token coefficients ``[n]`` (fp32) of ``dL/ds_j = p_j (alpha + beta s_j) - gamma [j = y] - eta``."""
+
+    lse: torch.Tensor
+    alpha: torch.Tensor
+    gamma: torch.Tensor
+    beta: torch.Tensor | None = None
+    eta: torch.Tensor | None = None
+
+    def logits_grad(self, chunk, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The backend ``chunk``'s gradient w.r.t. its logits (see ``TorchChunk.grad``)."""
+        return chunk.grad(self.lse, self.alpha, self.gamma, self.beta, self.eta, out=out)
+
+
+CoefsOf = Callable[[int, int], GradCoefs]
+"""The coefficients of the tokens ``[start, stop)``."""
+
+
+def ce_token_loss(stats: TokenStats, opts: CEOptions, vocab: int) -> torch.Tensor:
+    """Per-token cross-entropy ``[N]`` fp32 (smoothing and z-loss included), 0 at ignored tokens."""
+    loss = stats.lse - stats.target
+    if opts.label_smoothing:
+        loss = (1.0 - opts.label_smoothing) * loss + opts.label_smoothing * (stats.lse - stats.total / vocab)
+    if opts.z_loss:
+        loss = loss + opts.z_loss * stats.lse.square()
+    return torch.where(stats.valid, loss, 0.0)
+
+
+def reduce_loss(token_loss: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
+    """``mean`` over ``count`` valid tokens (0 when there are none), ``sum``, or ``none``."""
+    if reduction == "none":
+        return token_loss
+    total = token_loss.sum()
+    return total / count.clamp(min=1) if reduction == "mean" else total
+
+
+def output_scale(grad_loss: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
+    """d(loss)/d(token loss) of a valid token: per token for ``none``, a 0-d tensor otherwise."""
+    return grad_loss / count.clamp(min=1) if reduction == "mean" else grad_loss
+
+
+def ce_coefs(lse: torch.Tensor, weight: torch.Tensor, opts: CEOptions, vocab: int) -> GradCoefs:
+    """Coefficients of ``weight`` (per token) times the token cross-entropy."""
+    # d/ds_j of weight * [(1 - eps)(lse - s_y) + eps (lse - sum(s) / V) + z_loss * lse^2]
+    #   = weight * [p_j (1 + 2 z_loss lse) - (1 - eps) [j = y] - eps / V]
+    eps = opts.label_smoothing
+    alpha = weight * (1.0 + 2.0 * opts.z_loss * lse) if opts.z_loss else weight
+    return GradCoefs(
+        lse=lse,
+        alpha=alpha,
+        gamma=weight * (1.0 - eps),
+        eta=weight * (eps / vocab) if eps else None,
+    )
+
+
+def logprob_coefs(
+    lse: torch.Tensor,
+    grad_logprob: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    mean_s: torch.Tensor | None,
+    inv_temp: float,
+) -> GradCoefs:
+    """Coefficients of ``grad_logprob * logprob + grad_entropy * entropy`` (per token)."""
+    # logprob = s_y - lse:            d/ds_j = [j = y] - p_j
+    # entropy = lse - sum_k p_k s_k:  d/ds_j = p_j (E[s] - s_j)
+    # and ds/dz carries the 1 / temperature, folded in here.
+    if grad_entropy is None:
+        return GradCoefs(lse=lse, alpha=-inv_temp * grad_logprob, gamma=-inv_temp * grad_logprob)
+    return GradCoefs(
+        lse=lse,
+        alpha=inv_temp * (grad_entropy * mean_s - grad_logprob),
+        gamma=-inv_temp * grad_logprob,
+        beta=-inv_temp * grad_entropy,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# The sweep over token chunks and its gradient sinks
+
+
+LogitsOf = Callable[[int, int], tuple[torch.Tensor, bool]]
+"""The logits of the tokens ``[start, stop)``, and whether the backend may overwrite them."""
+
+
+def chunk_bounds(n: int, chunk_size: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, n, chunk_size):
+        yield start, min(start + chunk_size, n)
+
+
+def linear_logits(hidden: torch.Tensor, weight: torch.Tensor) -> LogitsOf:
+    # A fresh buffer per chunk, owned by the sweep: the backend may overwrite it with the gradient.
+    return lambda start, stop: (torch.mm(hidden[start:stop], weight.t()), True)
+
+
+def logits_slices(logits: torch.Tensor) -> LogitsOf:
+    return lambda start, stop: (logits[start:stop], False)
+
+
+class LogitsGrads:
+    """One preallocated ``grad_logits [N, V_local]`` in the logits' dtype; backends write into its rows."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+    def out(self, start: int, stop: int) -> torch.Tensor:
+        return self.logits[start:stop]
+
+    def add(self, start: int, stop: int, d: torch.Tensor) -> None:
+        """Nothing to do: the backend wrote ``d`` into :meth:`out`."""
+
+
+class _TokenChunkGrads:
+    """Streams each chunk's ``dL/dz`` into ``grad_hidden [N, H]`` and, if asked, ``grad_weight [V, H]``
+    (same dtypes as the inputs; only for fp32 weights, see the module docstring)."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, *, need_hidden: bool, need_weight: bool):
+        self._hidden, self._weight = hidden, weight
+        self.hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
+        self.weight = torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_weight else None
+
+    def out(self, start: int, stop: int) -> None:
+        return None
+
+    def add(self, start: int, stop: int, d: torch.Tensor) -> None:
+        d = d.to(self._weight.dtype)
+        if self.hidden is not None:
+            torch.mm(d, self._weight, out=self.hidden[start:stop])
+        if self.weight is not None:
+            self.weight.addmm_(d.t(), self._hidden[start:stop])
+
+
+def sweep(
+    plan: Plan,
+    labels: torch.Tensor,
+    logits_of: LogitsOf,
+    *,
+    stats: TokenStats | None = None,
+    coefs: CoefsOf | None = None,
+    sink: _TokenChunkGrads | LogitsGrads | None = None,
+) -> None:
+    """One pass over the token chunks: fill ``stats`` and/or stream gradients into ``sink``.
+
+    ``labels`` ``[N]`` are local to this vocabulary shard (-1 where ignored or on another shard). A
+    chunk's statistics are written before its coefficients are asked for, so ``coefs`` may read them.
+    """
+    chunk_cls = plan.backend()
+    entropy = stats is not None and stats.entropy is not None
+    smoothing = stats is not None and stats.total is not None
+    for start, stop in chunk_bounds(labels.shape[0], plan.chunk_size):
+        z, writable = logits_of(start, stop)
+        chunk = chunk_cls(
+            z, labels[start:stop], softcap=plan.softcap, inv_temp=plan.inv_temp, writable=writable
+        )
+        del z  # the chunk owns it now (the torch backend keeps only its fp32 copy)
+        if stats is not None:
+            partial = chunk.partial_stats(entropy=entropy, smoothing=smoothing)
+            merged = merge(
+                partial,
+                stats.labels[start:stop],
+                stats.valid[start:stop],
+                group=plan.group,
+                local_vocab=plan.local_vocab,
+                entropy=entropy,
+                smoothing=smoothing,
+            )
+            stats.write(start, stop, merged)
+        if coefs is not None:
+            sink.add(start, stop, coefs(start, stop).logits_grad(chunk, out=sink.out(start, stop)))
+        # Free this chunk's buffers before the next chunk's logits are allocated: the peak holds one chunk.
+        del chunk
+
+
+def linear_grads(
+    plan: Plan,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    coefs: CoefsOf,
+    *,
+    need_hidden: bool,
+    need_weight: bool,
+    stats: TokenStats | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(grad_hidden, grad_weight)`` of the loss whose logits gradient ``coefs`` gives (``None`` where
+    not needed), in the inputs' dtypes; also fills ``stats`` when given (the fused forward).
+
+    ``grad_hidden`` is this vocabulary shard's partial sum (see :func:`sum_over_shards`).
+    """
+    in_sweep_weight = need_weight and weight.dtype.itemsize >= 4
+    sink = _TokenChunkGrads(hidden, weight, need_hidden=need_hidden, need_weight=in_sweep_weight)
+    if stats is not None or need_hidden or in_sweep_weight:
+        sweep_coefs = coefs if need_hidden or in_sweep_weight else None
+        sweep(plan, labels, linear_logits(hidden, weight), stats=stats, coefs=sweep_coefs, sink=sink)
+    if need_weight and not in_sweep_weight:
+        return sink.hidden, _weight_grad_by_vocab_blocks(plan, hidden, weight, labels, coefs)
+    return sink.hidden, sink.weight
+
+
+def _weight_grad_by_vocab_blocks(
+    plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, coefs: CoefsOf
+) -> torch.Tensor:
+    """``grad_weight`` ``[V_local, H]`` of a low-precision weight, summed in fp32 per vocabulary block over
+    all token chunks and rounded to the weight's dtype once.
+
+    The block's logits are recomputed with the input dtype's matmul, as in the statistics pass, so that
+    they agree with the saved ``lse``; labels are made relative to the block (-1 outside it: no
+    ``-gamma`` term there).
+    """
+    grad = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    chunk_cls = plan.backend()
+    n_tokens, hidden_size = hidden.shape
+    vocab_block = max(1, _WEIGHT_BLOCK_BYTES // (4 * hidden_size))
+    for v0, v1 in chunk_bounds(weight.shape[0], vocab_block):
+        block_weight = weight[v0:v1]
+        block_labels = torch.where((labels >= v0) & (labels < v1), labels - v0, -1)
+        acc = torch.zeros((v1 - v0, hidden_size), dtype=torch.float32, device=weight.device)
+        for start, stop in chunk_bounds(n_tokens, plan.chunk_size):
+            h = hidden[start:stop]
+            chunk = chunk_cls(
+                torch.mm(h, block_weight.t()),
+                block_labels[start:stop],
+                softcap=plan.softcap,
+                inv_temp=plan.inv_temp,
+                writable=True,
+            )
+            d = coefs(start, stop).logits_grad(chunk)
+            del chunk
+            _add_fp32_product(acc, d.t(), h)
+            del d
+        grad[v0:v1] = acc
+    return grad
+
+
+@functools.cache
+def _mm_has_fp32_output() -> bool:
+    # torch.mm(a, b, out_dtype=torch.float32): fp32 output straight from a bf16 / fp16 GEMM (CUDA only).
+    return "dtype" in torch.ops.aten.mm.overloads()
+
+
+def _add_fp32_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with fp32 ``acc`` and products, whatever the dtypes of ``a`` and ``b``."""
+    low_precision = a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16)
+    if low_precision and a.is_cuda and _mm_has_fp32_output():
+        acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
+def sum_over_shards(grad_hidden: torch.Tensor | None, group: dist.ProcessGroup | None) -> None:
+    """All-reduce ``grad_hidden`` over the tensor-parallel group, in place."""
+    # hidden is replicated over the TP group, each rank saw only its vocabulary shard: sum the partials.
+    if grad_hidden is not None and group is not None:
+        dist.all_reduce(grad_hidden, group=group)

@@ -1,0 +1,89 @@
+"""The autograd function of :func:`lightning_cp.ops.linear_cross_entropy`: LM head + cross-entropy, fused."""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from lightning_cp.ops import _engine as engine
+from lightning_cp.ops._plan import Plan
+from lightning_cp.ops._stats import TokenStats
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """The cross-entropy loss of ``hidden @ weight.T``; fills ``stats`` (see the engine's docstring).
+
+    For ``mean`` / ``sum`` with gradients needed, they are computed in the forward and the backward only
+    scales them; for ``none`` the backward recomputes the chunk logits.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        stats: TokenStats,
+        plan: Plan,
+        opts: engine.CEOptions,
+        need_hidden: bool,
+        need_weight: bool,
+    ) -> torch.Tensor:
+        fused = (need_hidden or need_weight) and opts.reduction != "none"
+        if fused:
+            row_weight = stats.valid.float()
+            ctx.grads = engine.linear_grads(
+                plan,
+                hidden,
+                weight,
+                labels,
+                lambda a, b: engine.ce_coefs(stats.lse[a:b], row_weight[a:b], opts, plan.vocab),
+                need_hidden=need_hidden,
+                need_weight=need_weight,
+                stats=stats,
+            )
+        else:
+            engine.sweep(plan, labels, engine.linear_logits(hidden, weight), stats=stats)
+            if need_hidden or need_weight:
+                ctx.save_for_backward(hidden, weight, labels, stats.valid, stats.lse)
+        count = stats.valid.sum()
+        ctx.plan, ctx.opts, ctx.need, ctx.fused, ctx.count = (
+            plan,
+            opts,
+            (need_hidden, need_weight),
+            fused,
+            count,
+        )
+        return engine.reduce_loss(engine.ce_token_loss(stats, opts, plan.vocab), count, opts.reduction)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        plan, opts = ctx.plan, ctx.opts
+        if ctx.fused:
+            if ctx.grads is None:
+                raise RuntimeError(
+                    "linear_cross_entropy computed its gradients during the forward and scaled them in "
+                    "place in the first backward; a second backward through the same loss is not "
+                    "supported. Recompute the loss instead of using retain_graph=True."
+                )
+            grad_hidden, grad_weight = ctx.grads
+            ctx.grads = None
+            scale = engine.output_scale(grad_loss, ctx.count, opts.reduction)
+            for g in (grad_hidden, grad_weight):
+                if g is not None:
+                    g.mul_(scale)
+        else:
+            hidden, weight, labels, valid, lse = ctx.saved_tensors
+            row_weight = grad_loss.float() * valid
+            grad_hidden, grad_weight = engine.linear_grads(
+                plan,
+                hidden,
+                weight,
+                labels,
+                lambda a, b: engine.ce_coefs(lse[a:b], row_weight[a:b], opts, plan.vocab),
+                need_hidden=ctx.need[0],
+                need_weight=ctx.need[1],
+            )
+        engine.sum_over_shards(grad_hidden, plan.group)
+        return grad_hidden, grad_weight, None, None, None, None, None, None

@@ -1,0 +1,127 @@
+"""How the engine walks the logits: backend, tokens per chunk, logits transform, vocabulary sharding.
+
+:meth:`Plan.build` validates the options of one call of the public functions and resolves the
+automatic ones (``impl="auto"``, ``chunk_size=None``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_cp.ops._torch_kernels import TorchChunk
+
+_IMPLS = ("auto", "torch", "triton")
+
+# Bytes of one fp32 [chunk, V_local] logits block under the automatic chunk size. On CPU the chunk is
+# most of the extra peak, and 256 MiB chunks already keep the matmuls as fast as unchunked ones. On
+# GPUs the grad_hidden matmul [chunk, V] @ [V, H] needs enough rows to fill every multiprocessor.
+_CPU_CHUNK_BYTES = 256 * 2**20
+_ACCELERATOR_CHUNK_BYTES = 512 * 2**20
+# Fewer tokens per chunk would starve the matmuls for very large vocabularies.
+_MIN_CHUNK = 128
+
+
+def auto_chunk_size(n_tokens: int, local_vocab: int, device: torch.device | str = "cpu") -> int:
+    """Tokens per chunk so that one fp32 ``[chunk, local_vocab]`` block is about 256 MiB on CPU and
+    512 MiB on other devices, within ``[128, n_tokens]``."""
+    budget = _CPU_CHUNK_BYTES if torch.device(device).type == "cpu" else _ACCELERATOR_CHUNK_BYTES
+    return max(1, min(n_tokens, max(_MIN_CHUNK, budget // (4 * local_vocab))))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to walk the logits: backend, chunking, logits transform and vocabulary sharding."""
+
+    impl: str
+    """``"torch"`` or ``"triton"``."""
+    chunk_size: int
+    """Tokens per chunk."""
+    softcap: float | None
+    """``s = softcap * tanh(z / softcap)`` before the softmax, or no cap."""
+    inv_temp: float
+    """``s`` is multiplied by this (``1 / temperature``) after the cap."""
+    group: dist.ProcessGroup | None
+    """Tensor-parallel group over which the vocabulary is sharded, ``None`` when not sharded."""
+    local_vocab: int
+    """Vocabulary entries on this rank."""
+    vocab: int
+    """Global vocabulary size."""
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        n_tokens: int,
+        local_vocab: int,
+        device: torch.device,
+        impl: str,
+        chunk_size: int | None,
+        softcap: float | None,
+        tp_group: dist.ProcessGroup | None,
+        temperature: float = 1.0,
+    ) -> Plan:
+        """Validate the user's options (errors name the argument) and resolve the automatic ones."""
+        if chunk_size is not None and (
+            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+        ):
+            raise ValueError(
+                f"`chunk_size` must be a positive int (tokens per chunk) or None (automatic), got {chunk_size!r}."
+            )
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"`softcap` must be > 0 or None (no cap), got {softcap}.")
+        if not temperature > 0:
+            raise ValueError(f"`temperature` must be > 0, got {temperature}.")
+        tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+        return cls(
+            impl=_resolve_impl(impl, device),
+            chunk_size=chunk_size or auto_chunk_size(n_tokens, local_vocab, device),
+            softcap=None if softcap is None else float(softcap),
+            inv_temp=1.0 / float(temperature),
+            group=tp_group if tp > 1 else None,
+            local_vocab=local_vocab,
+            vocab=local_vocab * tp,
+        )
+
+    @property
+    def shard_start(self) -> int:
+        """Global vocabulary id of this rank's first entry."""
+        return 0 if self.group is None else self.local_vocab * dist.get_rank(self.group)
+
+    def backend(self) -> type:
+        """The chunk class of :attr:`impl`: ``TorchChunk`` or ``TritonChunk``."""
+        if self.impl == "triton":
+            # Imported here, not at module import: TRITON_INTERPRET must be settable until the first Triton use.
+            from lightning_cp.ops._triton_kernels import TritonChunk
+
+            return TritonChunk
+        return TorchChunk
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _resolve_impl(impl: str, device: torch.device) -> str:
+    if impl not in _IMPLS:
+        raise ValueError(f"`impl` must be one of {_IMPLS}, got {impl!r}.")
+    if impl == "auto":
+        return "triton" if device.type == "cuda" and _triton_installed() else "torch"
+    if impl == "triton":
+        if not _triton_installed():
+            raise ImportError(
+                "impl='triton' needs the `triton` package: `pip install lightning-cp[triton]`, "
+                "or use impl='torch'."
+            )
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"impl='triton' runs on CUDA tensors, got tensors on {device}; use impl='torch', or set "
+                "TRITON_INTERPRET=1 before the first Triton call to run the kernels in Triton's interpreter."
+            )
+    return impl
