@@ -57,7 +57,8 @@ def _run_against_megatron(tp: int, megatron_smoothing: float) -> dict[str, tuple
     (m_loss.view(-1) * up).sum().backward()
     m_grad_logits = m_logits.grad.view(-1, shard_size)
     m_grad_hidden = m_grad_logits @ shard
-    dist.all_reduce(m_grad_hidden, group=group)
+    if group is not None:  # the layout has no group of size 1 (None is not "the world" here)
+        dist.all_reduce(m_grad_hidden, group=group)
     m_grad_weight = m_grad_logits.t() @ hidden.detach()
 
     # Megatron's smoothing is eps' = eps * K / (K - 1) over its K = V / tp local entries; at tp = 1 that
@@ -66,7 +67,7 @@ def _run_against_megatron(tp: int, megatron_smoothing: float) -> dict[str, tuple
     options = {
         "reduction": "none",
         "label_smoothing": smoothing,
-        "tp_group": group if tp > 1 else None,
+        "tp_group": group,
         "chunk_size": 8,
         "impl": "torch",
     }
