@@ -40,6 +40,7 @@ CONFIGS = REPO / "examples" / "configs"
 MAIN_JOB = CONFIGS / "cpu_long_range.yaml"
 PACKED = CONFIGS / "packed_sft_token_file.yaml"
 GPU = CONFIGS / "gpu_long_context.yaml"
+GPU_SINGLE = CONFIGS / "gpu_single.yaml"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("lightning-cp")
 ERROR_PREFIX = "lightning-cp: error: "
 
@@ -154,7 +155,7 @@ def _assert_contains(printed, source, where="config"):
         assert printed == source, f"{where}: printed {printed!r}, written {source!r}"
 
 
-@pytest.mark.parametrize("config", [MAIN_JOB, PACKED, GPU], ids=lambda p: p.stem)
+@pytest.mark.parametrize("config", [MAIN_JOB, PACKED, GPU, GPU_SINGLE], ids=lambda p: p.stem)
 def test_print_config_is_complete_and_reads_back_identically(config, cli, tmp_path):
     printed = _print_config(cli, "--config", str(config))
     tree = yaml.safe_load(printed)
@@ -191,6 +192,29 @@ def test_gpu_config_is_a_consistent_long_context_setup(cli):
     callbacks = {c["class_path"]: c["init_args"] for c in trainer["callbacks"]}
     MemoryProfilerCallback(**callbacks["lightning_cp.MemoryProfilerCallback"])  # validates steps and ranks
     assert [logger["class_path"] for logger in trainer["logger"]] == ["lightning.pytorch.loggers.CSVLogger"]
+
+
+def test_gpu_single_config_is_the_main_job_on_one_gpu(cli):
+    # Parsed and validated only: no GPU trainer is built on a CPU machine.
+    tree = yaml.safe_load(_print_config(cli, "--config", str(GPU_SINGLE)))
+    main_job = yaml.safe_load(_print_config(cli, "--config", str(MAIN_JOB)))
+    trainer, strategy = tree["trainer"], tree["trainer"]["strategy"]
+    assert (trainer["accelerator"], trainer["devices"], trainer["num_nodes"]) == ("gpu", 1, 1)
+    assert trainer["precision"] == "bf16-mixed"
+    assert strategy["class_path"] == "lightning_cp.MegatronCPStrategy"
+    MegatronCPStrategy(**strategy["init_args"])  # validates cp and tp
+    assert (strategy["init_args"]["cp"], strategy["init_args"]["tp"]) == (1, 1)
+    # The main job's model and task, with its global batch (dp=2 x 8 there) on the one data-parallel rank.
+    assert tree["model"] == main_job["model"] and tree["seed_everything"] == main_job["seed_everything"]
+    data, main_data = tree["data"]["init_args"], main_job["data"]["init_args"]
+    assert {**data, "batch_size": None} == {**main_data, "batch_size": None}
+    main_dp = main_job["trainer"]["devices"] // main_job["trainer"]["strategy"]["init_args"]["cp"]
+    assert data["batch_size"] == main_dp * main_data["batch_size"]
+    for key in ("max_steps", "val_check_interval", "log_every_n_steps"):
+        assert trainer[key] == main_job["trainer"][key], key
+    callbacks = {c["class_path"]: c["init_args"] for c in trainer["callbacks"]}
+    profiler = MemoryProfilerCallback(**callbacks["lightning_cp.MemoryProfilerCallback"])  # validates steps
+    assert profiler._windows == ((5, 5), (20, 21)) and profiler.log_peak
 
 
 # --- one-line errors --------------------------------------------------------------------------------------

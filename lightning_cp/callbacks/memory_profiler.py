@@ -13,6 +13,7 @@ import sys
 import tempfile
 import warnings
 import weakref
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +23,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_cp.callbacks import _memory_report
@@ -41,6 +44,8 @@ PEAK_RSS_KEY = "memory/peak_rss_gib"
 
 _GIB = float(2**30)
 _Window = tuple[int, int]
+#: ``{device: {(start, end): (category, name)}}``: the byte ranges of known tensors (see ``_memory_report``).
+_TensorsByDevice = dict[torch.device, dict[tuple[int, int], tuple[str, str]]]
 
 
 class MemoryProfilerCallback(Callback):
@@ -50,8 +55,11 @@ class MemoryProfilerCallback(Callback):
 
     - ``step_000010.rank03.dp1-cp1-tp0.pickle``: ``torch.cuda.memory._snapshot()`` (pickle protocol 4),
       which pytorch.org/memory_viz opens (see :data:`SNAPSHOT_FILENAME`);
-    - ``.png``: allocated and reserved memory over the recorded events, with the peak marked;
-    - ``.md``: the largest allocations live at the peak, with their Python stacks;
+    - ``.md``: the peak broken down by category (parameters, gradients, optimizer state, buffers,
+      activations and temporaries, other) and the largest allocations live at the peak, with the tensors
+      they hold and their Python stacks;
+    - ``.png``: allocated memory by category over the recorded events, the reserved memory and the peak
+      (needs matplotlib: ``pip install lightning-cp[report]``; without it the other files are written);
     - ``.html``: PyTorch's interactive timeline (it loads its JavaScript from a CDN, so the PNG and
       markdown are the offline view).
 
@@ -59,7 +67,12 @@ class MemoryProfilerCallback(Callback):
     from ``on_train_batch_start`` of a window's first step to ``on_train_batch_end`` of its last step
     (after that step's optimizer step, so every micro-batch of gradient accumulation is included), and
     is turned off after the dump. Blocks allocated before recording started (the parameters, usually)
-    are counted but have no stack.
+    are counted but have no stack, so the report says what they hold instead: at the dump the callback
+    finds which blocks hold the ``LightningModule``'s parameters, their ``.grad`` and its buffers, and the
+    state of ``trainer.optimizers`` (by the address range of each tensor on the snapshot's device); for
+    the blocks freed during the recording (the previous step's gradients, which ``zero_grad`` frees after
+    the forward pass) it uses the tensors that existed when recording started. Other blocks allocated
+    while recording are activations and temporaries; other blocks allocated before are "other".
 
     **Out-of-memory errors.** With ``dump_on_oom``, an OOM while recording is on writes
     ``oom_step_000010.rank03...pickle`` (and its report) before the error propagates: from the
@@ -76,7 +89,8 @@ class MemoryProfilerCallback(Callback):
     ``memory/peak_rss_gib`` (the process's peak RSS since it started). The maximum is one scalar
     all-reduce per key over the world group, which every rank reaches, so it never hangs.
 
-    Without CUDA this warns once in ``setup`` and writes nothing.
+    Without CUDA this warns once in ``setup`` and writes nothing; without matplotlib it warns once in
+    ``setup`` and writes no PNG.
 
     Args:
         steps: global steps (``trainer.global_step`` at the batch start) to record. Each item is a
@@ -151,6 +165,9 @@ class MemoryProfilerCallback(Callback):
         self._oom_dumped_step: int | None = None
         self._observer_attached = False
         self._warned_no_cuda = False
+        self._warned_no_plot = False
+        self._trainer: Trainer | None = None  # set in setup: the dumps look up the model and optimizers
+        self._tensors_at_start: _TensorsByDevice = {}
 
     @property
     def _record_whole_fit(self) -> bool:
@@ -171,6 +188,13 @@ class MemoryProfilerCallback(Callback):
                 )
                 self._warned_no_cuda = True
             return
+        if (self._windows or self.dump_on_oom) and not _memory_report.can_plot() and not self._warned_no_plot:
+            rank_zero_warn(
+                "MemoryProfilerCallback: matplotlib is not installed, so the snapshots get their markdown "
+                "report but no PNG. `pip install lightning-cp[report]` adds it."
+            )
+            self._warned_no_plot = True
+        self._trainer = trainer
         self._rank = trainer.global_rank
         if isinstance(self.ranks, list) and any(r >= trainer.world_size for r in self.ranks):
             rank_zero_warn(
@@ -255,6 +279,7 @@ class MemoryProfilerCallback(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._recording:
             self._stop()
+        self._trainer = None
 
     def _start(self) -> None:
         # clear_history: each window is one recording, without events of an earlier one.
@@ -262,6 +287,7 @@ class MemoryProfilerCallback(Callback):
             enabled="all", stacks=self.stacks, max_entries=self.max_entries, clear_history=True
         )
         self._recording = True
+        self._tensors_at_start = self._known_tensors()
         if self.dump_on_oom and not self._observer_attached:
             _attach_oom_observer(self)
             self._observer_attached = True
@@ -270,6 +296,11 @@ class MemoryProfilerCallback(Callback):
         torch.cuda.memory._record_memory_history(enabled=None)
         self._recording = False
         self._active = None
+        self._tensors_at_start = {}
+
+    def _known_tensors(self) -> _TensorsByDevice:
+        assert self._trainer is not None, "setup() keeps the trainer before anything is recorded"
+        return _known_tensors(self._trainer.lightning_module, self._trainer.optimizers)
 
     def _on_allocator_oom(self) -> None:
         """Called by the allocator before it raises an OOM (possibly one that user code catches)."""
@@ -292,7 +323,8 @@ class MemoryProfilerCallback(Callback):
         assert self._dir is not None, "setup() resolves dirpath before anything is recorded"
         snapshot = torch.cuda.memory._snapshot()
         steps = f"{first:06d}" if first == last else f"{first:06d}-{last:06d}"
-        if _memory_report.busiest_device(snapshot) is None:
+        device = _memory_report.busiest_device(snapshot)
+        if device is None:
             warnings.warn(
                 f"MemoryProfilerCallback: the recording of {kind} {steps} on rank {self._rank} has no "
                 "allocator events (does the model run on this rank's CUDA device?); no snapshot written."
@@ -306,23 +338,78 @@ class MemoryProfilerCallback(Callback):
         with open(partial, "wb") as f:
             pickle.dump(snapshot, f, protocol=4)  # protocol 4: what the memory_viz page reads
         os.replace(partial, path)
-        _write_reports(snapshot, path)
+        self._write_reports(snapshot, path, _snapshot_device(device))
         return path
 
+    def _write_reports(self, snapshot: Mapping[str, Any], path: Path, device: torch.device) -> None:
+        """The offline report and PyTorch's HTML next to ``path``; a failure warns and training goes on."""
+        stem = path.with_name(path.stem)
+        try:
+            _memory_report.write_report(
+                snapshot,
+                stem,
+                title=path.stem,
+                tensors=self._known_tensors().get(device, {}),
+                tensors_at_start=self._tensors_at_start.get(device, {}),
+            )
+        except Exception as err:  # noqa: BLE001
+            warnings.warn(
+                f"MemoryProfilerCallback: the offline report for {path.name} failed: {err!r}", stacklevel=2
+            )
+        try:
+            from torch.cuda._memory_viz import trace_plot
 
-def _write_reports(snapshot: Mapping[str, Any], path: Path) -> None:
-    """The offline report and PyTorch's HTML next to ``path``; a failure warns and training goes on."""
-    stem = path.with_name(path.stem)
-    try:
-        _memory_report.write_report(snapshot, stem, title=path.stem)
-    except Exception as err:  # noqa: BLE001
-        warnings.warn(f"MemoryProfilerCallback: the offline report for {path.name} failed: {err!r}", stacklevel=2)
-    try:
-        from torch.cuda._memory_viz import trace_plot
+            stem.with_name(f"{stem.name}.html").write_text(trace_plot(snapshot))
+        except Exception as err:  # noqa: BLE001
+            warnings.warn(
+                f"MemoryProfilerCallback: PyTorch's HTML view of {path.name} failed: {err!r}", stacklevel=2
+            )
 
-        stem.with_name(f"{stem.name}.html").write_text(trace_plot(snapshot))
-    except Exception as err:  # noqa: BLE001
-        warnings.warn(f"MemoryProfilerCallback: PyTorch's HTML view of {path.name} failed: {err!r}", stacklevel=2)
+
+def _snapshot_device(index: int) -> torch.device:
+    """The device of ``snapshot["device_traces"][index]``: only tensors on it can be in its blocks."""
+    return torch.device("cuda", index)
+
+
+def _known_tensors(module: torch.nn.Module, optimizers: Sequence[Optimizer]) -> _TensorsByDevice:
+    """The byte ranges of ``module``'s parameters, gradients and buffers and of the optimizers' state.
+
+    Returns ``{device: {(start, end): (category, name)}}`` with the categories of ``_memory_report``;
+    a name is the parameter's (``model.head.weight``), or for optimizer state the key and the parameter
+    (``exp_avg of model.head.weight``). A DTensor counts as its local shard, the memory of this rank.
+    Reads addresses only: nothing is allocated or synchronized.
+    """
+    by_device: _TensorsByDevice = defaultdict(dict)
+
+    def add(tensor: torch.Tensor, category: str, name: str) -> None:
+        if isinstance(tensor, DTensor):
+            tensor = tensor.to_local()
+        if tensor.layout != torch.strided or tensor.numel() == 0:
+            return
+        try:
+            start = tensor.data_ptr()
+        except RuntimeError:  # wrapper subclasses (e.g. quantized weights) have no storage of their own
+            return
+        # The elements span up to the last one's offset; a view may skip bytes in between.
+        extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+        span = (start, start + extent * tensor.element_size())
+        by_device[tensor.device].setdefault(span, (category, name))  # the first category listed wins
+
+    names: dict[int, str] = {}
+    for name, param in module.named_parameters():
+        names[id(param)] = name
+        add(param, _memory_report.PARAMETERS, name)
+        if param.grad is not None:
+            add(param.grad, _memory_report.GRADIENTS, name)
+    for name, buffer in module.named_buffers():
+        add(buffer, _memory_report.BUFFERS, name)
+    for optimizer in optimizers:
+        for param, state in optimizer.state.items():
+            owner = names.get(id(param), f"a {tuple(param.shape)} parameter outside the module")
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    add(value, _memory_report.OPTIMIZER_STATE, f"{key} of {owner}")
+    return dict(by_device)
 
 
 def _attach_oom_observer(callback: MemoryProfilerCallback) -> None:
@@ -346,7 +433,8 @@ def _parse_steps(steps: Sequence[int | str] | None) -> tuple[_Window, ...]:
     if steps is None:
         return ()
     if isinstance(steps, (str, int)):
-        raise ValueError(f"steps={steps!r} must be a list, e.g. steps=[{steps!r}].")
+        # ValueError like every other malformed ``steps``, as the docstring promises.
+        raise ValueError(f"steps={steps!r} must be a list, e.g. steps=[{steps!r}].")  # noqa: TRY004
     windows = []
     for item in steps:
         text = str(item).strip()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import pickle
+import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib.image
@@ -22,6 +24,14 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_cp.callbacks import MemoryProfilerCallback, _memory_report, memory_profiler
+from lightning_cp.callbacks._memory_report import (
+    ACTIVATIONS,
+    BUFFERS,
+    GRADIENTS,
+    OPTIMIZER_STATE,
+    OTHER,
+    PARAMETERS,
+)
 from lightning_cp.parallel import ParallelLayout
 
 MiB = 2**20
@@ -112,11 +122,14 @@ def _recorded_snapshot() -> dict:
 class FakeCuda:
     """The CUDA calls of the callback; every call is appended to ``events`` next to the model's steps."""
 
-    def __init__(self, snapshot: dict | None = None) -> None:
+    def __init__(
+        self, snapshot: dict | Callable[[], dict] | None = None, on_record: Callable[[], None] | None = None
+    ) -> None:
         self.events: list[tuple] = []
         self.history_kwargs: list[dict] = []
         self.observers: list = []
-        self.snapshot = _recorded_snapshot() if snapshot is None else snapshot
+        self.snapshot = _recorded_snapshot() if snapshot is None else snapshot  # or a function making one
+        self.on_record = on_record  # called when recording starts
         self.max_allocated = 3 * GiB
         self.max_reserved = 5 * GiB
 
@@ -136,10 +149,12 @@ class FakeCuda:
     def _record(self, enabled="all", **kwargs) -> None:
         self.events.append(("record", enabled))
         self.history_kwargs.append(kwargs)
+        if enabled and self.on_record is not None:
+            self.on_record()
 
     def _snapshot(self, device=None) -> dict:
         self.events.append(("snapshot",))
-        return copy.deepcopy(self.snapshot)
+        return self.snapshot() if callable(self.snapshot) else copy.deepcopy(self.snapshot)
 
     def _attach(self, observer) -> None:
         self.events.append(("attach",))
@@ -566,6 +581,207 @@ def test_offline_report_matches_the_peak_worked_out_by_hand(tmp_path):
     # Python frames only, without nn.Module's call plumbing; site-packages prefixes dropped.
     assert "`torch/nn/modules/linear.py:125 forward`<br>`/home/me/project/model.py:42 forward`" in rows[2]
     assert "before the trace" in rows[3] and "model.py:5 __init__" in rows[3]
+
+
+# --- what the blocks hold ---------------------------------------------------------------------------------
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes of a contiguous tensor, from its storage (independent of ``data_ptr``)."""
+    start = tensor.untyped_storage().data_ptr() + tensor.storage_offset() * tensor.element_size()
+    return start, start + tensor.numel() * tensor.element_size()
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 2)
+        self.b = torch.nn.Linear(2, 1, bias=False)
+        self.register_buffer("scale", torch.ones(5))
+        self.far = torch.nn.Parameter(torch.empty(4, device="meta"))  # on another device
+
+
+def test_known_tensors_are_the_parameters_gradients_buffers_and_optimizer_state():
+    net = _Net()
+    outside = torch.nn.Parameter(torch.zeros(3))
+    flat = torch.zeros(8)  # one buffer for two gradients, as a gradient bucket does
+    net.a.weight.grad = flat[:6].view(2, 3)
+    net.a.bias.grad = flat[6:]
+    strided = torch.zeros(2, 3)
+    net.b.weight.grad = strided[:, 0].unsqueeze(0)  # elements 0 and 3 of ``strided``
+    outside.grad = torch.ones(3)
+    optimizer = torch.optim.AdamW([net.a.weight, net.a.bias, net.b.weight, outside])
+    optimizer.step()
+
+    known = memory_profiler._known_tensors(net, [optimizer])
+
+    cpu = torch.device("cpu")
+    expected = {
+        _span(net.a.weight): (PARAMETERS, "a.weight"),
+        _span(net.a.bias): (PARAMETERS, "a.bias"),
+        _span(net.b.weight): (PARAMETERS, "b.weight"),
+        _span(flat[:6]): (GRADIENTS, "a.weight"),
+        _span(flat[6:]): (GRADIENTS, "a.bias"),
+        (strided.data_ptr(), strided.data_ptr() + 4 * 4): (GRADIENTS, "b.weight"),
+        _span(net.scale): (BUFFERS, "scale"),
+    }
+    for param, name in [(net.a.weight, "a.weight"), (net.a.bias, "a.bias"), (net.b.weight, "b.weight")] + [
+        (outside, "a (3,) parameter outside the module")
+    ]:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            expected[_span(optimizer.state[param][key])] = (OPTIMIZER_STATE, f"{key} of {name}")
+    assert known[cpu] == expected
+    assert set(known) == {cpu, torch.device("meta")}
+    assert list(known[torch.device("meta")].values()) == [(PARAMETERS, "far")]
+
+
+def test_gradients_sharing_one_block_are_named_together():
+    net = _Net()
+    flat = torch.zeros(8)
+    net.a.weight.grad = flat[:6].view(2, 3)
+    net.a.bias.grad = flat[6:]
+    block = {"address": flat.data_ptr(), "size": 32, "state": "active_allocated", "frames": []}
+    snapshot = {
+        "segments": [{"device": 0, "address": flat.data_ptr(), "total_size": 32, "blocks": [block]}],
+        "device_traces": [[{"action": "alloc", "addr": 1, "size": 4, "frames": []}]],
+    }
+    known = memory_profiler._known_tensors(net, [])[torch.device("cpu")]
+
+    [held] = [a for a in _memory_report.analyze(snapshot, 0, known).allocations if a.addr == flat.data_ptr()]
+    assert (held.category, held.tensors) == (GRADIENTS, ("a.weight", "a.bias"))
+
+
+def _dtensor_ranges() -> bool:
+    """On each rank of 2: a DTensor parameter (and gradient) counts as this rank's shard of it."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    net = torch.nn.Linear(4, 6, bias=False)
+    net.weight = torch.nn.Parameter(distribute_tensor(torch.ones(6, 4), mesh, [Shard(0)]))
+    net.weight.grad = distribute_tensor(torch.ones(6, 4), mesh, [Shard(0)])
+    known = memory_profiler._known_tensors(net, [])[torch.device("cpu")]
+    return (
+        known
+        == {
+            _span(net.weight.to_local()): (PARAMETERS, "weight"),
+            _span(net.weight.grad.to_local()): (GRADIENTS, "weight"),
+        }
+        and _span(net.weight.to_local())[1] - _span(net.weight.to_local())[0] == 3 * 4 * 4
+    )
+
+
+def test_a_dtensor_counts_as_its_local_shard(world2):
+    assert world2.run(_dtensor_ranges) == [True, True]
+
+
+class AdamModel(StepModel):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+
+class ModelSnapshot:
+    """The snapshot the allocator would record around one step of ``model``, on its real (CPU) tensors.
+
+    Before the trace: the parameters and the optimizer state, and the previous step's gradients, which
+    the trace frees (after an activation of 1 MiB is allocated: that is the peak); then the new
+    gradients are allocated and the activation freed.
+    """
+
+    _ACTIVATION = 2**50  # no CPU tensor lives there
+
+    def __init__(self, model: BoringModel) -> None:
+        self.model = model
+        self.grads_at_start: list[tuple[int, int]] = []
+
+    def on_record(self) -> None:
+        self.grads_at_start = [_span(p.grad) for p in self.model.parameters()]
+
+    def __call__(self) -> dict:
+        def ev(action: str, span: tuple[int, int], frames: list[dict] = ()) -> dict:
+            return {"action": action, "addr": span[0], "size": span[1] - span[0], "frames": list(frames)}
+
+        grads = [_span(p.grad) for p in self.model.parameters()]
+        activation = (self._ACTIVATION, self._ACTIVATION + MiB)
+        trace = [ev("alloc", activation, _FRAMES_D)]
+        trace += [
+            ev(action, s) for s in self.grads_at_start for action in ("free_requested", "free_completed")
+        ]
+        trace += [ev("alloc", s, _FRAMES_C) for s in grads]
+        trace += [ev("free_requested", activation), ev("free_completed", activation)]
+        optimizer = self.trainer_optimizer()
+        states = [_span(s[k]) for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        live = [(s, []) for s in [_span(p) for p in self.model.parameters()] + states] + [
+            (s, _FRAMES_C) for s in grads
+        ]
+        segments = [
+            {
+                "device": 0,
+                "address": start,
+                "total_size": end - start,
+                "blocks": [{"address": start, "size": end - start, "state": "active_allocated", "frames": f}],
+            }
+            for (start, end), f in live
+        ]
+        return {"segments": segments, "device_traces": [trace]}
+
+    def trainer_optimizer(self) -> torch.optim.Optimizer:
+        [optimizer] = self.model.trainer.optimizers
+        return optimizer
+
+
+def test_report_of_a_recorded_step_names_what_the_blocks_hold(tmp_path, monkeypatch):
+    events: list[tuple] = []
+    model = AdamModel(events)
+    snapshot = ModelSnapshot(model)
+    FakeCuda(snapshot=snapshot, on_record=snapshot.on_record).install(monkeypatch)
+    # The model's tensors are on the CPU: they stand for the CUDA tensors of the snapshot's device.
+    monkeypatch.setattr(memory_profiler, "_snapshot_device", lambda index: torch.device("cpu"))
+    _fit(tmp_path, MemoryProfilerCallback(steps=[2], dirpath=tmp_path, log_peak=False), model, max_steps=3)
+
+    text = (tmp_path / "step_000002.rank00.md").read_text()
+    # BoringModel: Linear(32, 2), 64 + 2 float32 = 264 bytes; AdamW keeps two of the same per parameter.
+    assert f"peak allocated: 1.00 MiB ({MiB + 4 * 264} bytes), reached at event 0" in text
+    breakdown = [line for line in text.splitlines() if line.startswith("| ") and "MiB |" in line][:5]
+    assert breakdown == [
+        f"| {ACTIVATIONS} | 1.00 MiB | {MiB} | 99.9% |",
+        f"| {OPTIMIZER_STATE} | 0.00 MiB | 528 | 0.1% |",
+        f"| {GRADIENTS} | 0.00 MiB | 264 | 0.0% |",
+        f"| {PARAMETERS} | 0.00 MiB | 264 | 0.0% |",
+        f"| total | 1.00 MiB | {MiB + 4 * 264} | 100.0% |",
+    ]
+    rows = [
+        line.split(" | ")[-2:] for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()
+    ]
+    assert sorted(rows) == sorted(
+        [
+            [ACTIVATIONS, "`/home/me/project/model.py:50 training_step` |"],
+            [OPTIMIZER_STATE, "exp_avg of layer.weight |"],
+            [OPTIMIZER_STATE, "exp_avg_sq of layer.weight |"],
+            [GRADIENTS, "layer.weight |"],  # the previous step's, known from the start of recording
+            [PARAMETERS, "layer.weight |"],
+            [OPTIMIZER_STATE, "exp_avg of layer.bias |"],
+            [OPTIMIZER_STATE, "exp_avg_sq of layer.bias |"],
+            [GRADIENTS, "layer.bias |"],
+            [PARAMETERS, "layer.bias |"],
+        ]
+    )
+    assert OTHER not in text
+    assert (tmp_path / "step_000002.rank00.png").stat().st_size > 0
+
+
+def test_without_matplotlib_warns_once_and_writes_everything_but_the_png(tmp_path, monkeypatch):
+    fake = FakeCuda().install(monkeypatch)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    callback = MemoryProfilerCallback(steps=[1, 3], dirpath=tmp_path, log_peak=False)
+    with pytest.warns(UserWarning) as caught:
+        _fit(tmp_path, callback, StepModel(fake.events), max_steps=5)
+
+    assert len([w for w in caught if "pip install lightning-cp[report]" in str(w.message)]) == 1
+    assert not [w for w in caught if "offline report" in str(w.message)]
+    assert _names(tmp_path) == sorted(
+        f"step_00000{step}.rank00.{ext}" for step in (1, 3) for ext in ("pickle", "md", "html")
+    )
+    assert "| total | 10.00 MiB |" in (tmp_path / "step_000001.rank00.md").read_text()
 
 
 def _ddp_fit(tmp: str, ranks: list[int], dirpaths: list[str]) -> dict:

@@ -96,3 +96,31 @@ def test_real_oom_is_dumped_by_the_observer_before_it_propagates(tmp_path):
     trace = snapshot["device_traces"][torch.cuda.current_device()]
     assert [e["size"] for e in trace if e["action"] == "oom"][-1] >= 2**46
     assert "OOM at event" in (tmp_path / "oom_step_000001.rank00.md").read_text()
+
+
+def _peak_by_category(markdown: str) -> dict[str, int]:
+    """``{category: bytes}`` from the report's "The peak by category" table."""
+    section = markdown.split("## The peak by category\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip("|").split(" | ") for line in section.splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): int(cells[2]) for cells in rows[1:]}  # rows[0] is the header
+
+
+def test_real_snapshot_breaks_the_peak_down_by_what_the_blocks_hold(tmp_path):
+    model = _MLP()
+    profiler = MemoryProfilerCallback(steps=[2], dirpath=tmp_path, log_peak=False)
+    _trainer(tmp_path, [profiler]).fit(model)
+
+    text = (tmp_path / "step_000002.rank00.md").read_text()
+    peak = _peak_by_category(text)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    # A block may exceed its request by less than 1 MiB (the allocator does not split off smaller
+    # remainders); there are 4 parameters, 4 gradients, and AdamW's exp_avg and exp_avg_sq of each.
+    slack = 2**20
+    assert params <= peak[_memory_report.PARAMETERS] < params + 4 * slack
+    assert 2 * params <= peak[_memory_report.OPTIMIZER_STATE] < 2 * params + 8 * slack
+    # zero_grad frees the previous step's gradients before backward makes new ones: one set at any time.
+    assert params <= peak[_memory_report.GRADIENTS] < params + 4 * slack
+    assert peak["total"] == sum(n for category, n in peak.items() if category != "total")
+    for name in ("net.0.weight", "net.2.weight"):
+        assert f"| {_memory_report.PARAMETERS} | {name}" in text
+        assert f"exp_avg of {name}" in text
