@@ -251,6 +251,10 @@ def _check_one_line(status: int, out: str, err: str) -> str:
         ),
         (["--config", str(MAIN_JOB), "--trainer.devices", "3"], ["world size 3", "cp(2) * tp(1) = 2"]),
         (["--data.init_args.seq_len", "127"], ["seq_len=127 must be an even number"]),
+        (
+            ["--config", str(MAIN_JOB), "--data.init_args.vocab_size", "1000"],
+            ["data.vocab_size=1000 is larger than the model's vocab_size=512", "at least 1000"],
+        ),
     ],
     ids=[
         "unknown-key",
@@ -262,6 +266,7 @@ def _check_one_line(status: int, out: str, err: str) -> str:
         "bad-cp",
         "cp-does-not-divide-devices",
         "odd-seq-len",
+        "data-vocabulary-larger-than-the-model's",
     ],
 )
 def test_configuration_errors_are_one_line(args, expected, cli):
@@ -382,11 +387,13 @@ def test_errors_while_training_keep_their_traceback(cli, tmp_path):
 
 
 def _summary(stdout: str) -> dict:
-    """The block ``after_fit`` prints: ``{"logs": [dir, ...], "checkpoint": path, "val/loss": "6.2480", ...}``."""
-    block = stdout[stdout.index("lightning-cp: training finished") :].splitlines()[1:]
+    """The block ``fit`` prints: ``{"logs": [dir, ...], "checkpoint": path, "val/loss": "6.2480", ...}``."""
+    block = stdout[stdout.index("lightning-cp: training ") :].splitlines()[1:]
     summary: dict = {"logs": []}
     for fields in map(str.split, block):
-        if fields and fields[0].endswith(":"):
+        if fields and fields[0] == "resume:":
+            key, value = "resume", fields[-1]
+        elif fields and fields[0].endswith(":"):
             key, value = fields[0][:-1], fields[1]
         elif fields:
             key, value = "logs", fields[0]  # the next logger's directory, under the first

@@ -10,9 +10,11 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -25,6 +27,8 @@ from lightning_cp.parallel.layout import (
     set_current_layout,
 )
 from lightning_cp.parallel.sharding import shard_batch
+from lightning_cp.strategies.checkpoint_io import AtomicCheckpointIO
+from lightning_cp.strategies.preemption import PreemptionCheckpoint, SigtermAgreement
 
 # Keywords the strategy passes on: DDPStrategy's own, then DistributedDataParallel's. The strategy sets
 # `module`, `device_ids` and the group itself.
@@ -70,7 +74,12 @@ class MegatronCPStrategy(DDPStrategy):
     - gradients are averaged over DP x CP (DDP on ``layout.loss_group``): with the loss normalized as
       :class:`lightning_cp.CPLossMixin` does, the update equals a single process on the global batch;
     - parameters that are not tensor-parallel shards are broadcast within the TP group before DDP
-      broadcasts over DP x CP, so every replica starts from the same weights.
+      broadcasts over DP x CP, so every replica starts from the same weights;
+    - a SIGTERM (preemption) stops every rank after the same step, within one step, and
+      :class:`~lightning_cp.strategies.preemption.PreemptionCheckpoint` saves that step as ``last.ckpt``
+      (Lightning's own handler hangs there: see :mod:`lightning_cp.strategies.preemption`);
+    - checkpoint files are written atomically (:class:`~lightning_cp.strategies.checkpoint_io.AtomicCheckpointIO`
+      unless ``checkpoint_io`` is given): a full disk or a kill never leaves a truncated ``.ckpt``.
 
     Args:
         cp: context-parallel size (ranks that share one sequence).
@@ -112,7 +121,7 @@ class MegatronCPStrategy(DDPStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io or AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
@@ -120,6 +129,7 @@ class MegatronCPStrategy(DDPStrategy):
             **_check_ddp_keywords(kwargs),
         )
         self._layout: ParallelLayout | None = None
+        self._sigterm = SigtermAgreement()
 
     @property
     def layout(self) -> ParallelLayout:
@@ -187,6 +197,50 @@ class MegatronCPStrategy(DDPStrategy):
         """Move the batch (user transfer hooks see the full batch), then keep this CP rank's shard."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
         return shard_batch(batch, self.layout.cp, self.layout.cp_rank)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        if not any(isinstance(callback, PreemptionCheckpoint) for callback in trainer.callbacks):
+            trainer.callbacks.append(PreemptionCheckpoint())
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._sigterm.install(self.launcher)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._sigterm.install(self.launcher)
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._sigterm.install(self.launcher)
+
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(*args, **kwargs)
+        self._stop_after_this_step_on_sigterm()
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        output = super().validation_step(*args, **kwargs)
+        self._stop_after_this_step_on_sigterm()
+        return output
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        output = super().test_step(*args, **kwargs)
+        self._stop_after_this_step_on_sigterm()
+        return output
+
+    def _stop_after_this_step_on_sigterm(self) -> None:
+        """If any rank got SIGTERM, make Lightning's loops stop every rank at the end of this step."""
+        if self._sigterm.agree(self.root_device):
+            self.lightning_module.trainer._signal_connector.received_sigterm = True
 
     @override
     def teardown(self) -> None:
