@@ -29,12 +29,13 @@ from jsonargparse import set_parsing_settings
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 import lightning_cp  # noqa: F401  (registers strategy="megatron_cp")
+from lightning_cp.callbacks import TokenLogprobWriter
 from lightning_cp.strategies.preemption import PREEMPTED_EXIT_STATUS, PreemptionCheckpoint
 
 _EXIT_STATUS = 2
@@ -153,6 +154,20 @@ class CPLightningCLI(LightningCLI):
             self._print_summary("stopped by an error")
             raise
         self._print_summary("finished")
+
+    def predict(self, **kwargs: Any) -> None:
+        """``trainer.predict``, writing the per-token log-probabilities (:class:`TokenLogprobWriter`) under the
+        first logger's directory unless the trainer already has a prediction writer."""
+        trainer = self.trainer
+        if not any(isinstance(callback, BasePredictionWriter) for callback in trainer.callbacks):
+            root = trainer.loggers[0].log_dir if trainer.loggers else None
+            trainer.callbacks.append(
+                TokenLogprobWriter(Path(root or trainer.default_root_dir) / "predictions")
+            )
+        trainer.predict(**{**kwargs, "return_predictions": False})
+        writers = [callback for callback in trainer.callbacks if isinstance(callback, TokenLogprobWriter)]
+        if trainer.is_global_zero and writers:
+            print(f"\nlightning-cp: per-token log-probabilities in {writers[0].output_dir}", flush=True)
 
     def _print_summary(self, outcome: str) -> None:
         trainer = self.trainer

@@ -502,6 +502,31 @@ def test_main_job_config_runs_with_summary_checkpoint_and_metrics(tmp_path, worl
     validated = _csv_rows(tmp_path / "validate" / "csv" / "version_0")
     assert _last(validated, "val/loss") == pytest.approx(reference, rel=1e-5)
 
+    # `predict` (dp=1 x cp=2) writes every target's log-probability, reassembled from the CP shards.
+    predict_logger = {**loggers[0], "init_args": {"save_dir": str(tmp_path / "predict"), "name": "csv"}}
+    world2.run(
+        main,
+        [
+            "predict",
+            "--config",
+            str(MAIN_JOB),
+            "--ckpt_path",
+            str(checkpoint),
+            "--trainer.devices",
+            "2",
+            "--trainer.logger",
+            json.dumps([predict_logger]),
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
+    )
+    batches = torch.load(tmp_path / "predict" / "csv" / "version_0" / "predictions" / "logprobs.dp0.pt")
+    targets = torch.cat([(b["labels"] != -100).flatten() for b in batches])
+    logprobs = torch.cat([b["logprobs"].flatten() for b in batches])
+    assert int(targets.sum()) == sum(t[1] for t in totals)
+    assert -logprobs[targets].sum().item() == pytest.approx(sum(t[0] for t in totals), rel=1e-5)
+    assert (logprobs[~targets] == 0).all()
+
 
 def test_packed_token_file_config_runs(tmp_path):
     tokens = tmp_path / "tokens.bin"
