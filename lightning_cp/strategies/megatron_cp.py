@@ -382,6 +382,12 @@ class MegatronCPStrategy(DDPStrategy):
         self._layout = None
         self._device_mesh = None
         groups.destroy()
+        if self.fsdp:
+            # DTensor caches sharding decisions by mesh *layout*, which a later setup's new mesh (new
+            # groups, same ranks) would compare equal to: forget the ones of the destroyed groups.
+            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+            _clear_sharding_prop_cache()
 
     @classmethod
     @override

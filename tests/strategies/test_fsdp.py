@@ -37,7 +37,7 @@ class _Probe(Callback):
     def on_train_start(self, trainer, pl_module):
         mesh = trainer.strategy.device_mesh
         self.mesh = (mesh.mesh_dim_names, tuple(mesh.shape), tuple(mesh.get_coordinate()))
-        self.shards = {
+        self.shards = {} if not trainer.strategy.fsdp else {
             name: (param.to_local().numel(), param.numel(), param.device_mesh.size(), param.placements)
             for name, param in pl_module.model.named_parameters()
         }
@@ -59,7 +59,7 @@ class _Probe(Callback):
         }
 
 
-def _fit(cp, packed, accumulate=1, clip=None, precision="32-true", steps=STEPS, **strategy_kwargs):
+def _fit(cp, packed, accumulate=1, clip=None, precision="32-true", steps=STEPS, fsdp=True, **strategy_kwargs):
     dp = dist.get_world_size() // cp
     seed_everything(0)
     module = GPTModule(CONFIG, lr=LR)
@@ -67,7 +67,7 @@ def _fit(cp, packed, accumulate=1, clip=None, precision="32-true", steps=STEPS, 
     trainer = _trainer(
         cp,
         dist.get_world_size(),
-        strategy=MegatronCPStrategy(cp=cp, fsdp=True, **strategy_kwargs),
+        strategy=MegatronCPStrategy(cp=cp, fsdp=fsdp, **strategy_kwargs),
         max_steps=steps,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=clip,
@@ -102,9 +102,14 @@ def test_fsdp_matches_single_process(world4, case):
     ref_losses, ref_weights = _reference(options["packed"], clip=options.get("clip"))
     result = per_rank[0]
     assert len(result["losses"]) == STEPS
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    if options.get("accumulate", 1) == 1:  # with accumulation the logged value is the last micro-batch's
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6
+        )
+    # Adam divides by sqrt(v): rounding differences of near-zero gradients (accumulated, then clipped) show
+    # up as ~1.5e-5 in a few weights, the same with DDP; a 1% error in an update (~LR = 1e-2) is ~1e-4.
     for name, value in ref_weights.items():
-        torch.testing.assert_close(result["weights"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(result["weights"][name], value, rtol=1e-4, atol=3e-5, msg=name)
     if options.get("clip") is not None:  # clipping must change the run, or the comparison says little
         unclipped = _reference(options["packed"])[0]
         assert abs(unclipped[-1] - ref_losses[-1]) > 1e-3 * abs(ref_losses[-1])
