@@ -96,10 +96,20 @@ def _fit(cp, packed, accumulate=1, clip=None, precision="32-true", steps=STEPS, 
 # padded and packed; gradient accumulation; clipping; the embedding (the tied head) as its own unit,
 # resharded before the loss, so the loss gathers a DTensor head; activation checkpointing.
 _CASES = {
-    "dp2-cp2-padded": dict(cp=2, packed=False),
-    "dp1-cp4-packed-accumulate": dict(cp=4, packed=True, accumulate=2, activation_checkpointing=["_Block"]),
-    "dp4-cp1-packed-clip-sharded-head": dict(cp=1, packed=True, clip=0.05, fsdp_wrap=["_Block", "Embedding"]),
-    "dp2-cp2-packed-accumulate-clip": dict(cp=2, packed=True, accumulate=2, clip=0.05),
+    "dp2-cp2-padded": {"cp": 2, "packed": False},
+    "dp1-cp4-packed-accumulate": {
+        "cp": 4,
+        "packed": True,
+        "accumulate": 2,
+        "activation_checkpointing": ["_Block"],
+    },
+    "dp4-cp1-packed-clip-sharded-head": {
+        "cp": 1,
+        "packed": True,
+        "clip": 0.05,
+        "fsdp_wrap": ["_Block", "Embedding"],
+    },
+    "dp2-cp2-packed-accumulate-clip": {"cp": 2, "packed": True, "accumulate": 2, "clip": 0.05},
 }
 
 
