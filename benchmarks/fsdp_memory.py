@@ -26,7 +26,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import Column, format_table  # noqa: E402
+from _report import Column, format_table
 
 MIB = 2**20
 COLUMNS = [
