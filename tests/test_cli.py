@@ -41,6 +41,7 @@ MAIN_JOB = CONFIGS / "cpu_long_range.yaml"
 PACKED = CONFIGS / "packed_sft_token_file.yaml"
 GPU = CONFIGS / "gpu_long_context.yaml"
 GPU_SINGLE = CONFIGS / "gpu_single.yaml"
+FSDP_VARIANTS = {CONFIGS / "cpu_long_range_fsdp.yaml": MAIN_JOB, CONFIGS / "gpu_long_context_fsdp.yaml": GPU}
 CONSOLE_SCRIPT = Path(sys.executable).with_name("lightning-cp")
 ERROR_PREFIX = "lightning-cp: error: "
 
@@ -155,7 +156,7 @@ def _assert_contains(printed, source, where="config"):
         assert printed == source, f"{where}: printed {printed!r}, written {source!r}"
 
 
-@pytest.mark.parametrize("config", [MAIN_JOB, PACKED, GPU, GPU_SINGLE], ids=lambda p: p.stem)
+@pytest.mark.parametrize("config", [MAIN_JOB, PACKED, GPU, GPU_SINGLE, *FSDP_VARIANTS], ids=lambda p: p.stem)
 def test_print_config_is_complete_and_reads_back_identically(config, cli, tmp_path):
     printed = _print_config(cli, "--config", str(config))
     tree = yaml.safe_load(printed)
@@ -383,6 +384,22 @@ def test_errors_while_training_keep_their_traceback(cli, tmp_path):
         )
 
 
+@pytest.mark.parametrize("config", list(FSDP_VARIANTS), ids=lambda p: p.stem)
+def test_fsdp_configs_are_their_ddp_configs_with_sharding(config, cli):
+    # Parsed and validated only; the CPU one also runs below.
+    tree = yaml.safe_load(_print_config(cli, "--config", str(config)))
+    base = yaml.safe_load(_print_config(cli, "--config", str(FSDP_VARIANTS[config])))
+    strategy = tree["trainer"]["strategy"]
+    assert strategy["init_args"]["fsdp"] is True
+    MegatronCPStrategy(**strategy["init_args"])  # validates fsdp with cp / tp and the module lists
+    for key in ("fsdp", "fsdp_wrap", "activation_checkpointing"):
+        strategy["init_args"][key] = base["trainer"]["strategy"]["init_args"][key]
+    for tree_ in (tree, base):
+        for logger in tree_["trainer"]["logger"]:
+            logger["init_args"]["save_dir"] = None
+    assert tree == base
+
+
 # --- real runs of the example configs ----------------------------------------------------------------------
 
 
@@ -583,3 +600,25 @@ def test_packed_token_file_config_runs(tmp_path):
     assert (
         math.log(data["vocab_size"]) - 1 < reference < math.log(data["vocab_size"]) + 1
     )  # 3 steps: near chance
+
+
+def test_cpu_fsdp_config_runs_and_writes_a_sharded_checkpoint(tmp_path):
+    logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path)}}
+    result = _run_console_script(
+        "fit",
+        "--config",
+        str(CONFIGS / "cpu_long_range_fsdp.yaml"),
+        "--trainer.max_steps",
+        "2",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.logger",
+        json.dumps([logger]),
+        "--trainer.callbacks",
+        json.dumps([{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint"}]),
+        "--trainer.enable_progress_bar",
+        "false",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = Path(_summary(result.stdout)["checkpoint"])
+    assert checkpoint.is_dir() and len(list(checkpoint.glob("*.distcp"))) == 4  # one shard per rank

@@ -148,7 +148,8 @@ def _targets(batch, packed):
     return ids, labels
 
 
-def _reference(packed, steps=STEPS):
+def _reference(packed, steps=STEPS, clip=None):
+    """Per-step losses and final weights of a plain loop; ``clip``: clip the global gradient norm to it."""
     seed_everything(0)
     model = GPT(CONFIG)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
@@ -172,6 +173,8 @@ def _reference(packed, steps=STEPS):
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
         optimizer.zero_grad()
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         losses.append(loss.item())
     return losses, model.state_dict()
