@@ -105,6 +105,8 @@ class _Problem:
     coordinates: tuple[Tensor, Tensor, Tensor, Tensor]
     """Document (0: padding) and position of this rank's queries and of every gathered key, for the
     previous implementation's dense mask."""
+    tokens: Tensor
+    """``[T_local]``: the index in the whole sequence of each of this rank's tokens (-1: padding)."""
 
 
 def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: int) -> _Problem:
@@ -118,14 +120,15 @@ def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: 
     documents = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))
     batch = {
         "input_ids": torch.zeros(1, total, dtype=torch.long),
-        "token": torch.arange(total)[None],
+        "token": torch.arange(1, total + 1)[None],  # 0: padding
         "document": documents[None],
     }
     if shape.layout != "padded":
         batch["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     shards = [shard_batch(batch, shape.cp, r) for r in range(shape.cp)]
-    # shard_batch pads every sequence to a multiple of 2 * cp; padding reads token 0 (it is never scored).
-    index = [s["token"][0].to(device) for s in shards]
+    # shard_batch pads every sequence to a multiple of 2 * cp; padding (-1) reads token 0 (never scored).
+    tokens = [s["token"][0].to(device) - 1 for s in shards]
+    index = [t.clamp(min=0) for t in tokens]
     peers_kv = torch.cat([torch.cat([k[i], v[i]], dim=1) for i in index])
     mine = index[rank]
     layout = ShardLayout.build(CPSplit(shape.cp, rank), torch.tensor(lengths), device)
@@ -151,6 +154,7 @@ def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: 
         (whole(q), whole(k), whole(v)),
         lengths,
         coordinates,
+        tokens[rank],
     )
 
 
