@@ -17,7 +17,9 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_cp.hf.check import check_attention_is_context_parallel
 from lightning_cp.parallel import groups
+from lightning_cp.parallel.batch_context import set_current_batch
 from lightning_cp.parallel.layout import (
     ParallelLayout,
     check_size,
@@ -160,6 +162,11 @@ class MegatronCPStrategy(DDPStrategy):
             # The seed Lightning used (reset_seed above re-applies PL_GLOBAL_SEED when seed_everything ran).
             groups.seed_model_parallel_cuda_rng(torch.initial_seed())
 
+    @override
+    def setup(self, trainer: Any) -> None:
+        check_attention_is_context_parallel(self.lightning_module, self.layout.cp)
+        super().setup(trainer)
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -186,11 +193,14 @@ class MegatronCPStrategy(DDPStrategy):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Move the batch (user transfer hooks see the full batch), then keep this CP rank's shard."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        return shard_batch(batch, self.layout.cp, self.layout.cp_rank)
+        batch = shard_batch(batch, self.layout.cp, self.layout.cp_rank)
+        set_current_batch(batch)  # for attention that cannot receive it (Hugging Face models)
+        return batch
 
     @override
     def teardown(self) -> None:
         super().teardown()
+        set_current_batch(None)
         set_current_layout(None)
         self._layout = None
         groups.destroy()
