@@ -5,16 +5,16 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 61
-_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=256,
-)
+_COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 256,
+}
 CONFIGS = {
     "llama": {"model_type": "llama", **_COMMON},
     "qwen3": {"model_type": "qwen3", "tie_word_embeddings": True, **_COMMON},
