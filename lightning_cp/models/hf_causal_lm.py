@@ -86,7 +86,11 @@ class HFCausalLM(CPLossMixin, LightningModule):
                 AutoConfig.for_model(**config), attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype
             )
         if self.hparams.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            options = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # the newer name of the same switch
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
         self.model = model
 
     def forward(self, batch: dict[str, Tensor]) -> Tensor:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_cp.hf import check_attention_is_context_parallel
-from lightning_cp.models import GPTConfig, GPTModule
+from lightning_cp.models import GPTConfig, GPTModule, HFCausalLM
 from lightning_cp.parallel import current_layout, groups, set_current_layout, shard_batch
 from lightning_cp.parallel.batch_context import current_batch, set_current_batch
 from tests.hf._models import CONFIGS, VOCAB, build
@@ -127,6 +127,24 @@ def test_setup_check_flags_local_attention_only():
     check_attention_is_context_parallel(sdpa, 1)  # no CP: every attention is exact
     check_attention_is_context_parallel(build("qwen3", "lightning_cp"), 2)
     check_attention_is_context_parallel(GPTModule(GPTConfig(vocab_size=VOCAB, n_layer=1, n_embd=16)), 2)
+
+
+def test_hf_causal_lm_with_gradient_checkpointing_recomputes_the_same_packed_step(sharded_step):
+    ids = torch.randint(0, VOCAB, (1, sum(DOC_LENGTHS)), generator=torch.Generator().manual_seed(1))
+    cu = torch.tensor([0, *DOC_LENGTHS]).cumsum(0).to(torch.int32)
+    batch = sharded_step({"input_ids": ids, "cu_seqlens": cu})
+    grads = []
+    for checkpointing in (False, True):
+        module = HFCausalLM(CONFIGS["qwen3"], gradient_checkpointing=checkpointing)
+        torch.manual_seed(0)
+        module.configure_model()
+        hidden = module(batch)
+        nll = F.cross_entropy(module.model.lm_head(hidden)[0], batch["labels"][0], reduction="sum")
+        nll.backward()
+        grads.append(_grads(module.model))
+    assert module.model.model.gradient_checkpointing and module.model.training
+    for key, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][key], grad, rtol=1e-5, atol=1e-7, msg=key)
 
 
 # --- under CP (gloo pools) ------------------------------------------------------------------------------
