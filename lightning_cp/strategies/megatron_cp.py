@@ -68,7 +68,11 @@ class MegatronCPStrategy(DDPStrategy):
     - every train / val / test / predict batch is sharded for this CP rank by
       :func:`lightning_cp.parallel.shard_batch` after it reaches the device: the step methods receive
       next-token ``labels``, ``loss_mask``, ``position_ids``, ``shard_layout`` and, for packed batches,
-      local ``cu_seqlens``;
+      local ``cu_seqlens``; the shard is also recorded
+      (:func:`lightning_cp.parallel.batch_context.current_batch`) for attention that cannot receive it,
+      such as Hugging Face models built with ``attn_implementation="lightning_cp"``;
+    - under ``cp > 1``, ``setup`` refuses attention layers that would see only the local shard
+      (:func:`lightning_cp.hf.check_attention_is_context_parallel`);
     - gradients are averaged over DP x CP (DDP on ``layout.loss_group``): with the loss normalized as
       :class:`lightning_cp.CPLossMixin` does, the update equals a single process on the global batch;
     - parameters that are not tensor-parallel shards are broadcast within the TP group before DDP
@@ -86,6 +90,7 @@ class MegatronCPStrategy(DDPStrategy):
         TypeError: ``cp`` or ``tp`` is not an integer, or an unknown keyword argument.
         ValueError: ``cp`` or ``tp`` < 1, or the world size is not divisible by ``tp * cp`` (raised when
             the Trainer is built, before any process is launched or collective is run).
+        ValueError: at setup, under ``cp > 1``, a model with attention that is not context-parallel.
 
     Example::
 
