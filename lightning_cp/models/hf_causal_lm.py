@@ -98,18 +98,13 @@ class HFCausalLM(CPLossMixin, LightningModule):
         out = self.model.model(input_ids=batch[INPUT_IDS], position_ids=batch[POSITION_IDS], use_cache=False)
         return out.last_hidden_state
 
-    def _loss(self, batch: dict[str, Tensor]) -> Tensor:
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """The loss of this rank's shard (:meth:`~lightning_cp.CPLossMixin.lm_loss`); also the val / test step."""
         weight = self.model.get_output_embeddings().weight
         return self.lm_loss(self(batch), weight, batch, chunk_size=self.hparams.chunk_size)
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        return self._loss(batch)
-
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        return self._loss(batch)
-
-    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        return self._loss(batch)
+    validation_step = training_step
+    test_step = training_step
 
     def configure_optimizers(self) -> dict[str, Any]:
         hparams = self.hparams
