@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_cp.hf import check_attention_is_context_parallel
+from lightning_cp.hf.attention import hf_context_parallel_attention, mask_for_hf
 from lightning_cp.models import GPTConfig, GPTModule, HFCausalLM
 from lightning_cp.parallel import current_layout, groups, set_current_layout, shard_batch
 from lightning_cp.parallel.batch_context import current_batch, set_current_batch
@@ -84,6 +85,34 @@ def test_import_registers_lazily():
         "assert AttentionMaskInterface._global_mapping['lightning_cp'] is mask_for_hf\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_install_registers_into_loaded_modules_at_once():
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    from lightning_cp.hf import registration
+
+    for interface in (AttentionInterface, AttentionMaskInterface):
+        interface._global_mapping.pop("lightning_cp", None)
+    registration.install()
+    assert AttentionInterface._global_mapping["lightning_cp"] is hf_context_parallel_attention
+    assert AttentionMaskInterface._global_mapping["lightning_cp"] is mask_for_hf
+
+
+def test_hf_causal_lm_loads_a_local_pretrained_directory(tmp_path):
+    torch.manual_seed(0)
+    saved = build("llama", "sdpa")
+    saved.save_pretrained(tmp_path)
+    module = HFCausalLM(str(tmp_path))
+    module.configure_model()
+    assert module.model.config._attn_implementation == "lightning_cp"
+    for key, value in saved.state_dict().items():
+        torch.testing.assert_close(module.model.state_dict()[key], value, rtol=0, atol=0, msg=key)
+    with pytest.raises(ValueError, match="not a local directory"):
+        HFCausalLM(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="no 'model_type'"):
+        HFCausalLM({"hidden_size": 32})
 
 
 def test_sliding_window_is_rejected(sharded_step):
