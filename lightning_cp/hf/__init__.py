@@ -6,7 +6,7 @@ its attention and mask modules). A model built with it attends over whole sequen
 its shard (:mod:`lightning_cp.hf.attention`); :func:`check_attention_is_context_parallel` is the
 strategy's guard against models that would attend only within a shard.
 
-Nothing in this package imports ``transformers`` itself; it is an optional dependency
+No module here imports ``transformers`` when it is imported; it is an optional dependency
 (``pip install lightning-cp[hf]``).
 """
 
