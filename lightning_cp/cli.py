@@ -22,15 +22,21 @@ import os
 import re
 import sys
 from argparse import ArgumentError
+from pathlib import Path
+from typing import Any
 
 from jsonargparse import set_parsing_settings
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.seed import seed_everything
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 import lightning_cp  # noqa: F401  (registers strategy="megatron_cp")
+from lightning_cp.callbacks import TokenLogprobWriter
+from lightning_cp.strategies.preemption import PREEMPTED_EXIT_STATUS, PreemptionCheckpoint
 
 _EXIT_STATUS = 2
 """Exit status of a command-line or configuration error (argparse's status for usage errors)."""
@@ -117,25 +123,65 @@ class CPLightningCLI(LightningCLI):
         built = False
         try:
             super().instantiate_classes()
+            _check_vocabularies(self.model, self.datamodule)
             built = True
         except (ValueError, TypeError, MisconfigurationException) as error:
             raise ConfigurationError(str(error)) from error
         finally:
             self._seed_message.release(emit=built)
 
-    def after_fit(self) -> None:
-        """Tell the user where the logs and checkpoints are, and the final losses (rank 0 only)."""
+    def fit(self, **kwargs: Any) -> None:
+        """``trainer.fit``, then a summary naming the logs and the checkpoint to resume from (rank 0).
+
+        ``ckpt_path: last`` resumes the newest ``last*.ckpt`` of this run name: every run logs to a new
+        ``<save_dir>/<name>/version_N`` and its checkpoints go to ``version_N/checkpoints`` unless the
+        ``ModelCheckpoint`` has a ``dirpath``, so the previous versions are searched too. Re-running the same
+        command after a crash or a preemption therefore continues where it stopped.
+
+        The summary is printed when training ends, is preempted or crashes. A SIGTERM stop (preemption:
+        every rank stopped after the same step, ``last.ckpt`` saved) ends the command with status 143.
+        """
+        if kwargs.get("ckpt_path") == "last":
+            kwargs["ckpt_path"] = _last_checkpoint_of_run(self.trainer) or "last"
+        try:
+            self.trainer.fit(**kwargs)
+        except SIGTERMException:
+            self._print_summary("preempted by SIGTERM")
+            # Rank 0 carries the status: Lightning's launcher kills the whole job when a rank it started
+            # exits with a non-zero status, possibly before rank 0 is done.
+            raise SystemExit(PREEMPTED_EXIT_STATUS if self.trainer.is_global_zero else 0) from None
+        except BaseException:
+            self._print_summary("stopped by an error")
+            raise
+        self._print_summary("finished")
+
+    def predict(self, **kwargs: Any) -> None:
+        """``trainer.predict``, writing the per-token log-probabilities (:class:`TokenLogprobWriter`) under the
+        first logger's directory unless the trainer already has a prediction writer."""
+        trainer = self.trainer
+        if not any(isinstance(callback, BasePredictionWriter) for callback in trainer.callbacks):
+            root = trainer.loggers[0].log_dir if trainer.loggers else None
+            trainer.callbacks.append(
+                TokenLogprobWriter(Path(root or trainer.default_root_dir) / "predictions")
+            )
+        trainer.predict(**{**kwargs, "return_predictions": False})
+        writers = [callback for callback in trainer.callbacks if isinstance(callback, TokenLogprobWriter)]
+        if trainer.is_global_zero and writers:
+            print(f"\nlightning-cp: per-token log-probabilities in {writers[0].output_dir}", flush=True)
+
+    def _print_summary(self, outcome: str) -> None:
         trainer = self.trainer
         if not trainer.is_global_zero:
             return
-        lines = ["", f"lightning-cp: training finished after {trainer.global_step} steps"]
+        lines = ["", f"lightning-cp: training {outcome} after {trainer.global_step} steps"]
         for logger in trainer.loggers:
             label = "logs:" if logger is trainer.loggers[0] else ""
             lines.append(f"  {label:<12}{logger.log_dir or logger.save_dir}  ({type(logger).__name__})")
-        checkpoint = trainer.checkpoint_callback
-        if checkpoint is not None:
-            path = checkpoint.last_model_path or checkpoint.best_model_path or "(none saved)"
-            lines.append(f"  {'checkpoint:':<12}{path}")
+        resume_from = _resume_checkpoint(trainer)
+        if trainer.checkpoint_callback is not None:
+            lines.append(f"  {'checkpoint:':<12}{resume_from or '(none saved)'}")
+        if resume_from and outcome != "finished":
+            lines.append(f"  {'resume:':<12}the same command with --ckpt_path {resume_from}")
         metrics = trainer.callback_metrics
         for name in _SUMMARY_METRICS:
             if name in metrics:
@@ -145,6 +191,47 @@ class CPLightningCLI(LightningCLI):
                 )
                 lines.append(f"  {name + ':':<18}{value:.4f}{extra}")
         print("\n".join(lines), flush=True)
+
+
+def _check_vocabularies(model: LightningModule, datamodule: LightningDataModule | None) -> None:
+    """A data vocabulary larger than the model's fails here, not as an ``IndexError`` in the embedding."""
+    config = model.hparams.get("config")  # GPTModule's GPTConfig, a transformers config dict, ...
+    model_vocab = (
+        config.get("vocab_size") if isinstance(config, dict) else getattr(config, "vocab_size", None)
+    )
+    data_vocab = getattr(datamodule, "vocab_size", None)
+    if isinstance(model_vocab, int) and isinstance(data_vocab, int) and data_vocab > model_vocab:
+        raise ValueError(
+            f"data.vocab_size={data_vocab} is larger than the model's vocab_size={model_vocab}: token ids up to "
+            f"{data_vocab - 1} cannot be embedded. Set the model's vocab_size to at least {data_vocab}."
+        )
+
+
+def _last_checkpoint_of_run(trainer: Trainer) -> str | None:
+    """The newest ``last*.ckpt`` in ``<save_dir>/<name>/version_*/checkpoints`` of the first logger.
+
+    ``None`` when the ``ModelCheckpoint`` has its own ``dirpath`` (Lightning's ``"last"`` finds it there),
+    there is no checkpointing or no logger, or no such file exists.
+    """
+    checkpoint = trainer.checkpoint_callback
+    if not isinstance(checkpoint, ModelCheckpoint) or checkpoint.dirpath is not None or not trainer.loggers:
+        return None
+    logger = trainer.loggers[0]
+    run = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name or "")
+    pattern = f"version_*/checkpoints/{checkpoint.CHECKPOINT_NAME_LAST}*{checkpoint.FILE_EXTENSION}"
+    candidates = list(run.glob(pattern))
+    return str(max(candidates, key=lambda path: path.stat().st_mtime)) if candidates else None
+
+
+def _resume_checkpoint(trainer: Trainer) -> str | None:
+    """The newest checkpoint of this run: the preemption one, else the ModelCheckpoint's last or best."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, PreemptionCheckpoint) and callback.saved_path:
+            return callback.saved_path
+    checkpoint = trainer.checkpoint_callback
+    if checkpoint is None:
+        return None
+    return checkpoint.last_model_path or checkpoint.best_model_path or None
 
 
 def _one_line(message: str) -> str:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torchmetrics import Metric
 
 from lightning_cp.constants import LABELS
@@ -83,7 +84,10 @@ class CPLossMixin:
             hidden: ``[B, S_local, H]`` final hidden states of this rank's tokens.
             weight: ``[V, H]`` LM-head weight, or this TP rank's ``[V / tp, H]`` shard when the weight is
                 vocab-parallel: Megatron marks those with ``tensor_model_parallel = True``, which selects
-                the TP path of the loss (a replicated weight under ``tp > 1`` is used as a whole).
+                the TP path of the loss (a replicated weight under ``tp > 1`` is used as a whole). An
+                FSDP-sharded weight (a ``DTensor``, as FSDP leaves a unit's parameters after its forward)
+                is all-gathered for the loss and its gradient reduce-scattered back (averaged, as FSDP
+                averages), so one unsharded copy of the head lives only while the loss runs.
             batch: the sharded batch (``labels`` ``[B, S_local]``; ``cu_seqlens`` when packed).
             **loss_kwargs: options of :func:`lightning_cp.ops.linear_cross_entropy` (``label_smoothing``,
                 ``z_loss``, ``softcap``, ``chunk_size``, ``impl``).
@@ -93,12 +97,13 @@ class CPLossMixin:
             :mod:`lightning_cp.objective`); in evaluation, the global token-mean loss (identical on every rank).
 
         Communication: one all-reduce of two scalars over DP x CP, the metric synchronization, and the
-        TP all-reduces of the fused loss when ``tp > 1``.
+        TP all-reduces of the fused loss when ``tp > 1``; for a ``DTensor`` weight, its all-gather (and
+        reduce-scatter in backward) over its mesh.
         """
         layout = current_layout()
         loss_sum, stats = linear_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1]),
-            weight,
+            _unsharded(weight),
             batch[LABELS].reshape(-1),
             reduction="sum",
             return_stats=True,
@@ -182,3 +187,17 @@ class CPLossMixin:
 def _vocab_parallel_group(layout: ParallelLayout, vocab_parallel: bool) -> Any:
     """The TP group when the head is split over the vocabulary across more than one rank, else ``None``."""
     return layout.tp_group if vocab_parallel else None
+
+
+def _unsharded(weight: Tensor) -> Tensor:
+    """The full tensor of a ``DTensor`` weight, whose gradient flows back reduce-scattered and averaged.
+
+    ``full_tensor()`` alone would hand each rank's own gradient back as a replicated one (sliced, not
+    reduced); declaring the gradient ``Partial("avg")`` makes autograd reduce-scatter it over the mesh.
+    """
+    if not isinstance(weight, DTensor):
+        return weight
+    mesh = weight.device_mesh
+    return weight.redistribute(mesh, [Replicate()] * mesh.ndim).to_local(
+        grad_placements=[Partial("avg")] * mesh.ndim
+    )

@@ -27,10 +27,11 @@ MIB = 2**20
 
 @pytest.fixture(scope="module")
 def bench() -> types.SimpleNamespace:
-    """``_probes``, ``_harness``, ``_report`` and ``loss_memory``, imported as the scripts import them."""
+    """``_probes``, ``_harness``, ``_report``, ``loss_memory`` and ``attention``, imported as the scripts
+    import them."""
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(BENCHMARKS))
-        names = ("_probes", "_harness", "_report", "loss_memory")
+        names = ("_probes", "_harness", "_report", "loss_memory", "attention")
         yield types.SimpleNamespace(**{name: importlib.import_module(name) for name in names})
 
 
@@ -286,3 +287,24 @@ def test_quick_run_of_loss_memory_measures_each_case_with_plains_loss(bench, tmp
     assert results["plain"]["peak_extra_bytes"] >= logits_bytes
     assert results["plain"]["mem_ratio"] == 1.0
     assert results["ours_lce_torch"]["peak_extra_bytes"] < logits_bytes
+
+
+# --------------------------------------------------------------------------------------------------
+# attention.py
+
+
+@pytest.mark.parametrize("layout", ["padded", "mixed"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_attention_cases_compute_the_rank_s_rows_of_full_attention(bench, layout, rank):
+    """The simulated rank's outputs, by ours and by the previous implementation, are its rows of the ideal
+    (whole-sequence) attention: the simulation gives each case the inputs a real CP rank would have."""
+    attention = bench.attention
+    shape = attention.Shape(tokens=66, layout=layout, cp=2, heads=4, kv_heads=2, head_dim=8)
+    problem = attention._make_problem(shape, torch.float64, torch.device("cpu"), rank)
+    assert len(problem.lengths) > 2 or layout == "padded"
+    full = attention._build_ideal(problem)()[0].transpose(0, 1)  # [T, H, D]
+    mine = problem.tokens
+    valid = mine >= 0
+    for build in (attention._build_ours, attention._build_previous):
+        out = build(problem)()
+        torch.testing.assert_close(out[valid], full[mine[valid]], rtol=1e-9, atol=1e-9)

@@ -43,6 +43,7 @@ GPU = CONFIGS / "gpu_long_context.yaml"
 GPU_SINGLE = CONFIGS / "gpu_single.yaml"
 HF_CPU = CONFIGS / "hf_qwen3_tiny_cpu.yaml"
 HF_GPU = CONFIGS / "hf_llama_gpu.yaml"
+FSDP_VARIANTS = {CONFIGS / "cpu_long_range_fsdp.yaml": MAIN_JOB, CONFIGS / "gpu_long_context_fsdp.yaml": GPU}
 CONSOLE_SCRIPT = Path(sys.executable).with_name("lightning-cp")
 ERROR_PREFIX = "lightning-cp: error: "
 
@@ -157,7 +158,7 @@ def _assert_contains(printed, source, where="config"):
         assert printed == source, f"{where}: printed {printed!r}, written {source!r}"
 
 
-@pytest.mark.parametrize("config", [MAIN_JOB, PACKED, GPU, GPU_SINGLE], ids=lambda p: p.stem)
+@pytest.mark.parametrize("config", [MAIN_JOB, PACKED, GPU, GPU_SINGLE, *FSDP_VARIANTS], ids=lambda p: p.stem)
 def test_print_config_is_complete_and_reads_back_identically(config, cli, tmp_path):
     printed = _print_config(cli, "--config", str(config))
     tree = yaml.safe_load(printed)
@@ -302,6 +303,10 @@ def _check_one_line(status: int, out: str, err: str) -> str:
         ),
         (["--config", str(MAIN_JOB), "--trainer.devices", "3"], ["world size 3", "cp(2) * tp(1) = 2"]),
         (["--data.init_args.seq_len", "127"], ["seq_len=127 must be an even number"]),
+        (
+            ["--config", str(MAIN_JOB), "--data.init_args.vocab_size", "1000"],
+            ["data.vocab_size=1000 is larger than the model's vocab_size=512", "at least 1000"],
+        ),
     ],
     ids=[
         "unknown-key",
@@ -313,6 +318,7 @@ def _check_one_line(status: int, out: str, err: str) -> str:
         "bad-cp",
         "cp-does-not-divide-devices",
         "odd-seq-len",
+        "data-vocabulary-larger-than-the-model's",
     ],
 )
 def test_configuration_errors_are_one_line(args, expected, cli):
@@ -429,15 +435,33 @@ def test_errors_while_training_keep_their_traceback(cli, tmp_path):
         )
 
 
+@pytest.mark.parametrize("config", list(FSDP_VARIANTS), ids=lambda p: p.stem)
+def test_fsdp_configs_are_their_ddp_configs_with_sharding(config, cli):
+    # Parsed and validated only; the CPU one also runs below.
+    tree = yaml.safe_load(_print_config(cli, "--config", str(config)))
+    base = yaml.safe_load(_print_config(cli, "--config", str(FSDP_VARIANTS[config])))
+    strategy = tree["trainer"]["strategy"]
+    assert strategy["init_args"]["fsdp"] is True
+    MegatronCPStrategy(**strategy["init_args"])  # validates fsdp with cp / tp and the module lists
+    for key in ("fsdp", "fsdp_wrap", "activation_checkpointing"):
+        strategy["init_args"][key] = base["trainer"]["strategy"]["init_args"][key]
+    for tree_ in (tree, base):
+        for logger in tree_["trainer"]["logger"]:
+            logger["init_args"]["save_dir"] = None
+    assert tree == base
+
+
 # --- real runs of the example configs ----------------------------------------------------------------------
 
 
 def _summary(stdout: str) -> dict:
-    """The block ``after_fit`` prints: ``{"logs": [dir, ...], "checkpoint": path, "val/loss": "6.2480", ...}``."""
-    block = stdout[stdout.index("lightning-cp: training finished") :].splitlines()[1:]
+    """The block ``fit`` prints: ``{"logs": [dir, ...], "checkpoint": path, "val/loss": "6.2480", ...}``."""
+    block = stdout[stdout.index("lightning-cp: training ") :].splitlines()[1:]
     summary: dict = {"logs": []}
     for fields in map(str.split, block):
-        if fields and fields[0].endswith(":"):
+        if fields and fields[0] == "resume:":
+            key, value = "resume", fields[-1]
+        elif fields and fields[0].endswith(":"):
             key, value = fields[0][:-1], fields[1]
         elif fields:
             key, value = "logs", fields[0]  # the next logger's directory, under the first
@@ -546,6 +570,31 @@ def test_main_job_config_runs_with_summary_checkpoint_and_metrics(tmp_path, worl
     validated = _csv_rows(tmp_path / "validate" / "csv" / "version_0")
     assert _last(validated, "val/loss") == pytest.approx(reference, rel=1e-5)
 
+    # `predict` (dp=1 x cp=2) writes every target's log-probability, reassembled from the CP shards.
+    predict_logger = {**loggers[0], "init_args": {"save_dir": str(tmp_path / "predict"), "name": "csv"}}
+    world2.run(
+        main,
+        [
+            "predict",
+            "--config",
+            str(MAIN_JOB),
+            "--ckpt_path",
+            str(checkpoint),
+            "--trainer.devices",
+            "2",
+            "--trainer.logger",
+            json.dumps([predict_logger]),
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
+    )
+    batches = torch.load(tmp_path / "predict" / "csv" / "version_0" / "predictions" / "logprobs.dp0.pt")
+    targets = torch.cat([(b["labels"] != -100).flatten() for b in batches])
+    logprobs = torch.cat([b["logprobs"].flatten() for b in batches])
+    assert int(targets.sum()) == sum(t[1] for t in totals)
+    assert -logprobs[targets].sum().item() == pytest.approx(sum(t[0] for t in totals), rel=1e-5)
+    assert (logprobs[~targets] == 0).all()
+
 
 def test_packed_token_file_config_runs(tmp_path):
     tokens = tmp_path / "tokens.bin"
@@ -602,3 +651,25 @@ def test_packed_token_file_config_runs(tmp_path):
     assert (
         math.log(data["vocab_size"]) - 1 < reference < math.log(data["vocab_size"]) + 1
     )  # 3 steps: near chance
+
+
+def test_cpu_fsdp_config_runs_and_writes_a_sharded_checkpoint(tmp_path):
+    logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path)}}
+    result = _run_console_script(
+        "fit",
+        "--config",
+        str(CONFIGS / "cpu_long_range_fsdp.yaml"),
+        "--trainer.max_steps",
+        "2",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.logger",
+        json.dumps([logger]),
+        "--trainer.callbacks",
+        json.dumps([{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint"}]),
+        "--trainer.enable_progress_bar",
+        "false",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = Path(_summary(result.stdout)["checkpoint"])
+    assert checkpoint.is_dir() and len(list(checkpoint.glob("*.distcp"))) == 4  # one shard per rank

@@ -28,7 +28,7 @@ sys.meta_path.insert(0, Spy())
 def _importers(statement: str) -> list[list[str]]:
     code = _SPY + statement + "\nprint(importers)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    return eval(out.strip().splitlines()[-1])  # noqa: S307 - our own repr of a list of str pairs
+    return eval(out.strip().splitlines()[-1])
 
 
 def test_import_lightning_cp_imports_neither_megatron_nor_matplotlib():

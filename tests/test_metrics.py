@@ -185,10 +185,24 @@ def test_collection_keeps_metrics_apart_after_an_all_zero_first_update():
     """A MetricCollection merges metrics whose states are equal after the first update; an all-zero
     first step (a rank without targets) must not merge metrics that are fed different inputs."""
     collection = MetricCollection(_all_metrics())
-    zero = dict(loss_sum=0.0, correct_count=0, entropy_sum=0.0, valid_count=0, input_count=0, seconds=0.0)
-    empty = dict(seq_nll_sum=torch.zeros(1), seq_valid_count=torch.zeros(1))
+    zero = {
+        "loss_sum": 0.0,
+        "correct_count": 0,
+        "entropy_sum": 0.0,
+        "valid_count": 0,
+        "input_count": 0,
+        "seconds": 0.0,
+    }
+    empty = {"seq_nll_sum": torch.zeros(1), "seq_valid_count": torch.zeros(1)}
     collection.update(**zero, **empty)
-    step = dict(loss_sum=6.0, correct_count=3, entropy_sum=2.0, valid_count=4, input_count=5, seconds=2.0)
+    step = {
+        "loss_sum": 6.0,
+        "correct_count": 3,
+        "entropy_sum": 2.0,
+        "valid_count": 4,
+        "input_count": 5,
+        "seconds": 2.0,
+    }
     collection.update(**step, seq_nll_sum=torch.tensor([2.0, 4.0]), seq_valid_count=torch.tensor([2.0, 2.0]))
     got = {k: v.item() for k, v in collection.compute().items()}
     expected = {
@@ -298,16 +312,16 @@ def _run_layouts(data: dict) -> dict:
                 per_token = torch.stack([masked_nll.flatten(), local["valid"].flatten()], 1)
                 seq = sequence_totals(per_token, seq_index, n_seq, layout.cp_group)
                 totals.append(seq)
-                kwargs = dict(
-                    loss_sum=masked_nll.sum(),
-                    valid_count=local["valid"].sum(),
-                    correct_count=local["correct"].sum(),
-                    entropy_sum=(local["entropy"] * local["valid"]).sum(),
-                    input_count=local["input"].sum(),
-                    seconds=_STEP_SECONDS[step] + _RANK_SKEW_S * rank,
-                    seq_nll_sum=seq[:, 0],
-                    seq_valid_count=seq[:, 1],
-                )
+                kwargs = {
+                    "loss_sum": masked_nll.sum(),
+                    "valid_count": local["valid"].sum(),
+                    "correct_count": local["correct"].sum(),
+                    "entropy_sum": (local["entropy"] * local["valid"]).sum(),
+                    "input_count": local["input"].sum(),
+                    "seconds": _STEP_SECONDS[step] + _RANK_SKEW_S * rank,
+                    "seq_nll_sum": seq[:, 0],
+                    "seq_valid_count": seq[:, 1],
+                }
                 steps.append(lazy(**kwargs))
                 explicit.update(**kwargs)
             out[cp] = {"lazy": lazy.compute(), "explicit": explicit.compute(), "totals": totals}

@@ -1,5 +1,6 @@
 """Lightning callbacks that work in any Lightning project, with or without ``MegatronCPStrategy``."""
 
+from lightning_cp.callbacks.logprob_writer import TokenLogprobWriter
 from lightning_cp.callbacks.memory_profiler import MemoryProfilerCallback
 
-__all__ = ["MemoryProfilerCallback"]
+__all__ = ["MemoryProfilerCallback", "TokenLogprobWriter"]

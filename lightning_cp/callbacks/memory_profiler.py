@@ -332,7 +332,10 @@ class MemoryProfilerCallback(Callback):
             return None
         parallel = current_layout()
         path = self._dir / SNAPSHOT_FILENAME.format(
-            kind=kind, steps=steps, rank=self._rank, layout=f".{parallel.tag()}" if parallel.world_size > 1 else ""
+            kind=kind,
+            steps=steps,
+            rank=self._rank,
+            layout=f".{parallel.tag()}" if parallel.world_size > 1 else "",
         )
         partial = path.with_name(f"{path.name}.partial")
         with open(partial, "wb") as f:

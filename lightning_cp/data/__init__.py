@@ -6,6 +6,8 @@
   file (:class:`TokenFileDataset`; fixed windows or EOS-delimited documents; its dtype recorded in the
   sidecar that :func:`write_token_file` writes) or a Megatron-LM / NeMo indexed dataset
   (:class:`MegatronIndexedDataset`, ``prefix.bin`` + ``prefix.idx``; its documents).
+- :class:`ResumableDataLoader`: a ``DataLoader`` whose position in the epoch is checkpointed, for exact
+  mid-epoch resumption.
 - :func:`collate_padded` (``[B, S]``) and :func:`collate_packed` (``[1, T]`` + ``cu_seqlens``).
 
 Samples and batches are un-shifted: ``loss_mask[t] == 1`` marks token ``t`` as a target, and the
@@ -16,6 +18,7 @@ Megatron-core, so DataLoader workers stay light.
 from lightning_cp.data.collate import collate_packed, collate_padded
 from lightning_cp.data.datamodule import LongRangeDataModule, TokenFileDataModule
 from lightning_cp.data.megatron_indexed import MegatronIndexedDataset
+from lightning_cp.data.resumable import ResumableDataLoader
 from lightning_cp.data.synthetic import LongRangeCopyDataset
 from lightning_cp.data.token_file import TokenFileDataset, write_token_file
 
@@ -23,6 +26,7 @@ __all__ = [
     "LongRangeCopyDataset",
     "LongRangeDataModule",
     "MegatronIndexedDataset",
+    "ResumableDataLoader",
     "TokenFileDataModule",
     "TokenFileDataset",
     "collate_packed",

@@ -1,7 +1,8 @@
 """LightningDataModules for the copy task and for token files, in padded or packed form.
 
-Both build plain ``torch.utils.data.DataLoader`` objects with ``shuffle=True`` for training and no
-sampler of their own: Lightning replaces the sampler with a ``DistributedSampler`` over the
+Both build :class:`~lightning_cp.data.ResumableDataLoader` objects (a ``DataLoader`` whose position in
+the epoch is saved in checkpoints, so a run resumed mid-epoch continues with the next batch) with
+``shuffle=True`` for training and no sampler of their own: Lightning replaces the sampler with a ``DistributedSampler`` over the
 *data-parallel* ranks the strategy reports (every rank of a CP group must see the same samples), which
 it can only do for a DataLoader it can re-create from its arguments. ``batch_size`` is therefore per
 data-parallel rank: the global batch is ``batch_size * dp`` samples, whatever ``cp`` is.
@@ -33,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from lightning_cp.data._token_spans import _check_sampled_ids, _check_seq_len
 from lightning_cp.data.collate import collate_packed, collate_padded
 from lightning_cp.data.megatron_indexed import MegatronIndexedDataset, _is_megatron_prefix, _MegatronIndex
+from lightning_cp.data.resumable import ResumableDataLoader
 from lightning_cp.data.synthetic import LongRangeCopyDataset, _check_copy_task
 from lightning_cp.data.token_file import TokenDType, TokenFileDataset, _check_token_file
 
@@ -70,13 +72,13 @@ class _CPDataModule(LightningDataModule):
         """The held-out (validation) split, for ``GPTModule.predict_step``'s per-token log-probabilities."""
         return self._loader(self._val, shuffle=False)
 
-    def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
+    def _loader(self, dataset: Dataset | None, shuffle: bool) -> ResumableDataLoader:
         if dataset is None:
             raise RuntimeError(
                 f"{type(self).__name__} has no datasets yet; call setup('fit') (the Trainer does) before "
                 "asking for a dataloader."
             )
-        return DataLoader(
+        return ResumableDataLoader(
             dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,

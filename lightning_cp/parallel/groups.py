@@ -100,6 +100,16 @@ def replica_group() -> ProcessGroup:
     return _parallel_state().get_data_parallel_group(with_context_parallel=True)
 
 
+def mesh_groups() -> tuple[ProcessGroup, ProcessGroup, ProcessGroup]:
+    """Megatron's DP, CP and TP groups of this rank, also of size 1: the dimensions of a ``DeviceMesh``."""
+    parallel_state = _parallel_state()
+    return (
+        parallel_state.get_data_parallel_group(),
+        parallel_state.get_context_parallel_group(),
+        parallel_state.get_tensor_model_parallel_group(),
+    )
+
+
 def seed_model_parallel_cuda_rng(seed: int) -> None:
     """Seed Megatron's CUDA RNG tracker (per-TP-rank streams for model-parallel dropout) from ``seed``."""
     with warnings.catch_warnings():

@@ -223,7 +223,7 @@ def _shift_targets(
     return next_labels, next_target
 
 
-def _gather_tokens(value: Tensor, src: Tensor, valid: Tensor, fill: float | int) -> Tensor:
+def _gather_tokens(value: Tensor, src: Tensor, valid: Tensor, fill: float) -> Tensor:
     """``value[:, src]`` along dim 1, with ``fill`` where ``valid`` is False (padding)."""
     picked = value.index_select(1, src.clamp(max=value.shape[1] - 1))
     mask = valid.view(1, -1, *([1] * (value.dim() - 2)))

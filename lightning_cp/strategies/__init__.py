@@ -1,3 +1,3 @@
-from lightning_cp.strategies.megatron_cp import MegatronCPStrategy
+from lightning_cp.strategies.megatron_cp import MegatronCPStrategy, consolidate_checkpoint
 
-__all__ = ["MegatronCPStrategy"]
+__all__ = ["MegatronCPStrategy", "consolidate_checkpoint"]

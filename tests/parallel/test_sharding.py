@@ -1,3 +1,5 @@
+import itertools
+
 import megatron.core.utils as megatron_utils
 import pytest
 import torch
@@ -223,9 +225,9 @@ def test_shard_layout_finds_every_key_of_every_piece(cp, packed):
         keys = gathered[layout.key_index].tolist()
         cu_keys, cu_queries = layout.cu_keys.tolist(), layout.cu_queries.tolist()
         expected = _expected_piece_keys(lengths if packed else [total] * rows, cp, rank)
-        assert [keys[a:b] for a, b in zip(cu_keys[:-1], cu_keys[1:])] == expected
+        assert [keys[a:b] for a, b in itertools.pairwise(cu_keys)] == expected
         local = shard["token_id"].flatten().tolist()
-        pieces = [local[a:b] for a, b in zip(cu_queries[:-1], cu_queries[1:])]
+        pieces = [local[a:b] for a, b in itertools.pairwise(cu_queries)]
         # Each piece's queries are the last keys of its key range (bottom-right causal alignment).
         assert all(keys_of[len(keys_of) - len(q) :] == q for keys_of, q in zip(expected, pieces))
         assert layout.local_tokens == shard["input_ids"].numel()

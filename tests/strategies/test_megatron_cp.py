@@ -4,6 +4,7 @@ One pool of 2 and one of 4 gloo ranks run every layout; the reference is a hand-
 (``F.cross_entropy`` on materialized logits, token mean over the global batch, the same AdamW).
 """
 
+import itertools
 import os
 
 import pytest
@@ -36,10 +37,33 @@ METRIC_KEYS = (
 )
 
 
+class _FirstTokenTargets(torch.utils.data.Dataset):
+    """The copy task with every sample's first token marked as a target too.
+
+    No token precedes it in its own document, so it must never be predicted: in a packed row the token
+    before it is the previous document's last, and a label that crossed the boundary would show up here
+    as a different loss (the reference scores every document alone).
+    """
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        sample = dict(self.samples[index])
+        sample["loss_mask"] = sample["loss_mask"].clone()
+        sample["loss_mask"][0] = 1
+        return sample
+
+
 def _dataset(num_samples=GLOBAL_BATCH * STEPS, seed=3):
     # Unequal lengths: packed pieces straddle CP ranks and every rank holds a different number of targets.
-    return LongRangeCopyDataset(
-        num_samples=num_samples, seq_len=26, vocab_size=CONFIG.vocab_size, seed=seed, min_len=10
+    return _FirstTokenTargets(
+        LongRangeCopyDataset(
+            num_samples=num_samples, seq_len=26, vocab_size=CONFIG.vocab_size, seed=seed, min_len=10
+        )
     )
 
 
@@ -67,16 +91,16 @@ class _Recorder(Callback):
 
 
 def _trainer(cp, world, **kwargs):
-    options = dict(
-        accelerator="cpu",
-        devices=world,
-        strategy=MegatronCPStrategy(cp=cp),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    options = {
+        "accelerator": "cpu",
+        "devices": world,
+        "strategy": MegatronCPStrategy(cp=cp),
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
     options.update(kwargs)
     return Trainer(**options)
 
@@ -109,7 +133,7 @@ def _targets(batch, packed):
     else:
         cu = batch["cu_seqlens"].tolist()
         rows = [
-            (batch["input_ids"][0, a:b], batch["loss_mask"][0, a:b].bool()) for a, b in zip(cu[:-1], cu[1:])
+            (batch["input_ids"][0, a:b], batch["loss_mask"][0, a:b].bool()) for a, b in itertools.pairwise(cu)
         ]
     width = max(len(ids) for ids, _ in rows)
     width += width % 2
@@ -124,7 +148,8 @@ def _targets(batch, packed):
     return ids, labels
 
 
-def _reference(packed, steps=STEPS):
+def _reference(packed, steps=STEPS, clip=None):
+    """Per-step losses and final weights of a plain loop; ``clip``: clip the global gradient norm to it."""
     seed_everything(0)
     model = GPT(CONFIG)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
@@ -148,6 +173,8 @@ def _reference(packed, steps=STEPS):
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
         optimizer.zero_grad()
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         losses.append(loss.item())
     return losses, model.state_dict()
@@ -163,7 +190,16 @@ def _reference_validation(weights, packed):
         logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids)) @ model.lm_head_weight.T
     valid = labels != -100
     loss = F.cross_entropy(logits[valid], labels[valid])
+    # One perplexity per sequence (a document when packed), from its own tokens only.
+    per_sequence = [
+        F.cross_entropy(row_logits[row_valid], row_labels[row_valid]).exp().item()
+        for row_logits, row_labels, row_valid in zip(logits, labels, valid)
+        if row_valid.any()
+    ]
     return {
+        "val/seq_ppl_mean": sum(per_sequence) / len(per_sequence),
+        "val/seq_ppl_min": min(per_sequence),
+        "val/seq_ppl_max": max(per_sequence),
         "val/loss": loss.item(),
         "val/ppl": loss.exp().item(),
         "val/accuracy": (logits[valid].argmax(-1) == labels[valid]).float().mean().item(),
@@ -221,11 +257,14 @@ def test_four_ranks_match_single_process(world4, packed):
     _check_metrics_equal(per_rank[0])
 
 
-def test_gradient_accumulation_normalizes_over_the_whole_step(world4):
-    """dp=2 x cp=2 with 2 micro-batches per step: still the token mean over the global batch."""
-    per_rank = world4.run(_run_layouts, (2,), True, 2)
-    losses, weights, _ = per_rank[0][2]
-    ref_losses, ref_weights = _reference(True)
+@pytest.mark.parametrize(
+    "cp, packed, accumulate", [(2, True, 2), (4, False, 4)], ids=["dp2-cp2-packed-x2", "dp1-cp4-padded-x4"]
+)
+def test_gradient_accumulation_normalizes_over_the_whole_step(world4, cp, packed, accumulate):
+    """Micro-batches of one optimizer step: still the token mean over the global batch."""
+    per_rank = world4.run(_run_layouts, (cp,), packed, accumulate)
+    losses, weights, _ = per_rank[0][cp]
+    _, ref_weights = _reference(packed)
     assert len(losses) == STEPS
     for name, value in ref_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)

@@ -1,0 +1,432 @@
+"""CP attention of one rank, forward + backward, next to the ideal share and the previous implementation.
+
+Every case computes causal attention for the queries one CP rank holds (``shard_batch``'s head-tail
+split of ``--cp`` ranks) over the keys of the whole sequence (padded: one sequence; packed: documents
+that attend only within themselves), on one device. The other ranks are simulated: the all-gather of K/V
+returns the whole sequence's K/V (this rank's part from its inputs), the reduce-scatter of their
+gradients keeps this rank's slice.
+
+============  ======================================================================================
+``ideal``     full-sequence attention of all tokens (padded: SDPA causal; packed: SDPA per document),
+              run once per shape; a rank's ideal share of it is its time / cp (the ``x ideal`` column)
+``ours``      ``lightning_cp.parallel.attention``: per-piece varlen causal kernels (FlashAttention-2 varlen
+              on CUDA, the exact blocked kernel elsewhere), K/V re-gathered in the backward
+``previous``  the implementation before the layout issue: K/V all-gathered and kept by autograd, SDPA
+              over the local queries with a dense ``[T_local, T]`` boolean mask rebuilt per call
+============  ======================================================================================
+
+Columns: peak extra memory and wall time of forward + backward (``_probes``), the bytes autograd saves
+between the forward and the backward (what one layer holds per rank until its backward), and the time
+against the ideal share. Each case runs in a fresh worker process (``_harness``).
+
+Run from the repository root::
+
+    python benchmarks/attention.py --quick
+    python benchmarks/attention.py --tokens 4096 8192 --cp 2 4 --layouts padded docs8 mixed
+    python benchmarks/attention.py --device cuda --tokens 32768 131072 --cp 4 --markdown attention.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from _harness import (
+    DTYPES,
+    Case,
+    add_common_arguments,
+    finish_common_arguments,
+    format_case_list,
+    require_positive,
+    run_case,
+    run_grid,
+    select_cases,
+    worker_main,
+)
+from _probes import GIB, MIB, measure, set_memory_budget
+from _report import CASE, STATUS, Column, format_table, machine_info, ratio_column, shape_column, write_json
+from torch import Tensor
+
+from lightning_cp.parallel import CPSplit, ShardLayout, shard_batch
+from lightning_cp.parallel.attention import GroupExchange, _CPAttention
+
+LAYOUTS = ("padded", "docs8", "mixed")
+"""``padded``: one sequence of ``T`` tokens; ``docs8``: 8 equal documents; ``mixed``: documents of random
+lengths from 1 to ``T / 4`` (seeded), as packed SFT data."""
+_PACKAGES = ("torch", "lightning-cp")
+_RUNTIME_OVERHEAD_BYTES = 600 * MIB
+
+
+@dataclass(frozen=True)
+class Shape:
+    tokens: int
+    layout: str
+    cp: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def label(self) -> str:
+        return f"{self.layout} T={self.tokens} cp={self.cp}"
+
+    def document_lengths(self) -> list[int]:
+        if self.layout == "padded":
+            return [self.tokens]
+        if self.layout == "docs8":
+            return [self.tokens // 8] * 7 + [self.tokens - 7 * (self.tokens // 8)]
+        g = torch.Generator().manual_seed(0)
+        lengths, left = [], self.tokens
+        while left > 0:
+            length = min(left, int(torch.randint(1, max(2, self.tokens // 4), (), generator=g)))
+            lengths.append(length)
+            left -= length
+        return lengths
+
+
+@dataclass
+class _Problem:
+    """One rank's inputs (token-major ``[T_local, H, D]``) and the whole sequence's K/V for its peers."""
+
+    shape: Shape
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    layout: ShardLayout
+    peers_kv: Tensor  # [cp * T_local, 2 * Hkv, D]: every rank's local K/V, in rank order
+    full: tuple[Tensor, Tensor, Tensor]  # [1, H, T, D] of all tokens, for the ideal case
+    lengths: list[int]
+    coordinates: tuple[Tensor, Tensor, Tensor, Tensor]
+    """Document (0: padding) and position of this rank's queries and of every gathered key, for the
+    previous implementation's dense mask."""
+    tokens: Tensor
+    """``[T_local]``: the index in the whole sequence of each of this rank's tokens (-1: padding)."""
+
+
+def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: int) -> _Problem:
+    g = torch.Generator().manual_seed(0)
+    total = shape.tokens
+    q, k, v = (
+        torch.randn(total, heads, shape.head_dim, generator=g).to(device, dtype)
+        for heads in (shape.heads, shape.kv_heads, shape.kv_heads)
+    )
+    lengths = shape.document_lengths()
+    documents = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))
+    batch = {
+        "input_ids": torch.zeros(1, total, dtype=torch.long),
+        "token": torch.arange(1, total + 1)[None],  # 0: padding
+        "document": documents[None],
+    }
+    if shape.layout != "padded":
+        batch["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    shards = [shard_batch(batch, shape.cp, r) for r in range(shape.cp)]
+    # shard_batch pads every sequence to a multiple of 2 * cp; padding (-1) reads token 0 (never scored).
+    tokens = [s["token"][0].to(device) - 1 for s in shards]
+    index = [t.clamp(min=0) for t in tokens]
+    peers_kv = torch.cat([torch.cat([k[i], v[i]], dim=1) for i in index])
+    mine = index[rank]
+    layout = ShardLayout.build(CPSplit(shape.cp, rank), torch.tensor(lengths), device)
+    document, position = (
+        torch.cat([s[key][0] for s in shards]).to(device) for key in ("document", "position_ids")
+    )
+    local = slice(rank * len(mine), (rank + 1) * len(mine))
+    coordinates = (document[local], position[local], document, position)
+
+    def leaf(x: Tensor) -> Tensor:
+        return x.detach().clone().requires_grad_()
+
+    def whole(x: Tensor) -> Tensor:
+        return leaf(x.transpose(0, 1)[None])
+
+    return _Problem(
+        shape,
+        leaf(q[mine]),
+        leaf(k[mine]),
+        leaf(v[mine]),
+        layout,
+        peers_kv,
+        (whole(q), whole(k), whole(v)),
+        lengths,
+        coordinates,
+        tokens[rank],
+    )
+
+
+class _SimulatedPeers(GroupExchange):
+    """CP rank ``rank``'s exchange with simulated peers: fresh tensors of the sizes a real all-gather and
+    reduce-scatter return, without communication."""
+
+    def __init__(self, peers_kv: Tensor, cp: int, rank: int) -> None:
+        super().__init__(None)
+        self._peers_kv = peers_kv
+        self._cp = cp
+        self._rank = rank
+
+    def all_gather(self, local: Tensor) -> Tensor:
+        gathered = self._peers_kv.clone()
+        rows = local.shape[0]
+        gathered[self._rank * rows : (self._rank + 1) * rows] = local
+        return gathered
+
+    def reduce_scatter(self, full: Tensor) -> Tensor:
+        rows = full.shape[0] // self._cp
+        return full[self._rank * rows : (self._rank + 1) * rows].clone()
+
+
+def _build_ours(p: _Problem) -> Callable[[], Tensor]:
+    exchange = _SimulatedPeers(p.peers_kv, p.shape.cp, p.layout.split.cp_rank)
+    scale = p.shape.head_dim**-0.5
+    return lambda: _CPAttention.apply(p.q, p.k, p.v, p.layout, exchange, scale)
+
+
+def _build_previous(p: _Problem) -> Callable[[], Tensor]:
+    """K/V all-gathered (kept for the backward by autograd) and a dense ``[T_local, T]`` mask per call."""
+    exchange = _SimulatedPeers(p.peers_kv, p.shape.cp, p.layout.split.cp_rank)
+    group = p.shape.heads // p.shape.kv_heads
+    query_doc, query_pos, key_doc, key_pos = p.coordinates
+
+    def step() -> Tensor:
+        kv = _GatherKeepingGraph.apply(torch.cat([p.k, p.v], dim=1), exchange)
+        k, v = kv[:, : p.shape.kv_heads], kv[:, p.shape.kv_heads :]
+        mask = (query_doc[:, None] == key_doc[None]) & (key_pos[None] <= query_pos[:, None])
+        out = F.scaled_dot_product_attention(
+            p.q.transpose(0, 1)[None],
+            k.repeat_interleave(group, dim=1).transpose(0, 1)[None],
+            v.repeat_interleave(group, dim=1).transpose(0, 1)[None],
+            attn_mask=mask,
+        )
+        return out[0].transpose(0, 1)
+
+    return step
+
+
+class _GatherKeepingGraph(torch.autograd.Function):
+    """The previous all-gather: its output is an autograd tensor that the attention below saves."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, exchange: _SimulatedPeers) -> Tensor:
+        ctx.exchange = exchange
+        return exchange.all_gather(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return ctx.exchange.reduce_scatter(grad), None
+
+
+def _build_ideal(p: _Problem) -> Callable[[], Tensor]:
+    q, k, v = p.full
+    group = p.shape.heads // p.shape.kv_heads
+    bounds = torch.tensor([0, *p.lengths]).cumsum(0).tolist()
+
+    def step() -> Tensor:
+        kk, vv = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return torch.cat(
+            [
+                F.scaled_dot_product_attention(q[:, :, a:b], kk[:, :, a:b], vv[:, :, a:b], is_causal=True)
+                for a, b in itertools.pairwise(bounds)
+            ],
+            dim=2,
+        )
+
+    return step
+
+
+def _attention_bytes(s: Shape, dtype_bytes: int) -> int:
+    """Inputs and outputs of one rank, with their gradients, and the whole sequence's K/V twice."""
+    local = s.tokens // s.cp + 2 * s.cp
+    return (4 * local * s.heads + 4 * s.tokens * s.kv_heads) * s.head_dim * dtype_bytes
+
+
+_CASES: tuple[Case[_Problem, tuple[Shape, int]], ...] = (
+    Case(
+        "ideal",
+        "full-sequence SDPA of all tokens (per document when packed); a rank's ideal share is time / cp",
+        _build_ideal,
+        lambda sizes: (
+            6 * sizes[0].tokens * sizes[0].heads * sizes[0].head_dim * sizes[1]
+            + 4 * sizes[0].heads * sizes[0].tokens ** 2
+        ),
+    ),
+    Case(
+        "ours",
+        "lightning_cp.parallel.attention: varlen pieces, K/V re-gathered in the backward",
+        _build_ours,
+        lambda sizes: _attention_bytes(*sizes) + 64 * MIB * 4,
+    ),
+    Case(
+        "previous",
+        "K/V all-gathered and kept, dense [T_local, T] mask, SDPA (before the layout issue)",
+        _build_previous,
+        lambda sizes: (
+            _attention_bytes(*sizes) + 9 * sizes[0].heads * (sizes[0].tokens // sizes[0].cp) * sizes[0].tokens
+        ),
+    ),
+)
+_CASES_BY_NAME = {case.name: case for case in _CASES}
+
+
+# --------------------------------------------------------------------------------------------------
+# The worker: one case, one shape, in its own process
+
+
+def _saved_bytes(step: Callable[[], Tensor]) -> int:
+    """Bytes autograd keeps from ``step``'s forward until its backward (distinct storages)."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = step()
+    del out
+    return sum(storages.values())
+
+
+def _measure(spec: dict[str, Any]) -> dict[str, Any]:
+    case = _CASES_BY_NAME[spec["case"]]
+    device = torch.device(spec["device"])
+    p = _make_problem(Shape(**spec["shape"]), DTYPES[spec["dtype"]], device, spec["rank"])
+    leaves = (*p.full, p.q, p.k, p.v)
+    step = case.build(p)
+
+    def reset() -> None:
+        for leaf in leaves:
+            leaf.grad = None
+
+    def forward_backward() -> Tensor:
+        out = step()
+        out.backward(torch.ones_like(out))
+        return out.detach().float().sum()
+
+    saved = _saved_bytes(step)
+    set_memory_budget(device, int(spec["max_mem_gib"] * GIB))
+    measurement, checksum = measure(
+        forward_backward,
+        device,
+        warmup=spec["warmup"],
+        repeat=spec["repeat"],
+        reset=reset,
+        retained=lambda: sum(leaf.grad.nbytes for leaf in leaves if leaf.grad is not None),
+    )
+    return {"status": "ok", **measurement.summary(), "saved_bytes": saved, "checksum": checksum.item()}
+
+
+# --------------------------------------------------------------------------------------------------
+# The parent: grid, rows, report
+
+
+def _measure_case(shape: Shape, case: Case, args: argparse.Namespace) -> dict[str, Any]:
+    itemsize = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+    estimate = case.estimate((shape, itemsize)) + _RUNTIME_OVERHEAD_BYTES
+    row = {"case": case.name, "shape": shape.label(), **asdict(shape), "dtype": args.dtype}
+    spec = {"shape": asdict(shape), "dtype": args.dtype, "rank": args.rank}
+    return {**row, **run_case(Path(__file__), case, args, spec, estimate)}
+
+
+def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    """``x ideal``: time over the ideal share (ideal time / cp); ``x ours``: memory and time over ours."""
+    by = {(r["case"], r["shape"]): r for r in rows if r["status"] == "ok"}
+    for row in rows:
+        ideal = by.get(("ideal", row["shape"]))
+        ours = by.get(("ours", row["shape"]))
+        ok = row["status"] == "ok"
+        row["ideal_share_ms"] = ideal["time_ms"] / row["cp"] if ideal else None
+        row["x_ideal"] = (
+            row["time_ms"] / row["ideal_share_ms"] if ok and ideal and row["case"] != "ideal" else None
+        )
+        row["mem_x_ours"] = row["peak_extra_bytes"] / ours["peak_extra_bytes"] if ok and ours else None
+        row["saved_x_ours"] = row["saved_bytes"] / ours["saved_bytes"] if ok and ours else None
+
+
+_COLUMNS = (
+    CASE,
+    shape_column("layout, tokens, cp"),
+    Column("peak extra MiB", "peak_extra_bytes", ",.0f", scale=MIB),
+    ratio_column("mem_x_ours", "x ours"),
+    Column("saved MiB", "saved_bytes", ",.1f", scale=MIB),
+    ratio_column("saved_x_ours", "x ours"),
+    Column("time ms", "time_ms", ",.1f"),
+    Column("ideal share ms", "ideal_share_ms", ",.1f"),
+    ratio_column("x_ideal", "x ideal"),
+    STATUS,
+)
+
+_FULL_CPU = {"tokens": [4096, 8192], "cp": [2, 4], "layouts": list(LAYOUTS)}
+_FULL_CUDA = {"tokens": [8192, 32768, 131072], "cp": [2, 4, 8], "layouts": list(LAYOUTS)}
+_QUICK = {"tokens": [1024], "cp": [2], "layouts": ["padded", "mixed"], "repeat": 1, "warmup": 0}
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", help="total tokens T (default: 4096 8192 on CPU)")
+    parser.add_argument(
+        "--cp", type=int, nargs="+", help="simulated CP sizes (default: 2 4 on CPU, 2 4 8 on CUDA)"
+    )
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, help="default: all")
+    parser.add_argument("--heads", type=int, default=16, help="query heads (default 16)")
+    parser.add_argument("--kv-heads", type=int, default=4, help="key/value heads (default 4: GQA)")
+    parser.add_argument("--head-dim", type=int, default=64, help="default 64 (128 on CUDA is typical)")
+    parser.add_argument("--rank", type=int, default=0, help="the simulated CP rank (default 0)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: T=1024, cp=2, one run")
+    add_common_arguments(parser)
+    args = parser.parse_args(argv)
+
+    def presets(device: torch.device) -> dict[str, Any]:
+        return {**(_FULL_CUDA if device.type == "cuda" else _FULL_CPU), **(_QUICK if args.quick else {})}
+
+    finish_common_arguments(parser, args, presets)
+    require_positive(parser, args, ("tokens", "cp", "heads", "kv_heads", "head_dim"))
+    if args.heads % args.kv_heads:
+        parser.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
+    if any(args.rank >= cp for cp in args.cp):
+        parser.error(f"--rank {args.rank} must be below every --cp")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Run the grid, print the table and return its rows (also written to ``--json``, ``--markdown``)."""
+    args = _parse_args(argv)
+    if args.worker:
+        worker_main(args.worker, _measure)
+        return []
+    cases = select_cases(_CASES, args.cases)
+    if args.list_cases:
+        print(format_case_list(cases, args.device))
+        return []
+    shapes = [
+        Shape(tokens, layout, cp, args.heads, args.kv_heads, args.head_dim)
+        for layout in args.layouts
+        for tokens in args.tokens
+        for cp in args.cp
+    ]
+    started = time.perf_counter()
+    rows = run_grid(shapes, cases, lambda shape, case: _measure_case(shape, case, args))
+    _add_ratios(rows)
+    wall_s = time.perf_counter() - started
+    print(
+        f"\nCP attention of rank {args.rank}, forward + backward, {args.dtype} on {args.device.type}, "
+        f"{args.heads} heads / {args.kv_heads} KV heads x {args.head_dim}; time: median of {args.repeat} "
+        f"after {args.warmup} warm-up"
+    )
+    print(format_table(rows, _COLUMNS))
+    print("\nsaved: bytes autograd keeps between forward and backward; x ideal: time / (ideal time / cp).")
+    print(f"wall time {wall_s:.0f} s")
+    if args.json:
+        write_json(
+            args.json, args=args, machine=machine_info(args.device, _PACKAGES), wall_s=wall_s, rows=rows
+        )
+    if args.markdown:
+        args.markdown.write_text(format_table(rows, _COLUMNS, markdown=True) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

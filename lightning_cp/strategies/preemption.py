@@ -1,0 +1,95 @@
+"""Stopping every rank within one step of a SIGTERM, with a checkpoint of the last completed step.
+
+Lightning's SIGTERM handler broadcasts a flag from *inside the signal handler* (2.6, upstream
+Lightning-AI/pytorch-lightning#20806). The handler runs between two Python bytecodes of whatever the
+rank was doing, usually while its peers are in a gradient all-reduce or a CP all-gather: the broadcast
+is matched against the wrong collective and every rank then waits forever. SLURM, Kubernetes and
+preemptible clouds send SIGTERM, so this turns every preemption into a hung job.
+
+Here the handler only records the signal (and forwards it to the processes the launcher started).
+:meth:`SigtermAgreement.agree` is called by :class:`~lightning_cp.MegatronCPStrategy` on every rank at the
+same place, after each optimizer step and each evaluation step: one all-reduce (MAX) of the flag over the
+world, so a signal seen by any rank stops all of them after the same step. The strategy then sets
+Lightning's ``received_sigterm``, the loops raise ``SIGTERMException`` at the end of that step, and
+:class:`PreemptionCheckpoint` writes the checkpoint ``ckpt_path="last"`` resumes from.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+PREEMPTED_EXIT_STATUS = 128 + signal.SIGTERM
+"""Exit status of a run stopped by SIGTERM (143, the shell's convention for a process killed by it)."""
+
+
+class SigtermAgreement:
+    """A SIGTERM flag set by a collective-free handler and agreed on by all ranks at step boundaries."""
+
+    def __init__(self) -> None:
+        self._received = False
+
+    def install(self, launcher: Any | None) -> None:
+        """Replace the SIGTERM handler (Lightning's, installed when the run started) with this one.
+
+        ``launcher``: the strategy's launcher; on the process that started the others it forwards the signal
+        to them, so a SIGTERM to the launcher alone reaches every rank.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+
+        def record(signum: int, frame: FrameType | None) -> None:
+            if not self._received and launcher is not None:
+                launcher.kill(signum)
+            self._received = True
+
+        signal.signal(signal.SIGTERM, record)
+
+    def agree(self, device: torch.device) -> bool:
+        """Whether any rank has received SIGTERM. Communication: an all-reduce of one number (world)."""
+        flag = torch.tensor([float(self._received)], device=device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self._received = bool(flag.item())
+        return self._received
+
+
+class PreemptionCheckpoint(Checkpoint):
+    """On a SIGTERM stop of ``fit``, save the last completed step as ``last.ckpt`` of the ``ModelCheckpoint``.
+
+    That is the file ``trainer.fit(ckpt_path="last")`` (``--ckpt_path last``) resumes from. Nothing is
+    saved when the trainer has no ``ModelCheckpoint`` (checkpointing disabled). Other exceptions save
+    nothing: a rank that fails alone cannot join the collectives a save needs. :class:`MegatronCPStrategy`
+    adds one to the trainer's callbacks when there is none.
+
+    Attributes:
+        saved_path: the file written on the last preemption, else ``None``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.saved_path: str | None = None
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        checkpoint = trainer.checkpoint_callback
+        if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
+            return
+        if not isinstance(checkpoint, ModelCheckpoint) or checkpoint.dirpath is None:
+            return  # checkpointing disabled
+        path = os.path.join(checkpoint.dirpath, checkpoint.CHECKPOINT_NAME_LAST + checkpoint.FILE_EXTENSION)
+        trainer.save_checkpoint(path)
+        self.saved_path = path
+        rank_zero_info(f"Preempted by SIGTERM after step {trainer.global_step}: saved {path}")
