@@ -41,6 +41,8 @@ MAIN_JOB = CONFIGS / "cpu_long_range.yaml"
 PACKED = CONFIGS / "packed_sft_token_file.yaml"
 GPU = CONFIGS / "gpu_long_context.yaml"
 GPU_SINGLE = CONFIGS / "gpu_single.yaml"
+HF_CPU = CONFIGS / "hf_qwen3_tiny_cpu.yaml"
+HF_GPU = CONFIGS / "hf_llama_gpu.yaml"
 FSDP_VARIANTS = {CONFIGS / "cpu_long_range_fsdp.yaml": MAIN_JOB, CONFIGS / "gpu_long_context_fsdp.yaml": GPU}
 CONSOLE_SCRIPT = Path(sys.executable).with_name("lightning-cp")
 ERROR_PREFIX = "lightning-cp: error: "
@@ -216,6 +218,55 @@ def test_gpu_single_config_is_the_main_job_on_one_gpu(cli):
     callbacks = {c["class_path"]: c["init_args"] for c in trainer["callbacks"]}
     profiler = MemoryProfilerCallback(**callbacks["lightning_cp.MemoryProfilerCallback"])  # validates steps
     assert profiler._windows == ((5, 5), (20, 21)) and profiler.log_peak
+
+
+@pytest.mark.parametrize("config", [HF_CPU, HF_GPU], ids=lambda p: p.stem)
+def test_hf_config_is_complete_and_builds_its_model(config, cli, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from lightning_cp.models import HFCausalLM
+
+    printed = _print_config(cli, "--config", str(config))
+    tree = yaml.safe_load(printed)
+    _assert_contains(tree, yaml.safe_load(config.read_text()))
+    saved = tmp_path / "printed.yaml"
+    saved.write_text(printed)
+    assert _print_config(cli, "--config", str(saved)) == printed
+
+    trainer, model, data = tree["trainer"], tree["model"], tree["data"]["init_args"]
+    strategy = trainer["strategy"]
+    MegatronCPStrategy(**strategy["init_args"])  # validates cp and tp
+    cp, tp = strategy["init_args"]["cp"], strategy["init_args"]["tp"]
+    assert cp > 1 and (trainer["devices"] * trainer["num_nodes"]) % (cp * tp) == 0
+    assert model["class_path"] == "lightning_cp.models.HFCausalLM"
+    module = HFCausalLM(**model["init_args"])  # validates the config dict
+    with torch.device("meta"):
+        module.configure_model()  # transformers accepts the config and attn_implementation="lightning_cp"
+    hf_config = module.model.config
+    assert isinstance(module.model, transformers.PreTrainedModel)
+    assert hf_config._attn_implementation == "lightning_cp"
+    assert hf_config.num_key_value_heads < hf_config.num_attention_heads  # grouped-query attention
+    assert data["vocab_size"] <= hf_config.vocab_size and data["seq_len"] <= hf_config.max_position_embeddings
+
+
+def test_hf_gpu_config_is_a_packed_long_context_setup(cli):
+    pytest.importorskip("transformers")
+    tree = yaml.safe_load(_print_config(cli, "--config", str(HF_GPU)))
+    trainer, model, data = tree["trainer"], tree["model"]["init_args"], tree["data"]["init_args"]
+    assert (trainer["accelerator"], trainer["devices"], trainer["precision"]) == ("gpu", 8, "bf16-mixed")
+    assert trainer["strategy"]["init_args"]["cp"] in (4, 8)
+    assert model["gradient_checkpointing"] and data["packed"] and data["seq_len"] >= 32768
+
+
+def test_hf_cpu_config_is_dp2_cp2_on_four_processes(cli):
+    pytest.importorskip("transformers")
+    tree = yaml.safe_load(_print_config(cli, "--config", str(HF_CPU)))
+    trainer = tree["trainer"]
+    assert (trainer["accelerator"], trainer["devices"], trainer["strategy"]["init_args"]["cp"]) == (
+        "cpu",
+        4,
+        2,
+    )
+    assert tree["model"]["init_args"]["config"]["model_type"] == "qwen3"
 
 
 # --- one-line errors --------------------------------------------------------------------------------------

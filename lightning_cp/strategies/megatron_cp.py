@@ -29,7 +29,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_cp.hf.check import check_attention_is_context_parallel
 from lightning_cp.parallel import groups
+from lightning_cp.parallel.batch_context import set_current_batch
 from lightning_cp.parallel.layout import (
     ParallelLayout,
     check_size,
@@ -91,7 +93,11 @@ class MegatronCPStrategy(DDPStrategy):
     - every train / val / test / predict batch is sharded for this CP rank by
       :func:`lightning_cp.parallel.shard_batch` after it reaches the device: the step methods receive
       next-token ``labels``, ``loss_mask``, ``position_ids``, ``shard_layout`` and, for packed batches,
-      local ``cu_seqlens``;
+      local ``cu_seqlens``; the shard is also recorded
+      (:func:`lightning_cp.parallel.batch_context.current_batch`) for attention that cannot receive it,
+      such as Hugging Face models built with ``attn_implementation="lightning_cp"``;
+    - under ``cp > 1``, ``setup`` refuses attention layers that would see only the local shard
+      (:func:`lightning_cp.hf.check_attention_is_context_parallel`);
     - gradients are averaged over DP x CP (DDP on ``layout.loss_group``): with the loss normalized as
       :class:`lightning_cp.CPLossMixin` does, the update equals a single process on the global batch;
     - parameters that are not tensor-parallel shards are broadcast within the TP group before DDP
@@ -130,7 +136,8 @@ class MegatronCPStrategy(DDPStrategy):
         ValueError: ``cp`` or ``tp`` < 1, ``fsdp=True`` with ``tp > 1`` or with DDP options, or the world
             size is not divisible by ``tp * cp`` (raised when the Trainer is built, before any process is
             launched or collective is run). At setup: a ``fsdp_wrap`` / ``activation_checkpointing`` entry
-            that matches no module, or a precision FSDP does not support.
+            that matches no module, a precision FSDP does not support, or (``cp > 1``) a model with
+            attention that is not context-parallel.
 
     Example::
 
@@ -247,6 +254,7 @@ class MegatronCPStrategy(DDPStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         assert isinstance(self.model, LightningModule)
+        check_attention_is_context_parallel(self.model, self.layout.cp)
         if not any(isinstance(callback, PreemptionCheckpoint) for callback in trainer.callbacks):
             trainer.callbacks.append(PreemptionCheckpoint())
         if self.activation_checkpointing:
@@ -293,7 +301,9 @@ class MegatronCPStrategy(DDPStrategy):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Move the batch (user transfer hooks see the full batch), then keep this CP rank's shard."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        return shard_batch(batch, self.layout.cp, self.layout.cp_rank)
+        batch = shard_batch(batch, self.layout.cp, self.layout.cp_rank)
+        set_current_batch(batch)  # for attention that cannot receive it (Hugging Face models)
+        return batch
 
     @property
     @override
@@ -427,6 +437,7 @@ class MegatronCPStrategy(DDPStrategy):
         if self.fsdp and self.lightning_module is not None:
             self.model = self.lightning_module  # the sharded module, without the root wrapper
         super().teardown()
+        set_current_batch(None)
         set_current_layout(None)
         self._layout = None
         self._device_mesh = None

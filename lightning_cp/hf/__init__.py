@@ -1,0 +1,16 @@
+"""Hugging Face ``transformers`` models under context parallelism: ``attn_implementation="lightning_cp"``.
+
+``import lightning_cp`` registers the attention implementation ``"lightning_cp"`` with ``transformers``
+when it is installed (never importing it early: the registration happens when ``transformers`` loads
+its attention and mask modules). A model built with it attends over whole sequences while each rank holds
+its shard (:mod:`lightning_cp.hf.attention`); :func:`check_attention_is_context_parallel` is the
+strategy's guard against models that would attend only within a shard.
+
+No module here imports ``transformers`` when it is imported; it is an optional dependency
+(``pip install lightning-cp[hf]``).
+"""
+
+from lightning_cp.hf.attention import ATTN_IMPLEMENTATION, hf_context_parallel_attention
+from lightning_cp.hf.check import check_attention_is_context_parallel
+
+__all__ = ["ATTN_IMPLEMENTATION", "check_attention_is_context_parallel", "hf_context_parallel_attention"]

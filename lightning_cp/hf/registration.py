@@ -1,0 +1,108 @@
+"""Registering ``"lightning_cp"`` with ``transformers`` without importing it on ``import lightning_cp``.
+
+``transformers`` keeps attention functions in ``AttentionInterface`` (``transformers.modeling_utils``)
+and mask builders in ``AttentionMaskInterface`` (``transformers.masking_utils``); both are class-wide
+registries. Importing those modules costs about a second, which every process and DataLoader worker
+would pay, so :func:`install` registers into each module that is already loaded and, for the others,
+puts a finder on ``sys.meta_path`` that registers right after ``transformers`` loads them: before any
+model can be built with ``attn_implementation="lightning_cp"``.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+
+from lightning_cp.hf.attention import ATTN_IMPLEMENTATION, hf_context_parallel_attention, mask_for_hf
+
+
+def _register_attention() -> None:
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, hf_context_parallel_attention)
+
+
+def _register_mask() -> None:
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, mask_for_hf)
+
+
+_REGISTRATIONS: dict[str, Callable[[], None]] = {
+    "transformers.modeling_utils": _register_attention,
+    "transformers.masking_utils": _register_mask,
+}
+
+
+def install() -> None:
+    """Register ``attn_implementation="lightning_cp"`` with ``transformers`` now or when it is loaded.
+
+    Does nothing when ``transformers`` is not installed. Called by ``import lightning_cp``.
+    """
+    if importlib.util.find_spec("transformers") is None:
+        return
+    pending = {}
+    for name, register in _REGISTRATIONS.items():
+        if name in sys.modules:
+            _safely(register)
+        else:
+            pending[name] = register
+    if pending and not any(isinstance(finder, _RegisterOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport(pending))
+
+
+def _safely(register: Callable[[], None]) -> None:
+    # A transformers without these registries must still import: warn instead of breaking it.
+    try:
+        register()
+    except (ImportError, AttributeError) as error:
+        warnings.warn(
+            f'lightning_cp could not register attn_implementation="{ATTN_IMPLEMENTATION}" with this '
+            f"transformers ({error}); install a supported version: pip install 'lightning-cp[hf]'.",
+            stacklevel=2,
+        )
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loading of the watched modules so that registration follows it."""
+
+    def __init__(self, pending: dict[str, Callable[[], None]]) -> None:
+        self._pending = pending
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        register = self._pending.get(fullname)
+        if register is None:
+            return None
+        spec = self._spec_from_other_finders(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return spec
+        del self._pending[fullname]
+        if not self._pending:
+            sys.meta_path.remove(self)
+        load = spec.loader.exec_module
+
+        def load_then_register(module: ModuleType) -> None:
+            load(module)
+            _safely(register)
+
+        spec.loader.exec_module = load_then_register  # type: ignore[method-assign]
+        return spec
+
+    def _spec_from_other_finders(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None
+    ) -> ModuleSpec | None:
+        for finder in sys.meta_path:
+            find_spec = getattr(finder, "find_spec", None)
+            if finder is self or find_spec is None:
+                continue
+            spec = find_spec(fullname, path, target)
+            if spec is not None:
+                return spec
+        return None
