@@ -151,3 +151,27 @@ def write_json(
         "results": list(rows),
     }
     path.write_text(json.dumps(report, indent=2))
+
+
+def publish(
+    rows: Sequence[Row],
+    columns: Sequence[Column],
+    *,
+    args: argparse.Namespace,
+    title: str,
+    notes: str,
+    wall_s: float,
+    packages: Sequence[str],
+) -> None:
+    """Print ``title``, the table and ``notes``; write ``--json`` (every row, the machine) and
+    ``--markdown`` (the table) when the common options ask for them."""
+    print(f"\n{title}")
+    print(format_table(rows, columns))
+    print(f"\n{notes}")
+    print(f"wall time {wall_s:.0f} s")
+    if args.json:
+        write_json(
+            args.json, args=args, machine=machine_info(args.device, packages), wall_s=wall_s, rows=rows
+        )
+    if args.markdown:
+        args.markdown.write_text(format_table(rows, columns, markdown=True) + "\n")

@@ -51,7 +51,7 @@ from _harness import (
     worker_main,
 )
 from _probes import GIB, MIB, measure, set_memory_budget
-from _report import CASE, STATUS, Column, format_table, machine_info, ratio_column, shape_column, write_json
+from _report import CASE, STATUS, Column, publish, ratio_column, shape_column
 from torch import Tensor
 
 from lightning_cp.parallel import CPSplit, ShardLayout, shard_batch
@@ -411,20 +411,19 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     rows = run_grid(shapes, cases, lambda shape, case: _measure_case(shape, case, args))
     _add_ratios(rows)
     wall_s = time.perf_counter() - started
-    print(
-        f"\nCP attention of rank {args.rank}, forward + backward, {args.dtype} on {args.device.type}, "
-        f"{args.heads} heads / {args.kv_heads} KV heads x {args.head_dim}; time: median of {args.repeat} "
-        f"after {args.warmup} warm-up"
+    publish(
+        rows,
+        _COLUMNS,
+        args=args,
+        title=(
+            f"CP attention of rank {args.rank}, forward + backward, {args.dtype} on {args.device.type}, "
+            f"{args.heads} heads / {args.kv_heads} KV heads x {args.head_dim}; time: median of {args.repeat} "
+            f"after {args.warmup} warm-up"
+        ),
+        notes="saved: bytes autograd keeps between forward and backward; x ideal: time / (ideal time / cp).",
+        wall_s=wall_s,
+        packages=_PACKAGES,
     )
-    print(format_table(rows, _COLUMNS))
-    print("\nsaved: bytes autograd keeps between forward and backward; x ideal: time / (ideal time / cp).")
-    print(f"wall time {wall_s:.0f} s")
-    if args.json:
-        write_json(
-            args.json, args=args, machine=machine_info(args.device, _PACKAGES), wall_s=wall_s, rows=rows
-        )
-    if args.markdown:
-        args.markdown.write_text(format_table(rows, _COLUMNS, markdown=True) + "\n")
     return rows
 
 

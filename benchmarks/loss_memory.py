@@ -66,12 +66,10 @@ from _report import (
     Column,
     add_ratios,
     baseline_rows,
-    format_table,
-    machine_info,
     measurement_columns,
+    publish,
     ratio_column,
     shape_column,
-    write_json,
 )
 from torch import Tensor
 
@@ -657,20 +655,19 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     _check_against_plain(rows, DTYPES[args.dtype])
     wall_s = time.perf_counter() - started
 
-    print(
-        f"\nLM head + cross-entropy, forward + backward, {args.dtype} on {args.device.type}, "
-        f"{IGNORED_FRACTION:.0%} of labels ignored, cp={args.cp}, "
-        f"time: median of {args.repeat} after {args.warmup} warm-up"
+    publish(
+        rows,
+        _COLUMNS,
+        args=args,
+        title=(
+            f"LM head + cross-entropy, forward + backward, {args.dtype} on {args.device.type}, "
+            f"{IGNORED_FRACTION:.0%} of labels ignored, cp={args.cp}, "
+            f"time: median of {args.repeat} after {args.warmup} warm-up"
+        ),
+        notes="1-chunk ref: one [chunk, V] fp32 logits block + 4 fp32 statistics per token; x ref: peak / ref.",
+        wall_s=wall_s,
+        packages=_PACKAGES,
     )
-    print(format_table(rows, _COLUMNS))
-    print("\n1-chunk ref: one [chunk, V] fp32 logits block + 4 fp32 statistics per token; x ref: peak / ref.")
-    print(f"wall time {wall_s:.0f} s")
-    if args.json:
-        write_json(
-            args.json, args=args, machine=machine_info(args.device, _PACKAGES), wall_s=wall_s, rows=rows
-        )
-    if args.markdown:
-        args.markdown.write_text(format_table(rows, _COLUMNS, markdown=True) + "\n")
     return rows
 
 
