@@ -22,7 +22,7 @@ from lightning_cp.constants import LABELS
 from lightning_cp.lm_metrics import as_collection, default_lm_metrics, input_token_count, lm_totals
 from lightning_cp.metrics import TokensPerSecond
 from lightning_cp.objective import GlobalTokenObjective
-from lightning_cp.ops import TokenStats, cross_entropy, linear_cross_entropy
+from lightning_cp.ops import TokenStats, cross_entropy, linear_cross_entropy, token_logprobs
 from lightning_cp.parallel.layout import ParallelLayout, current_layout
 
 _STAGES = {"train": "train", "validate": "val", "sanity_check": "val", "test": "test"}
@@ -130,6 +130,29 @@ class CPLossMixin:
             **loss_kwargs,
         )
         return self._cp_loss(loss_sum, stats, batch, layout)
+
+    def lm_token_logprobs(
+        self, hidden: Tensor, weight: Tensor, batch: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """Log-probability of every next token of this rank's shard, for ``predict_step``.
+
+        Args: as :meth:`lm_loss` (``weight`` replicated, vocab-parallel or a ``DTensor``).
+
+        Returns:
+            ``{"logprobs": [B, S_local], "labels": [B, S_local]}`` (0 and ``-100`` where there is no target),
+            what :class:`~lightning_cp.callbacks.TokenLogprobWriter` writes.
+
+        Communication: the TP all-reduces of the fused head when the weight is vocab-parallel; a
+        ``DTensor`` weight's all-gather.
+        """
+        labels = batch[LABELS]
+        logprobs = token_logprobs(
+            hidden.reshape(-1, hidden.shape[-1]),
+            _unsharded(weight),
+            labels.reshape(-1),
+            tp_group=_vocab_parallel_group(current_layout(), getattr(weight, "tensor_model_parallel", False)),
+        )
+        return {"logprobs": logprobs.view_as(labels), "labels": labels}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Turn the first micro-batch's normalizer into the whole step's (see :mod:`lightning_cp.objective`)."""

@@ -11,7 +11,6 @@ from torch import Tensor
 from lightning_cp.constants import INPUT_IDS, POSITION_IDS, SHARD_LAYOUT
 from lightning_cp.mixins import CPLossMixin
 from lightning_cp.models.gpt import GPT, GPTConfig
-from lightning_cp.ops import token_logprobs
 from lightning_cp.parallel.layout import current_layout
 
 
@@ -65,11 +64,7 @@ class GPTModule(CPLossMixin, LightningModule):
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         """Log-probability of every next token of this rank's shard (0 where there is no target)."""
-        hidden = self(batch)
-        logprobs = token_logprobs(
-            hidden.reshape(-1, hidden.shape[-1]), self.model.lm_head_weight, batch["labels"].reshape(-1)
-        )
-        return {"logprobs": logprobs.view_as(batch["labels"]), "labels": batch["labels"]}
+        return self.lm_token_logprobs(self(batch), self.model.lm_head_weight, batch)
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(

@@ -106,6 +106,10 @@ class HFCausalLM(CPLossMixin, LightningModule):
     validation_step = training_step
     test_step = training_step
 
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        """Log-probability of every next token of this rank's shard (0 where there is no target)."""
+        return self.lm_token_logprobs(self(batch), self.model.get_output_embeddings().weight, batch)
+
     def configure_optimizers(self) -> dict[str, Any]:
         hparams = self.hparams
         optimizer = torch.optim.AdamW(

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_cp import MegatronCPStrategy
 from lightning_cp.data import LongRangeCopyDataset, collate_padded
 from lightning_cp.models import HFCausalLM
+from lightning_cp.parallel import shard_batch
 from tests.hf._models import CONFIGS, VOCAB, build
 
 GLOBAL_BATCH = 4
@@ -132,3 +133,20 @@ def _fit_sdpa_model():
 def test_an_sdpa_model_under_cp_fails_at_setup(world2):
     for message in world2.run(_fit_sdpa_model):
         assert message is not None and "cp=2" in message and 'attn_implementation="lightning_cp"' in message
+
+
+def test_predict_step_gives_the_log_probability_of_every_target():
+    # Without a strategy (cp = 1): the batch sharded by hand, against log_softmax of the model's own logits.
+    seed_everything(0)
+    module = HFCausalLM(CONFIGS["llama"])
+    module.configure_model()
+    batch = collate_padded([_dataset()[i] for i in range(3)])
+    shard = shard_batch(batch, 1, 0)
+    out = module.predict_step(shard, 0)
+    with torch.no_grad():
+        logits = module.model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+    target = shard["labels"] != -100
+    expected = logits.log_softmax(-1).gather(-1, shard["labels"].clamp(min=0)[..., None])[..., 0]
+    assert target.sum() > 10 and torch.equal(out["labels"], shard["labels"])
+    torch.testing.assert_close(out["logprobs"][target], expected[target], rtol=1e-5, atol=1e-5)
+    assert (out["logprobs"][~target] == 0).all()
