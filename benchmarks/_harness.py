@@ -273,3 +273,18 @@ def worker_main(spec_json: str, measure: Callable[[dict[str, Any]], dict[str, An
     except Exception as err:  # noqa: BLE001  (any failure is one row's status; the run goes on)
         result = {"status": "OOM" if is_oom(err) else f"error: {type(err).__name__}: {err}"[:300]}
     Path(spec["result_path"]).write_text(json.dumps(result))
+
+
+def start(
+    args: argparse.Namespace, cases: Sequence[_CaseT], measure: Callable[[dict[str, Any]], dict[str, Any]]
+) -> list[_CaseT] | None:
+    """The first thing a script's ``main`` does: run as a worker (``--worker``), or print the cases
+    (``--list-cases``), and return ``None`` when it did either; else the cases ``--cases`` chose."""
+    if args.worker:
+        worker_main(args.worker, measure)
+        return None
+    chosen = select_cases(cases, args.cases)
+    if args.list_cases:
+        print(format_case_list(chosen, args.device))
+        return None
+    return chosen

@@ -50,14 +50,12 @@ from _harness import (
     Case,
     add_common_arguments,
     finish_common_arguments,
-    format_case_list,
     needs_cuda,
     needs_module,
     require_positive,
     run_case,
     run_grid,
-    select_cases,
-    worker_main,
+    start,
 )
 from _probes import GIB, MIB, measure, set_memory_budget
 from _report import (
@@ -641,12 +639,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Run the grid, print the table and return its rows (also written to ``--json``, ``--markdown``)."""
     args = _parse_args(argv)
-    if args.worker:
-        worker_main(args.worker, _measure)
-        return []
-    cases = select_cases(_CASES, args.cases)
-    if args.list_cases:
-        print(format_case_list(cases, args.device))
+    cases = start(args, _CASES, _measure)
+    if cases is None:
         return []
 
     shapes = [Shape(n, v, h) for n in args.tokens for v in args.vocab for h in args.hidden]
