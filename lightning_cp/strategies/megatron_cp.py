@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import signal
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -397,17 +398,17 @@ class MegatronCPStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._sigterm.install(self.launcher)
+        self._install_sigterm_handler()
 
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        self._sigterm.install(self.launcher)
+        self._install_sigterm_handler()
 
     @override
     def on_test_start(self) -> None:
         super().on_test_start()
-        self._sigterm.install(self.launcher)
+        self._install_sigterm_handler()
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -426,6 +427,11 @@ class MegatronCPStrategy(DDPStrategy):
         output = super().test_step(*args, **kwargs)
         self._stop_after_this_step_on_sigterm()
         return output
+
+    def _install_sigterm_handler(self) -> None:
+        # The handler Lightning replaced when the run started (the user's own, if any) keeps being called.
+        original = self.lightning_module.trainer._signal_connector._original_handlers.get(signal.SIGTERM)
+        self._sigterm.install(self.launcher, previous=original)
 
     def _stop_after_this_step_on_sigterm(self) -> None:
         """If any rank got SIGTERM, make Lightning's loops stop every rank at the end of this step."""

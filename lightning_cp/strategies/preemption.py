@@ -41,11 +41,14 @@ class SigtermAgreement:
     def __init__(self) -> None:
         self._received = False
 
-    def install(self, launcher: Any | None) -> None:
+    def install(self, launcher: Any | None, previous: Any = None) -> None:
         """Replace the SIGTERM handler (Lightning's, installed when the run started) with this one.
 
-        ``launcher``: the strategy's launcher; on the process that started the others it forwards the signal
-        to them, so a SIGTERM to the launcher alone reaches every rank.
+        Args:
+            launcher: the strategy's launcher; on the process that started the others it forwards the signal
+                to them, so a SIGTERM to the launcher alone reaches every rank.
+            previous: the handler in place before Lightning's (the user's own, e.g. flushing a logger); it is
+                still called, after the signal is recorded.
         """
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
@@ -54,6 +57,8 @@ class SigtermAgreement:
             if not self._received and launcher is not None:
                 launcher.kill(signum)
             self._received = True
+            if callable(previous):
+                previous(signum, frame)
 
         signal.signal(signal.SIGTERM, record)
 
