@@ -106,6 +106,10 @@ class _Problem:
     tokens: Tensor
     """``[T_local]``: the index in the whole sequence of each of this rank's tokens (-1: padding)."""
 
+    def exchange(self) -> _SimulatedPeers:
+        """This rank's K/V exchange with its simulated peers."""
+        return _SimulatedPeers(self.peers_kv, self.shape.cp, self.layout.split.cp_rank)
+
 
 def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: int) -> _Problem:
     g = torch.Generator().manual_seed(0)
@@ -178,14 +182,13 @@ class _SimulatedPeers(GroupExchange):
 
 
 def _build_ours(p: _Problem) -> Callable[[], Tensor]:
-    exchange = _SimulatedPeers(p.peers_kv, p.shape.cp, p.layout.split.cp_rank)
-    scale = p.shape.head_dim**-0.5
+    exchange, scale = p.exchange(), p.shape.head_dim**-0.5
     return lambda: _CPAttention.apply(p.q, p.k, p.v, p.layout, exchange, scale)
 
 
 def _build_previous(p: _Problem) -> Callable[[], Tensor]:
     """K/V all-gathered (kept for the backward by autograd) and a dense ``[T_local, T]`` mask per call."""
-    exchange = _SimulatedPeers(p.peers_kv, p.shape.cp, p.layout.split.cp_rank)
+    exchange = p.exchange()
     group = p.shape.heads // p.shape.kv_heads
     query_doc, query_pos, key_doc, key_pos = p.coordinates
 

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torchmetrics import Metric
 
@@ -101,14 +102,9 @@ class CPLossMixin:
         reduce-scatter in backward) over its mesh.
         """
         layout = current_layout()
+        hidden, weight, labels, tp_group = _head_inputs(hidden, weight, batch, layout)
         loss_sum, stats = linear_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]),
-            _unsharded(weight),
-            batch[LABELS].reshape(-1),
-            reduction="sum",
-            return_stats=True,
-            tp_group=_vocab_parallel_group(layout, getattr(weight, "tensor_model_parallel", False)),
-            **loss_kwargs,
+            hidden, weight, labels, reduction="sum", return_stats=True, tp_group=tp_group, **loss_kwargs
         )
         return self._cp_loss(loss_sum, stats, batch, layout)
 
@@ -145,14 +141,9 @@ class CPLossMixin:
         Communication: the TP all-reduces of the fused head when the weight is vocab-parallel; a
         ``DTensor`` weight's all-gather.
         """
-        labels = batch[LABELS]
-        logprobs = token_logprobs(
-            hidden.reshape(-1, hidden.shape[-1]),
-            _unsharded(weight),
-            labels.reshape(-1),
-            tp_group=_vocab_parallel_group(current_layout(), getattr(weight, "tensor_model_parallel", False)),
-        )
-        return {"logprobs": logprobs.view_as(labels), "labels": labels}
+        hidden, weight, labels, tp_group = _head_inputs(hidden, weight, batch, current_layout())
+        logprobs = token_logprobs(hidden, weight, labels, tp_group=tp_group)
+        return {"logprobs": logprobs.view_as(batch[LABELS]), "labels": batch[LABELS]}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Turn the first micro-batch's normalizer into the whole step's (see :mod:`lightning_cp.objective`)."""
@@ -210,6 +201,20 @@ class CPLossMixin:
 def _vocab_parallel_group(layout: ParallelLayout, vocab_parallel: bool) -> Any:
     """The TP group when the head is split over the vocabulary across more than one rank, else ``None``."""
     return layout.tp_group if vocab_parallel else None
+
+
+def _head_inputs(
+    hidden: Tensor, weight: Tensor, batch: Mapping[str, Tensor], layout: ParallelLayout
+) -> tuple[Tensor, Tensor, Tensor, ProcessGroup | None]:
+    """The fused head's arguments: ``hidden`` ``[N, H]``, the (unsharded) ``weight``, ``labels`` ``[N]``, and
+    the TP group when Megatron marks the weight as this rank's vocabulary shard (``tensor_model_parallel``)."""
+    vocab_parallel = getattr(weight, "tensor_model_parallel", False)
+    return (
+        hidden.reshape(-1, hidden.shape[-1]),
+        _unsharded(weight),
+        batch[LABELS].reshape(-1),
+        _vocab_parallel_group(layout, vocab_parallel),
+    )
 
 
 def _unsharded(weight: Tensor) -> Tensor:

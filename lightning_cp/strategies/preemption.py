@@ -16,7 +16,6 @@ Lightning's ``received_sigterm``, the loops raise ``SIGTERMException`` at the en
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from types import FrameType
@@ -72,7 +71,7 @@ class SigtermAgreement:
 
 
 class PreemptionCheckpoint(Checkpoint):
-    """On a SIGTERM stop of ``fit``, save the last completed step as ``last.ckpt`` of the ``ModelCheckpoint``.
+    """On a SIGTERM stop of ``fit``, save the last completed step as the ``ModelCheckpoint``'s last checkpoint.
 
     That is the file ``trainer.fit(ckpt_path="last")`` (``--ckpt_path last``) resumes from. Nothing is
     saved when the trainer has no ``ModelCheckpoint`` (checkpointing disabled). Other exceptions save
@@ -94,7 +93,9 @@ class PreemptionCheckpoint(Checkpoint):
             return
         if not isinstance(checkpoint, ModelCheckpoint) or checkpoint.dirpath is None:
             return  # checkpointing disabled
-        path = os.path.join(checkpoint.dirpath, checkpoint.CHECKPOINT_NAME_LAST + checkpoint.FILE_EXTENSION)
+        # The name ModelCheckpoint gives its own last checkpoint (its template, e.g. "{epoch}-last", included).
+        progress = {"epoch": trainer.current_epoch, "step": trainer.global_step}
+        path = checkpoint.format_checkpoint_name(progress, checkpoint.CHECKPOINT_NAME_LAST)
         trainer.save_checkpoint(path)
         self.saved_path = path
         rank_zero_info(f"Preempted by SIGTERM after step {trainer.global_step}: saved {path}")
