@@ -52,7 +52,7 @@ from _probes import GIB, MIB, measure, set_memory_budget
 from _report import CASE, STATUS, Column, publish, ratio_column, shape_column
 from torch import Tensor
 
-from lightning_cp.parallel import CPSplit, ShardLayout, shard_batch
+from lightning_cp.parallel import CPShard, CPSplit, shard_batch
 from lightning_cp.parallel.attention import GroupExchange, _CPAttention
 
 LAYOUTS = ("padded", "docs8", "mixed")
@@ -96,7 +96,7 @@ class _Problem:
     q: Tensor
     k: Tensor
     v: Tensor
-    layout: ShardLayout
+    shard: CPShard
     peers_kv: Tensor  # [cp * T_local, 2 * Hkv, D]: every rank's local K/V, in rank order
     full: tuple[Tensor, Tensor, Tensor]  # [1, H, T, D] of all tokens, for the ideal case
     lengths: list[int]
@@ -108,7 +108,7 @@ class _Problem:
 
     def exchange(self) -> _SimulatedPeers:
         """This rank's K/V exchange with its simulated peers."""
-        return _SimulatedPeers(self.peers_kv, self.shape.cp, self.layout.split.cp_rank)
+        return _SimulatedPeers(self.peers_kv, self.shape.cp, self.shard.split.cp_rank)
 
 
 def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: int) -> _Problem:
@@ -133,7 +133,7 @@ def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: 
     index = [t.clamp(min=0) for t in tokens]
     peers_kv = torch.cat([torch.cat([k[i], v[i]], dim=1) for i in index])
     mine = index[rank]
-    layout = ShardLayout.build(CPSplit(shape.cp, rank), torch.tensor(lengths), device)
+    shard = CPShard.build(CPSplit(shape.cp, rank), torch.tensor(lengths), device)
     document, position = (
         torch.cat([s[key][0] for s in shards]).to(device) for key in ("document", "position_ids")
     )
@@ -151,7 +151,7 @@ def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: 
         leaf(q[mine]),
         leaf(k[mine]),
         leaf(v[mine]),
-        layout,
+        shard,
         peers_kv,
         (whole(q), whole(k), whole(v)),
         lengths,
@@ -183,7 +183,7 @@ class _SimulatedPeers(GroupExchange):
 
 def _build_ours(p: _Problem) -> Callable[[], Tensor]:
     exchange, scale = p.exchange(), p.shape.head_dim**-0.5
-    return lambda: _CPAttention.apply(p.q, p.k, p.v, p.layout, exchange, scale)
+    return lambda: _CPAttention.apply(p.q, p.k, p.v, p.shard, exchange, scale)
 
 
 def _build_previous(p: _Problem) -> Callable[[], Tensor]:

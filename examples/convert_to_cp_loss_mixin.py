@@ -13,9 +13,9 @@ changes, all in ``training_step`` and the ``Trainer``:
 3. No logits: ``self.lm_loss(hidden, self.head.weight, batch)`` fuses the head matmul with the loss, chunk
    by chunk, on this rank's tokens; nothing of size ``[tokens, vocab]`` is ever built.
 4. The model gets ``batch["position_ids"]`` (a rank's tokens are not contiguous, so positions cannot be
-   ``arange``), the batch's ``shard_layout`` and the CP group for its attention. ``lightning_cp.models.GPT``
+   ``arange``), the batch's ``cp_shard`` and the CP group for its attention. ``lightning_cp.models.GPT``
    is such a model; in your own, replace ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` with
-   ``context_parallel_attention(q, k, v, shard_layout=batch["shard_layout"], cp_group=layout.cp_group)``
+   ``context_parallel_attention(q, k, v, cp_shard=batch["cp_shard"], cp_group=layout.cp_group)``
    (``layout = lightning_cp.parallel.current_layout()``). A Hugging Face model only needs
    ``attn_implementation="lightning_cp"`` (see the README).
 5. No ``self.log("train/loss", ...)``: the mixin logs ``train/loss`` (the mean over every target token of
@@ -102,7 +102,7 @@ class AfterLM(CPLossMixin, BeforeLM):  # CHANGE 1: the mixin first
         hidden = self.body(
             batch["input_ids"],
             batch["position_ids"],
-            shard_layout=batch["shard_layout"],
+            cp_shard=batch["cp_shard"],
             cp_group=current_layout().cp_group,
         )
         # CHANGE 3 and 5: no logits, no shift, no self.log; the loss is normalized over the global batch.

@@ -5,7 +5,7 @@ the ``position_ids`` it was given) and hands them to the function registered und
 ``_attn_implementation``. Under :class:`~lightning_cp.MegatronCPStrategy` those are this rank's tokens
 only, so :func:`hf_context_parallel_attention` calls
 :func:`~lightning_cp.parallel.context_parallel_attention` with the batch's
-:class:`~lightning_cp.parallel.ShardLayout` (from :func:`~lightning_cp.parallel.batch_context.current_batch`,
+:class:`~lightning_cp.parallel.CPShard` (from :func:`~lightning_cp.parallel.batch_context.current_batch`,
 recorded by the strategy) and the CP group of :func:`~lightning_cp.parallel.current_layout`. With
 grouped- or multi-query attention only the key/value heads are all-gathered.
 
@@ -100,7 +100,7 @@ def hf_context_parallel_attention(
         query,
         key,
         value,
-        shard_layout=batch.shard_layout,
+        cp_shard=batch.cp_shard,
         cp_group=current_layout().cp_group,
         scale=scaling,
     )
@@ -137,11 +137,11 @@ def _check_supported(module: nn.Module, dropout: float, kwargs: dict[str, Any]) 
 
 def _check_batch(batch: CurrentBatch, query: Tensor, position_ids: Tensor | None) -> None:
     rows, _, length, _ = query.shape
-    layout = batch.shard_layout
-    if rows * length != layout.local_tokens:
+    shard = batch.cp_shard
+    if rows * length != shard.local_tokens:
         raise ValueError(
             f'attn_implementation="lightning_cp" got queries of {rows} x {length} tokens, but the current '
-            f"batch holds {layout.local_tokens} tokens on this rank: call the model on the batch the strategy "
+            f"batch holds {shard.local_tokens} tokens on this rank: call the model on the batch the strategy "
             "passed to the step (batch['input_ids'], already this rank's shard), not on other tensors."
         )
     if batch.positions_checked:

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from lightning_cp.parallel.attention import context_parallel_attention
 from lightning_cp.parallel.layout import ProcessGroup
-from lightning_cp.parallel.sharding import ShardLayout
+from lightning_cp.parallel.sharding import CPShard
 
 
 @dataclass(frozen=True)
@@ -62,12 +62,12 @@ class _Attention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, shard: ShardLayout | None, cp_group: ProcessGroup | None
+        self, x: Tensor, cos: Tensor, sin: Tensor, shard: CPShard | None, cp_group: ProcessGroup | None
     ) -> Tensor:
         batch, seq, width = x.shape
         q, k, v = self.qkv(x).view(batch, seq, 3, self.n_head, width // self.n_head).permute(2, 0, 3, 1, 4)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = context_parallel_attention(q, k, v, shard_layout=shard, cp_group=cp_group)
+        out = context_parallel_attention(q, k, v, cp_shard=shard, cp_group=cp_group)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, width))
 
 
@@ -84,7 +84,7 @@ class _Block(nn.Module):
         )
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, shard: ShardLayout | None, cp_group: ProcessGroup | None
+        self, x: Tensor, cos: Tensor, sin: Tensor, shard: CPShard | None, cp_group: ProcessGroup | None
     ) -> Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, shard, cp_group)
         return x + self.mlp(self.mlp_norm(x))
@@ -126,7 +126,7 @@ class GPT(nn.Module):
         input_ids: Tensor,
         position_ids: Tensor,
         *,
-        shard_layout: ShardLayout | None = None,
+        cp_shard: CPShard | None = None,
         cp_group: ProcessGroup | None = None,
     ) -> Tensor:
         """Hidden states of this rank's tokens.
@@ -134,7 +134,7 @@ class GPT(nn.Module):
         Args:
             input_ids: ``[B, S_local]`` int64, this rank's tokens (``shard_batch`` layout).
             position_ids: ``[B, S_local]`` int64, each token's position in its sequence (drives RoPE).
-            shard_layout: the batch's ``batch["shard_layout"]`` (required for packed batches and under CP;
+            cp_shard: the batch's ``batch["cp_shard"]`` (required for packed batches and under CP;
                 without it every row is one causal sequence).
             cp_group: the context-parallel group; ``None`` for no CP.
 
@@ -146,5 +146,5 @@ class GPT(nn.Module):
         x = self.embed(input_ids)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.blocks:
-            x = block(x, cos, sin, shard_layout, cp_group)
+            x = block(x, cos, sin, cp_shard, cp_group)
         return self.norm(x)

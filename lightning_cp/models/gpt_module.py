@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_cp.constants import INPUT_IDS, POSITION_IDS, SHARD_LAYOUT
+from lightning_cp.constants import CP_SHARD, INPUT_IDS, POSITION_IDS
 from lightning_cp.mixins import CPLossMixin
 from lightning_cp.models.gpt import GPT, GPTConfig
 from lightning_cp.parallel.layout import current_layout
@@ -46,7 +46,7 @@ class GPTModule(CPLossMixin, LightningModule):
         return self.model(
             batch[INPUT_IDS],
             batch[POSITION_IDS],
-            shard_layout=batch.get(SHARD_LAYOUT),
+            cp_shard=batch.get(CP_SHARD),
             cp_group=current_layout().cp_group,
         )
 

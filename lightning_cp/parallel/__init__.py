@@ -1,7 +1,7 @@
 """Distributed building blocks: plain functions over torch.distributed, no Lightning imports.
 
 - :class:`ParallelLayout`, :func:`current_layout`: sizes, coordinates and groups of the DP x CP x TP grid.
-- :class:`CPSplit`, :func:`shard_batch`, :func:`unshard`, :class:`ShardLayout`: the load-balanced split of
+- :class:`CPSplit`, :func:`shard_batch`, :func:`unshard`, :class:`CPShard`: the load-balanced split of
   sequences over CP ranks, and what attention needs of it (computed once per batch).
 - :func:`context_parallel_attention`: causal attention over whole sequences from each rank's shard.
 - :mod:`~lightning_cp.parallel.groups`: creating and destroying Megatron-core's groups.
@@ -10,12 +10,12 @@
 from lightning_cp.parallel import groups
 from lightning_cp.parallel.attention import context_parallel_attention
 from lightning_cp.parallel.layout import ParallelLayout, current_layout, set_current_layout
-from lightning_cp.parallel.sharding import CPSplit, ShardLayout, shard_batch, unshard
+from lightning_cp.parallel.sharding import CPShard, CPSplit, shard_batch, unshard
 
 __all__ = [
+    "CPShard",
     "CPSplit",
     "ParallelLayout",
-    "ShardLayout",
     "context_parallel_attention",
     "current_layout",
     "groups",

@@ -4,7 +4,7 @@ Each CP rank holds the queries, keys and values of its own tokens in the load-ba
 :func:`lightning_cp.parallel.shard_batch` (chunks ``r`` and ``2 * cp - 1 - r`` of every sequence). Keys
 and values are all-gathered over the CP group (one collective for both, only the key/value heads: with
 grouped-query attention that is ``Hkv``, not ``Hq``, heads). The batch's
-:class:`~lightning_cp.parallel.ShardLayout` then picks, for each local chunk of each sequence (a
+:class:`~lightning_cp.parallel.CPShard` then picks, for each local chunk of each sequence (a
 *piece*), the keys of that sequence up to the chunk's end, and a variable-length causal kernel attends
 piece by piece (:mod:`lightning_cp.parallel._varlen`: FlashAttention-2 varlen on CUDA, an exact
 blocked torch kernel elsewhere). Documents of a packed batch never see each other, and no
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from lightning_cp.parallel import _varlen
 from lightning_cp.parallel.layout import ProcessGroup
-from lightning_cp.parallel.sharding import ShardLayout
+from lightning_cp.parallel.sharding import CPShard
 
 
 def context_parallel_attention(
@@ -35,7 +35,7 @@ def context_parallel_attention(
     k: Tensor,
     v: Tensor,
     *,
-    shard_layout: ShardLayout | None = None,
+    cp_shard: CPShard | None = None,
     cp_group: ProcessGroup | None = None,
     scale: float | None = None,
 ) -> Tensor:
@@ -45,7 +45,7 @@ def context_parallel_attention(
         q: ``[B, Hq, S_local, D]``, this rank's queries in ``shard_batch``'s layout (any float dtype).
         k, v: ``[B, Hkv, S_local, D]`` with ``Hkv`` dividing ``Hq`` (grouped- or multi-query attention
             when smaller); same dtype and device as ``q``.
-        shard_layout: the batch's ``batch["shard_layout"]`` from :func:`~lightning_cp.parallel.shard_batch`.
+        cp_shard: the batch's ``batch["cp_shard"]`` from :func:`~lightning_cp.parallel.shard_batch`.
             Required under CP and for packed batches; without it (and without CP) every row is one
             sequence and this is plain causal attention over the local tokens.
         cp_group: the context-parallel group (``strategy.layout.cp_group``); ``None``: no CP.
@@ -58,31 +58,31 @@ def context_parallel_attention(
     all-gather again and one reduce-scatter (NCCL) or all-reduce (gloo) of their gradients.
 
     Raises:
-        ValueError: on inconsistent shapes, a layout of another CP split than ``cp_group``'s, or CP
-            without a layout.
+        ValueError: on inconsistent shapes, a shard of another CP split than ``cp_group``'s, or CP
+            without a shard.
     """
     cp_size, cp_rank = _group_coordinates(cp_group)
     batch, heads, local_len, dim = _check_shapes(q, k, v)
     scale = dim**-0.5 if scale is None else float(scale)
-    if shard_layout is None:
+    if cp_shard is None:
         if cp_size > 1:
             raise ValueError(
-                f"context_parallel_attention over a CP group of {cp_size} ranks needs the batch's layout: pass "
-                "shard_layout=batch['shard_layout'] (set by shard_batch / MegatronCPStrategy)."
+                f"context_parallel_attention over a CP group of {cp_size} ranks needs the batch's shard: pass "
+                "cp_shard=batch['cp_shard'] (set by shard_batch / MegatronCPStrategy)."
             )
         return _causal_rows(q, k, v, scale)
-    split = shard_layout.split
+    split = cp_shard.split
     if (split.cp_size, split.cp_rank) != (cp_size, cp_rank):
         raise ValueError(
-            f"shard_layout was made for CP rank {split.cp_rank} of {split.cp_size}, but this is rank {cp_rank} "
+            f"cp_shard was made for CP rank {split.cp_rank} of {split.cp_size}, but this is rank {cp_rank} "
             f"of cp_group's {cp_size}; shard the batch with the group's size and rank."
         )
-    if shard_layout.local_tokens != batch * local_len:
+    if cp_shard.local_tokens != batch * local_len:
         raise ValueError(
-            f"shard_layout describes {shard_layout.local_tokens} local tokens but q holds B * S_local = "
-            f"{batch} * {local_len}; pass the layout of the batch these tensors come from."
+            f"cp_shard describes {cp_shard.local_tokens} local tokens but q holds B * S_local = "
+            f"{batch} * {local_len}; pass the shard of the batch these tensors come from."
         )
-    if cp_size == 1 and shard_layout.num_sequences == batch:
+    if cp_size == 1 and cp_shard.num_sequences == batch:
         return _causal_rows(q, k, v, scale)  # one sequence per row, all local: the fused causal kernel
     if batch * local_len == 0:
         return torch.empty_like(q)
@@ -90,7 +90,7 @@ def context_parallel_attention(
     def tokens(x: Tensor) -> Tensor:  # [B, H, S, D] -> [B * S, H, D]
         return x.transpose(1, 2).reshape(batch * local_len, x.shape[1], dim)
 
-    out = _CPAttention.apply(tokens(q), tokens(k), tokens(v), shard_layout, GroupExchange(cp_group), scale)
+    out = _CPAttention.apply(tokens(q), tokens(k), tokens(v), cp_shard, GroupExchange(cp_group), scale)
     return out.view(batch, local_len, heads, dim).transpose(1, 2)
 
 
@@ -123,11 +123,11 @@ def _causal_rows(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     )
 
 
-def _pieces(layout: ShardLayout) -> _varlen.Pieces:
+def _pieces(shard: CPShard) -> _varlen.Pieces:
     """Host-side ``(q_start, q_stop, k_start, k_stop)`` of every piece, from the CPU chunk lengths."""
-    kept = layout.split.kept_chunks
+    kept = shard.split.kept_chunks
     pieces, q0, k0 = [], 0, 0
-    for chunk in layout.chunk_lengths.tolist():
+    for chunk in shard.chunk_lengths.tolist():
         for global_chunk in kept:
             keys = (global_chunk + 1) * chunk
             pieces.append((q0, q0 + chunk, k0, k0 + keys))
@@ -169,18 +169,18 @@ class GroupExchange:
         return full[rank * local : (rank + 1) * local].clone()
 
 
-def _pieces_keys(kv: Tensor, layout: ShardLayout, exchange: GroupExchange) -> tuple[Tensor, Tensor]:
+def _pieces_keys(kv: Tensor, shard: CPShard, exchange: GroupExchange) -> tuple[Tensor, Tensor]:
     """Every piece's keys and values ``[K, Hkv, D]`` from this rank's ``kv`` ``[T_local, 2 * Hkv, D]``."""
-    keys = exchange.all_gather(kv).index_select(0, layout.key_index)
+    keys = exchange.all_gather(kv).index_select(0, shard.key_index)
     kv_heads = kv.shape[1] // 2
     return keys[:, :kv_heads], keys[:, kv_heads:]
 
 
-def _return_to_owners(grad: Tensor, layout: ShardLayout, exchange: GroupExchange, local: int) -> Tensor:
+def _return_to_owners(grad: Tensor, shard: CPShard, exchange: GroupExchange, local: int) -> Tensor:
     """Sum the pieces' key gradients ``[K, ...]`` into the ``[T_local, ...]`` of the ranks owning the keys."""
-    size = layout.split.cp_size
+    size = shard.split.cp_size
     full = grad.new_zeros((size * local, *grad.shape[1:]))
-    full.index_add_(0, layout.key_index, grad)
+    full.index_add_(0, shard.key_index, grad)
     return exchange.reduce_scatter(full)
 
 
@@ -196,35 +196,35 @@ class _CPAttention(torch.autograd.Function):
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        layout: ShardLayout,
+        shard: CPShard,
         exchange: GroupExchange,
         scale: float,
     ) -> Tensor:
-        piece_k, piece_v = _pieces_keys(torch.cat([k, v], dim=1), layout, exchange)
+        piece_k, piece_v = _pieces_keys(torch.cat([k, v], dim=1), shard, exchange)
         q = q.contiguous()
         if _varlen.flash_available(q):
             out, lse, rng = _varlen.flash_forward(
                 q,
                 piece_k,
                 piece_v,
-                layout.cu_queries,
-                layout.cu_keys,
-                layout.max_queries,
-                layout.max_keys,
+                shard.cu_queries,
+                shard.cu_keys,
+                shard.max_queries,
+                shard.max_keys,
                 scale,
             )
         else:
-            out, lse = _varlen.torch_forward(q, piece_k, piece_v, _pieces(layout), scale)
+            out, lse = _varlen.torch_forward(q, piece_k, piece_v, _pieces(shard), scale)
             rng = None
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.exchange, ctx.scale, ctx.rng = layout, exchange, scale, rng
+        ctx.shard, ctx.exchange, ctx.scale, ctx.rng = shard, exchange, scale, rng
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        layout, scale = ctx.layout, ctx.scale
-        piece_k, piece_v = _pieces_keys(torch.cat([k, v], dim=1), layout, ctx.exchange)
+        shard, scale = ctx.shard, ctx.scale
+        piece_k, piece_v = _pieces_keys(torch.cat([k, v], dim=1), shard, ctx.exchange)
         if ctx.rng is not None:
             dq, dk, dv = _varlen.flash_backward(
                 dout,
@@ -233,16 +233,16 @@ class _CPAttention(torch.autograd.Function):
                 piece_v,
                 out,
                 lse,
-                layout.cu_queries,
-                layout.cu_keys,
-                layout.max_queries,
-                layout.max_keys,
+                shard.cu_queries,
+                shard.cu_keys,
+                shard.max_queries,
+                shard.max_keys,
                 scale,
                 ctx.rng,
             )
         else:
-            dq, dk, dv = _varlen.torch_backward(dout, q, piece_k, piece_v, out, lse, _pieces(layout), scale)
+            dq, dk, dv = _varlen.torch_backward(dout, q, piece_k, piece_v, out, lse, _pieces(shard), scale)
         del piece_k, piece_v
         kv_heads = k.shape[1]
-        dkv = _return_to_owners(torch.cat([dk, dv], dim=1), layout, ctx.exchange, q.shape[0])
+        dkv = _return_to_owners(torch.cat([dk, dv], dim=1), shard, ctx.exchange, q.shape[0])
         return dq, dkv[:, :kv_heads], dkv[:, kv_heads:], None, None, None

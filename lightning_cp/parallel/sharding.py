@@ -7,7 +7,7 @@
    ``loss_mask`` is rolled the same way, ``position_ids`` are taken from the full sequence;
 2. every sequence is padded to a multiple of ``2 * cp`` (padding is never a target) and cut into
    ``2 * cp`` equal chunks; CP rank ``r`` keeps chunks ``r`` and ``2 * cp - 1 - r`` (:class:`CPSplit`);
-3. what attention needs to find every key of every local query (:class:`ShardLayout`) is computed once
+3. what attention needs to find every key of every local query (:class:`CPShard`) is computed once
    and carried in the batch, so no layer recomputes it.
 
 The kept chunks balance the causal-attention work over ranks (an early chunk is cheap, a late one
@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_cp.constants import (
+    CP_SHARD,
     CU_SEQLENS,
     CU_SEQLENS_PADDED,
     IGNORE_INDEX,
@@ -35,12 +36,11 @@ from lightning_cp.constants import (
     LABELS,
     LOSS_MASK,
     POSITION_IDS,
-    SHARD_LAYOUT,
 )
 from lightning_cp.parallel.layout import check_size
 
 _PACKED_KEYS = (CU_SEQLENS, CU_SEQLENS_PADDED)
-_DERIVED_KEYS = (LABELS, LOSS_MASK, INPUT_MASK, POSITION_IDS, SHARD_LAYOUT)
+_DERIVED_KEYS = (LABELS, LOSS_MASK, INPUT_MASK, POSITION_IDS, CP_SHARD)
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class CPSplit:
     Every sequence is padded to a multiple of ``2 * cp_size`` and cut into ``2 * cp_size`` equal chunks;
     rank ``r`` keeps chunks ``r`` and ``2 * cp_size - 1 - r`` (a cheap early chunk and an expensive late
     one, which balances causal attention). This is the only place that knows the rule: ``shard_batch``,
-    ``unshard`` and the attention metadata (:class:`ShardLayout`) all ask it.
+    ``unshard`` and the attention metadata (:class:`CPShard`) all ask it.
 
     Raises:
         TypeError / ValueError: ``cp_size`` is not an integer >= 1, or ``cp_rank`` not in ``[0, cp_size)``.
@@ -102,10 +102,10 @@ class CPSplit:
 
 
 @dataclass(frozen=True, eq=False)
-class ShardLayout:
-    """Where one rank's tokens of a sharded batch sit in their sequences: what CP attention needs.
+class CPShard:
+    """This rank's shard of a batch's sequences under a :class:`CPSplit`: what CP attention needs.
 
-    Built once per batch by :func:`shard_batch` (``batch["shard_layout"]``) and read by every attention
+    Built once per batch by :func:`shard_batch` (``batch["cp_shard"]``) and read by every attention
     layer. A *sequence* is a row of a padded ``[B, S]`` batch or a document of a packed ``[1, T]`` one;
     this rank's ``T_local`` tokens (the batch flattened row-major) hold, sequence after sequence, the two
     kept chunks of each. Attention splits them into *pieces* (one per kept chunk, ``2 * n`` in all):
@@ -136,7 +136,7 @@ class ShardLayout:
     """Longest key piece."""
 
     @classmethod
-    def build(cls, split: CPSplit, lengths: Tensor, device: torch.device | str) -> ShardLayout:
+    def build(cls, split: CPSplit, lengths: Tensor, device: torch.device | str) -> CPShard:
         """The layout of sequences of (unpadded) ``lengths`` ``[n]`` for ``split``, index tensors on ``device``.
 
         Computed on the CPU from ``lengths`` (no device synchronization), then copied to ``device``.
@@ -253,8 +253,8 @@ def shard_batch(
         A new dict with this rank's tokens: ``input_ids``, ``labels`` (next token, ``ignore_index`` where
         not a target), ``loss_mask`` (float32, 1 on targets), ``position_ids`` (position inside the
         sequence, int64), ``input_mask`` (bool, False on padding, including the padding added here, so
-        token counts need no knowledge of the layout), the other sequence tensors, ``shard_layout`` (the
-        :class:`ShardLayout` that attention reads), and for packed batches ``cu_seqlens`` (this rank's local
+        token counts need no knowledge of the layout), the other sequence tensors, ``cp_shard`` (the
+        :class:`CPShard` that attention reads), and for packed batches ``cu_seqlens`` (this rank's local
         boundaries, int32) and ``cu_seqlens_padded`` (boundaries of the padded full sequence, int32).
         Local length is ``S_pad / cp`` (padded) or ``sum(len_pad_i) / cp`` (packed).
 
@@ -315,8 +315,8 @@ def shard_batch(
     out[LOSS_MASK] = _gather_tokens(target, src, valid, False).float()
     out[POSITION_IDS] = position_ids.to(torch.int64).contiguous()
     # A padded batch is B sequences of one length; a packed one, the documents of its row.
-    layout = ShardLayout.build(split, lengths_cpu if packed else lengths_cpu.expand(rows), device)
-    out[SHARD_LAYOUT] = layout
+    layout = CPShard.build(split, lengths_cpu if packed else lengths_cpu.expand(rows), device)
+    out[CP_SHARD] = layout
     if packed:
         out[CU_SEQLENS] = layout.cu_seqlens
         out[CU_SEQLENS_PADDED] = _cumulative(local_lengths * cp_size)

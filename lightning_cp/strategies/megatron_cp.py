@@ -93,7 +93,7 @@ class MegatronCPStrategy(DDPStrategy):
     - the distributed sampler splits data over DP ranks only, so CP and TP peers see the same samples;
     - every train / val / test / predict batch is sharded for this CP rank by
       :func:`lightning_cp.parallel.shard_batch` after it reaches the device: the step methods receive
-      next-token ``labels``, ``loss_mask``, ``position_ids``, ``shard_layout`` and, for packed batches,
+      next-token ``labels``, ``loss_mask``, ``position_ids``, ``cp_shard`` and, for packed batches,
       local ``cu_seqlens``; the shard is also recorded
       (:func:`lightning_cp.parallel.batch_context.current_batch`) for attention that cannot receive it,
       such as Hugging Face models built with ``attn_implementation="lightning_cp"``;

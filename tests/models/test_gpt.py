@@ -15,7 +15,7 @@ def test_packed_row_equals_each_sequence_on_its_own():
     packed = shard_batch(
         {"input_ids": torch.cat([first, second])[None], "cu_seqlens": torch.tensor([0, 6, 16])}, 1, 0
     )
-    hidden = model(packed["input_ids"], packed["position_ids"], shard_layout=packed["shard_layout"])
+    hidden = model(packed["input_ids"], packed["position_ids"], cp_shard=packed["cp_shard"])
     for tokens, start in ((first, 0), (second, 6)):
         alone = model(tokens[None], torch.arange(len(tokens))[None])
         torch.testing.assert_close(hidden[0, start : start + len(tokens)], alone[0], rtol=1e-5, atol=1e-5)

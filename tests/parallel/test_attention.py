@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_cp.parallel import (
+    CPShard,
     CPSplit,
-    ShardLayout,
     _varlen,
     context_parallel_attention,
     groups,
@@ -64,7 +64,7 @@ def _shard_heads(x, cp, rank, cu_seqlens):
     if cu_seqlens is not None:
         batch["cu_seqlens"] = cu_seqlens
     shard = shard_batch(batch, cp, rank)
-    return shard["x"].transpose(1, 2).contiguous(), shard["shard_layout"]
+    return shard["x"].transpose(1, 2).contiguous(), shard["cp_shard"]
 
 
 def _run_cp_attention(packed, kv_heads):
@@ -78,7 +78,7 @@ def _run_cp_attention(packed, kv_heads):
         lq, shard = _shard_heads(q, cp, layout.cp_rank, cu)
         lk, lv, ldout = (_shard_heads(t, cp, layout.cp_rank, cu)[0] for t in (k, v, dout))
         lq, lk, lv = (t.requires_grad_() for t in (lq, lk, lv))
-        out = context_parallel_attention(lq, lk, lv, shard_layout=shard, cp_group=layout.cp_group)
+        out = context_parallel_attention(lq, lk, lv, cp_shard=shard, cp_group=layout.cp_group)
         out.backward(ldout)
         results[cp] = (layout.cp_rank, out.detach(), lq.grad, lk.grad, lv.grad)
         groups.destroy()
@@ -108,8 +108,8 @@ def test_bf16_inputs_give_bf16_outputs_close_to_fp32():
     (q, shard), (k, _), (v, _) = (
         _shard_heads(t, 1, 0, PACKED_CU) for t in _inputs(1, int(PACKED_CU[-1]))[:3]
     )
-    want = context_parallel_attention(q.float(), k.float(), v.float(), shard_layout=shard)
-    got = context_parallel_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), shard_layout=shard)
+    want = context_parallel_attention(q.float(), k.float(), v.float(), cp_shard=shard)
+    got = context_parallel_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cp_shard=shard)
     assert got.dtype == torch.bfloat16
     assert (got.float() - want).norm() / want.norm() < 1e-2
 
@@ -126,24 +126,22 @@ def test_without_cp_a_row_is_one_causal_sequence():
 
 def test_empty_batch_gives_an_empty_output():
     q = torch.zeros(0, HEADS, 4, DIM)
-    shard = ShardLayout.build(CPSplit(1, 0), torch.zeros(0, dtype=torch.long), "cpu")
-    assert (
-        context_parallel_attention(q, q[:, :KV_HEADS], q[:, :KV_HEADS], shard_layout=shard).shape == q.shape
-    )
+    shard = CPShard.build(CPSplit(1, 0), torch.zeros(0, dtype=torch.long), "cpu")
+    assert context_parallel_attention(q, q[:, :KV_HEADS], q[:, :KV_HEADS], cp_shard=shard).shape == q.shape
 
 
 def test_attention_rejects_bad_input():
     q = torch.randn(1, 4, 6, 8)
     _, shard = _shard_heads(q, 1, 0, torch.tensor([0, 2, 6]))
     with pytest.raises(ValueError, match="must divide"):
-        context_parallel_attention(q, q[:, :3], q[:, :3], shard_layout=shard)
+        context_parallel_attention(q, q[:, :3], q[:, :3], cp_shard=shard)
     with pytest.raises(ValueError, match="k, v"):
-        context_parallel_attention(q, q[:, :2, :4], q[:, :2, :4], shard_layout=shard)
+        context_parallel_attention(q, q[:, :2, :4], q[:, :2, :4], cp_shard=shard)
     with pytest.raises(ValueError, match="describes 6 local tokens"):
-        context_parallel_attention(q[:, :, :4], q[:, :, :4], q[:, :, :4], shard_layout=shard)
+        context_parallel_attention(q[:, :, :4], q[:, :, :4], q[:, :, :4], cp_shard=shard)
     _, other = _shard_heads(q, 2, 1, torch.tensor([0, 2, 6]))
     with pytest.raises(ValueError, match="rank 1 of 2"):
-        context_parallel_attention(q, q, q, shard_layout=other)
+        context_parallel_attention(q, q, q, cp_shard=other)
 
 
 def _attention_without_layout_under_cp():
@@ -158,7 +156,7 @@ def _attention_without_layout_under_cp():
 
 def test_cp_without_the_batch_layout_is_an_error_on_every_rank(world2):
     for message in world2.run(_attention_without_layout_under_cp):
-        assert message is not None and "shard_layout=batch['shard_layout']" in message
+        assert message is not None and "cp_shard=batch['cp_shard']" in message
 
 
 _LONG_PACKED = """
@@ -168,10 +166,10 @@ total = 32768
 cu = torch.tensor([0, 1, 4097, 8190, 12285, 16384, 20479, 24576, 28671, total])  # ~4K documents and one of 1
 batch = shard_batch({"input_ids": torch.zeros(1, total, dtype=torch.long), "cu_seqlens": cu}, 1, 0)
 g = torch.Generator().manual_seed(0)
-local = batch["shard_layout"].local_tokens  # each document padded to an even length
+local = batch["cp_shard"].local_tokens  # each document padded to an even length
 q, k, v = (torch.randn(1, 1, local, 16, generator=g).requires_grad_() for _ in range(3))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-out = context_parallel_attention(q, k, v, shard_layout=batch["shard_layout"])
+out = context_parallel_attention(q, k, v, cp_shard=batch["cp_shard"])
 out.sum().backward()
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
@@ -195,9 +193,9 @@ def test_flash_varlen_path_on_cuda_matches_the_fp32_reference():
     total = int(cu[-1])
     q, k, v, dout = _inputs(1, total)
     expected = _reference(q, k, v, dout, cu)
-    layout = ShardLayout.build(CPSplit(1, 0), cu.diff(), "cuda")  # even lengths: no padding at cp = 1
+    layout = CPShard.build(CPSplit(1, 0), cu.diff(), "cuda")  # even lengths: no padding at cp = 1
     lq, lk, lv = (t.cuda().bfloat16().requires_grad_() for t in (q, k, v))
-    out = context_parallel_attention(lq, lk, lv, shard_layout=layout)
+    out = context_parallel_attention(lq, lk, lv, cp_shard=layout)
     out.backward(dout.cuda().bfloat16())
     for got, want in zip((out, lq.grad, lk.grad, lv.grad), expected, strict=True):
         got = got.double().cpu()

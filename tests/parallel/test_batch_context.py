@@ -12,7 +12,7 @@ def test_records_the_layout_and_positions_of_a_sharded_batch_until_cleared():
     set_current_batch(batch)
     try:
         record = current_batch()
-        assert record.shard_layout is batch["shard_layout"] and record.position_ids is batch["position_ids"]
+        assert record.cp_shard is batch["cp_shard"] and record.position_ids is batch["position_ids"]
         assert not record.positions_checked
     finally:
         set_current_batch(None)
@@ -20,6 +20,6 @@ def test_records_the_layout_and_positions_of_a_sharded_batch_until_cleared():
 
 
 def test_an_unsharded_batch_is_rejected():
-    with pytest.raises(ValueError, match=r"no \['shard_layout', 'position_ids'\].*shard_batch"):
+    with pytest.raises(ValueError, match=r"no \['cp_shard', 'position_ids'\].*shard_batch"):
         set_current_batch({"input_ids": torch.zeros(1, 4, dtype=torch.long)})
     assert current_batch() is None

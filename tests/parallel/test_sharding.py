@@ -65,7 +65,7 @@ def test_padded_matches_megatron_get_batch_on_this_cp_rank(cp, monkeypatch):
         expected = megatron_utils.get_batch_on_this_cp_rank(dict(full))
         ours = shard_batch(batch, cp, rank)
         assert ours.pop("input_mask").all()
-        assert ours.pop("shard_layout").split == CPSplit(cp, rank)
+        assert ours.pop("cp_shard").split == CPSplit(cp, rank)
         assert ours.keys() == expected.keys()
         for key in expected:
             torch.testing.assert_close(ours[key], expected[key].to(ours[key].dtype), rtol=0, atol=0, msg=key)
@@ -211,7 +211,7 @@ def _expected_piece_keys(lengths, cp, rank):
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_shard_layout_finds_every_key_of_every_piece(cp, packed):
+def test_cp_shard_finds_every_key_of_every_piece(cp, packed):
     lengths = [5, 1, 9, 8, 3] if packed else [11, 11]
     rows, total = (1, sum(lengths)) if packed else (len(lengths), lengths[0])
     batch = {"input_ids": torch.zeros(rows, total, dtype=torch.long)}
@@ -221,7 +221,7 @@ def test_shard_layout_finds_every_key_of_every_piece(cp, packed):
     shards = [shard_batch(batch, cp, r) for r in range(cp)]
     gathered = torch.cat([s["token_id"].flatten() for s in shards])  # all_gather order: rank-major
     for rank, shard in enumerate(shards):
-        layout = shard["shard_layout"]
+        layout = shard["cp_shard"]
         keys = gathered[layout.key_index].tolist()
         cu_keys, cu_queries = layout.cu_keys.tolist(), layout.cu_queries.tolist()
         expected = _expected_piece_keys(lengths if packed else [total] * rows, cp, rank)

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_cp import MegatronCPStrategy
 from lightning_cp.data import LongRangeCopyDataset, collate_packed, collate_padded
 from lightning_cp.models import GPT, GPTConfig, GPTModule
-from lightning_cp.parallel import CPSplit, ParallelLayout, ShardLayout, current_layout
+from lightning_cp.parallel import CPShard, CPSplit, ParallelLayout, current_layout
 
 CONFIG = GPTConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=32)
 GLOBAL_BATCH = 4
@@ -399,7 +399,7 @@ class _Probe(Callback):
 def _count_layout_work():
     """Fit 3 packed steps of a 2-layer GPT, counting the CP split's index work."""
     calls = {"build": 0, "positions": 0}
-    build, positions = ShardLayout.build.__func__, CPSplit.positions
+    build, positions = CPShard.build.__func__, CPSplit.positions
 
     def counted_build(cls, *args, **kwargs):
         calls["build"] += 1
@@ -409,14 +409,14 @@ def _count_layout_work():
         calls["positions"] += 1
         return positions(self, *args, **kwargs)
 
-    ShardLayout.build, CPSplit.positions = classmethod(counted_build), counted_positions
+    CPShard.build, CPSplit.positions = classmethod(counted_build), counted_positions
     try:
         seed_everything(0)
         probe = _Probe()
         trainer = _trainer(2, dist.get_world_size(), max_steps=3, callbacks=[probe])
         trainer.fit(GPTModule(CONFIG), _loader(2, True))
     finally:
-        ShardLayout.build, CPSplit.positions = classmethod(build), positions
+        CPShard.build, CPSplit.positions = classmethod(build), positions
     return calls, probe.info, current_layout() == ParallelLayout.data_parallel()
 
 
