@@ -7,14 +7,14 @@ Public API:
 - :class:`MemoryProfilerCallback`: CUDA memory snapshots with offline reports on chosen steps and ranks.
 - :mod:`lightning_cp.ops`: ``linear_cross_entropy``, ``cross_entropy``, ``token_logprobs``.
 - :mod:`lightning_cp.parallel`: ``shard_batch``, ``unshard``, ``context_parallel_attention``.
-- :mod:`lightning_cp.metrics`: torchmetrics aggregators over DP x CP.
+- :mod:`lightning_cp.loss`: the mixin, the global-token normalization and torchmetrics over DP x CP.
 - :mod:`lightning_cp.hf`: ``attn_implementation="lightning_cp"`` for Hugging Face ``transformers`` models,
   registered by this import when ``transformers`` is installed (without importing it).
 """
 
 from lightning_cp.callbacks import MemoryProfilerCallback
 from lightning_cp.hf import registration as _hf_registration
-from lightning_cp.mixins import CPLossMixin
+from lightning_cp.loss import CPLossMixin
 from lightning_cp.strategies import MegatronCPStrategy
 
 __all__ = ["CPLossMixin", "MegatronCPStrategy", "MemoryProfilerCallback"]

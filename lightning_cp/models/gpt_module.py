@@ -9,7 +9,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from lightning_cp.constants import CP_SHARD, INPUT_IDS, POSITION_IDS
-from lightning_cp.mixins import CPLossMixin
+from lightning_cp.loss import CPLossMixin
 from lightning_cp.models.gpt import GPT, GPTConfig
 from lightning_cp.parallel.layout import current_layout
 

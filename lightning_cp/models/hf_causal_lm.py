@@ -12,7 +12,7 @@ from torch import Tensor
 
 from lightning_cp.constants import INPUT_IDS, POSITION_IDS
 from lightning_cp.hf.attention import ATTN_IMPLEMENTATION
-from lightning_cp.mixins import CPLossMixin
+from lightning_cp.loss import CPLossMixin
 
 
 class HFCausalLM(CPLossMixin, LightningModule):

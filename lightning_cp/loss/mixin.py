@@ -2,8 +2,8 @@
 
 The mixin joins three pieces, each in its own module: the fused loss of this rank's tokens
 (:mod:`lightning_cp.ops`), its normalization into the global token mean
-(:class:`~lightning_cp.objective.GlobalTokenObjective`), and the metrics fed from the same pass over the
-vocabulary (:mod:`lightning_cp.lm_metrics`, configurable with :meth:`CPLossMixin.configure_lm_metrics`).
+(:class:`~lightning_cp.loss.objective.GlobalTokenObjective`), and the metrics fed from the same pass over the
+vocabulary (:mod:`lightning_cp.loss.lm_metrics`, configurable with :meth:`CPLossMixin.configure_lm_metrics`).
 Groups come from :func:`lightning_cp.parallel.current_layout` (the running strategy's layout).
 """
 
@@ -20,9 +20,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torchmetrics import Metric
 
 from lightning_cp.constants import LABELS
-from lightning_cp.lm_metrics import as_collection, default_lm_metrics, input_token_count, lm_totals
-from lightning_cp.metrics import TokensPerSecond
-from lightning_cp.objective import GlobalTokenObjective
+from lightning_cp.loss.lm_metrics import as_collection, default_lm_metrics, input_token_count, lm_totals
+from lightning_cp.loss.metrics import TokensPerSecond
+from lightning_cp.loss.objective import GlobalTokenObjective
 from lightning_cp.ops import TokenStats, cross_entropy, linear_cross_entropy, token_logprobs
 from lightning_cp.parallel.layout import ParallelLayout, current_layout
 
@@ -71,7 +71,7 @@ class CPLossMixin:
 
         Called once per stage from ``__init__``. Override to log fewer (return ``{}`` for none) or to add
         your own: each metric's ``update`` receives the keyword totals it names (see
-        :mod:`lightning_cp.lm_metrics`). Training metrics should synchronize on step
+        :mod:`lightning_cp.loss.lm_metrics`). Training metrics should synchronize on step
         (``dist_sync_on_step=True``), since their step values are logged.
         """
         return default_lm_metrics(stage)
@@ -95,7 +95,7 @@ class CPLossMixin:
 
         Returns:
             In training, the loss to back-propagate (``W * local_sum / N``, see
-            :mod:`lightning_cp.objective`); in evaluation, the global token-mean loss (identical on every rank).
+            :mod:`lightning_cp.loss.objective`); in evaluation, the global token-mean loss (identical on every rank).
 
         Communication: one all-reduce of two scalars over DP x CP, the metric synchronization, and the
         TP all-reduces of the fused loss when ``tp > 1``; for a ``DTensor`` weight, its all-gather (and
@@ -146,7 +146,7 @@ class CPLossMixin:
         return {"logprobs": logprobs.view_as(batch[LABELS]), "labels": batch[LABELS]}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Turn the first micro-batch's normalizer into the whole step's (see :mod:`lightning_cp.objective`)."""
+        """Turn the first micro-batch's normalizer into the whole step's (see :mod:`lightning_cp.loss.objective`)."""
         self._cp_objective.rescale_gradients(self.parameters(), self.trainer.accumulate_grad_batches)
         super().on_before_optimizer_step(optimizer)  # type: ignore[misc]
 

@@ -9,7 +9,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.functional.classification import multiclass_accuracy
 from torchmetrics.text import Perplexity
 
-from lightning_cp.metrics import (
+from lightning_cp.loss.metrics import (
     InputTokenCount,
     MeanTokenEntropy,
     MeanTokenLoss,

@@ -24,7 +24,7 @@ from torch import Tensor
 from torchmetrics import Metric, MetricCollection
 
 from lightning_cp.constants import CU_SEQLENS, INPUT_MASK, LABELS
-from lightning_cp.metrics import (
+from lightning_cp.loss.metrics import (
     InputTokenCount,
     MeanTokenEntropy,
     MeanTokenLoss,

@@ -1,0 +1,38 @@
+"""The CP-local language-model loss of a ``LightningModule``: the mixin, its normalization, its metrics.
+
+- :class:`CPLossMixin` (:mod:`~lightning_cp.loss.mixin`): ``lm_loss`` / ``lm_loss_from_logits`` /
+  ``lm_token_logprobs`` on this rank's tokens, through the fused head of :mod:`lightning_cp.ops`.
+- :class:`GlobalTokenObjective` (:mod:`~lightning_cp.loss.objective`): the one place the loss is
+  normalized into the mean over the global batch's target tokens.
+- :mod:`~lightning_cp.loss.metrics`: torchmetrics aggregators over DP x CP (sums and counts), the same
+  numbers for every CP size; :mod:`~lightning_cp.loss.lm_metrics`: which of them the mixin logs and how
+  they are fed from the loss pass.
+"""
+
+from lightning_cp.loss.metrics import (
+    InputTokenCount,
+    MeanTokenEntropy,
+    MeanTokenLoss,
+    SequencePerplexity,
+    TargetTokenCount,
+    TokenAccuracy,
+    TokenPerplexity,
+    TokensPerSecond,
+    sequence_totals,
+)
+from lightning_cp.loss.mixin import CPLossMixin
+from lightning_cp.loss.objective import GlobalTokenObjective
+
+__all__ = [
+    "CPLossMixin",
+    "GlobalTokenObjective",
+    "InputTokenCount",
+    "MeanTokenEntropy",
+    "MeanTokenLoss",
+    "SequencePerplexity",
+    "TargetTokenCount",
+    "TokenAccuracy",
+    "TokenPerplexity",
+    "TokensPerSecond",
+    "sequence_totals",
+]
