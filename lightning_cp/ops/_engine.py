@@ -3,8 +3,8 @@
 Per chunk of ``n`` tokens the logits ``z = hidden[chunk] @ weight.T`` (``[n, V_local]``, input dtype)
 are handed to a backend (:class:`~lightning_cp.ops._torch_kernels.TorchChunk` or
 :class:`~lightning_cp.ops._triton_kernels.TritonChunk`) which reduces every row to softmax partials;
-:func:`~lightning_cp.ops._stats.merge` combines them over the tensor-parallel group (one all-gather of
-``[6, n]`` floats) and the per-token results land in the input's :class:`~lightning_cp.ops._stats.TokenStats`.
+:func:`~lightning_cp.ops._partials.merge` combines them over the tensor-parallel group (one all-gather of
+``[6, n]`` floats) and the per-token results land in the input's :class:`~lightning_cp.ops.TokenStats`.
 
 Gradients. Every loss here has a logits gradient of the form
 ``dL/ds_j = p_j * (alpha + beta * s_j) - gamma * [j == label] - eta`` with per-token coefficients
@@ -40,8 +40,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lightning_cp.ops._partials import merge
 from lightning_cp.ops._plan import Plan
-from lightning_cp.ops._stats import TokenStats, merge
+from lightning_cp.ops.token_stats import TokenStats
 
 # Bytes of the fp32 [V_block, H] weight-gradient accumulator of a low-precision weight.
 _WEIGHT_BLOCK_BYTES = 256 * 2**20

@@ -7,7 +7,7 @@ from torch.autograd.function import once_differentiable
 
 from lightning_cp.ops import _engine as engine
 from lightning_cp.ops._plan import Plan
-from lightning_cp.ops._stats import TokenStats
+from lightning_cp.ops.token_stats import TokenStats
 
 
 class LinearLogprobs(torch.autograd.Function):
