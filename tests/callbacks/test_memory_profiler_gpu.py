@@ -10,7 +10,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_cp.callbacks import MemoryProfilerCallback, _memory_report
+from lightning_cp.callbacks import MemoryProfilerCallback
+from lightning_cp.callbacks.memory import tensors, timeline
 
 pytestmark = pytest.mark.gpu
 
@@ -78,9 +79,9 @@ def test_real_snapshot_peak_matches_max_memory_allocated(tmp_path):
         assert stem.with_name(f"{stem.name}.{ext}").stat().st_size > 0
     with open(stem.with_name(f"{stem.name}.pickle"), "rb") as f:
         snapshot = pickle.load(f)
-    device = _memory_report.busiest_device(snapshot)
+    device = timeline.busiest_device(snapshot)
     assert device == torch.cuda.current_device()
-    peak = _memory_report.analyze(snapshot, device).peak_bytes
+    peak = timeline.analyze(snapshot, device).peak_bytes
     assert probe.peak is not None and probe.peak > 16 * 2**20
     assert peak == pytest.approx(probe.peak, rel=0.03)
 
@@ -116,11 +117,11 @@ def test_real_snapshot_breaks_the_peak_down_by_what_the_blocks_hold(tmp_path):
     # A block may exceed its request by less than 1 MiB (the allocator does not split off smaller
     # remainders); there are 4 parameters, 4 gradients, and AdamW's exp_avg and exp_avg_sq of each.
     slack = 2**20
-    assert params <= peak[_memory_report.PARAMETERS] < params + 4 * slack
-    assert 2 * params <= peak[_memory_report.OPTIMIZER_STATE] < 2 * params + 8 * slack
+    assert params <= peak[tensors.PARAMETERS] < params + 4 * slack
+    assert 2 * params <= peak[tensors.OPTIMIZER_STATE] < 2 * params + 8 * slack
     # zero_grad frees the previous step's gradients before backward makes new ones: one set at any time.
-    assert params <= peak[_memory_report.GRADIENTS] < params + 4 * slack
+    assert params <= peak[tensors.GRADIENTS] < params + 4 * slack
     assert peak["total"] == sum(n for category, n in peak.items() if category != "total")
     for name in ("net.0.weight", "net.2.weight"):
-        assert f"| {_memory_report.PARAMETERS} | {name}" in text
+        assert f"| {tensors.PARAMETERS} | {name}" in text
         assert f"exp_avg of {name}" in text
