@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Unpack
 
-from lightning_cp.ops._engine import CEOptions
+from lightning_cp.ops._formulas import CEOptions
 from lightning_cp.ops._linear_cross_entropy import LinearCrossEntropy
 from lightning_cp.ops._logits_cross_entropy import LogitsCrossEntropy
 from lightning_cp.ops._plan import Plan
