@@ -20,6 +20,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_cp.callbacks import MemoryProfilerCallback
+from tests._trainer import quiet_trainer
 
 MiB = 2**20
 
@@ -183,18 +184,8 @@ class StepModel(BoringModel):
 def fit(
     tmp_path: Path, callback: MemoryProfilerCallback, model: BoringModel, max_steps: int = 6, **kwargs
 ) -> Trainer:
-    trainer = Trainer(
-        default_root_dir=tmp_path,
-        max_steps=max_steps,
-        accelerator="cpu",
-        devices=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-        callbacks=[callback],
-        limit_val_batches=0,
-        **kwargs,
+    trainer = quiet_trainer(
+        default_root_dir=tmp_path, max_steps=max_steps, callbacks=[callback], limit_val_batches=0, **kwargs
     )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"lightning\.pytorch")

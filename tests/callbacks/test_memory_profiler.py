@@ -15,6 +15,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_cp.callbacks import MemoryProfilerCallback
+from tests._trainer import quiet_trainer
 from tests.callbacks._fake_cuda import (
     FakeCuda,
     GiB,
@@ -268,16 +269,11 @@ def _ddp_fit(tmp: str, ranks: list[int], dirpaths: list[str]) -> dict:
     fake = FakeCuda()
     fake.max_allocated = (rank + 1) * GiB  # rank 1 peaks higher: the logged value is the max over ranks
     callback = MemoryProfilerCallback(steps=[1], ranks=ranks, dirpath=dirpaths[rank])
-    trainer = Trainer(
+    trainer = quiet_trainer(
         default_root_dir=tmp,
         max_steps=3,
-        accelerator="cpu",
         devices=2,
         strategy="ddp",
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
         callbacks=[callback],
         limit_val_batches=0,
     )

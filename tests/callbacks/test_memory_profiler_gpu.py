@@ -7,11 +7,12 @@ import warnings
 
 import pytest
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_cp.callbacks import MemoryProfilerCallback
 from lightning_cp.callbacks.memory import tensors, timeline
+from tests._trainer import quiet_trainer
 
 pytestmark = pytest.mark.gpu
 
@@ -55,24 +56,12 @@ class _PeakProbe(Callback):
             self.peak = torch.cuda.max_memory_allocated()
 
 
-def _trainer(tmp_path, callbacks, max_steps=4) -> Trainer:
-    return Trainer(
-        default_root_dir=tmp_path,
-        max_steps=max_steps,
-        accelerator="cuda",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
-
-
 def test_real_snapshot_peak_matches_max_memory_allocated(tmp_path):
     probe = _PeakProbe(step=2)
     profiler = MemoryProfilerCallback(steps=[2], dirpath=tmp_path, log_peak=False)
-    _trainer(tmp_path, [profiler, probe]).fit(_MLP())
+    quiet_trainer(
+        accelerator="cuda", default_root_dir=tmp_path, max_steps=4, callbacks=[profiler, probe]
+    ).fit(_MLP())
 
     stem = tmp_path / "step_000002.rank00"
     for ext in ("png", "md", "html"):
@@ -90,7 +79,9 @@ def test_real_oom_is_dumped_by_the_observer_before_it_propagates(tmp_path):
     profiler = MemoryProfilerCallback(steps=None, dirpath=tmp_path, log_peak=False)
     with pytest.raises(torch.OutOfMemoryError), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _trainer(tmp_path, [profiler]).fit(_MLP(oom_at=1))
+        quiet_trainer(accelerator="cuda", default_root_dir=tmp_path, max_steps=4, callbacks=[profiler]).fit(
+            _MLP(oom_at=1)
+        )
 
     with open(tmp_path / "oom_step_000001.rank00.pickle", "rb") as f:
         snapshot = pickle.load(f)
@@ -109,7 +100,7 @@ def _peak_by_category(markdown: str) -> dict[str, int]:
 def test_real_snapshot_breaks_the_peak_down_by_what_the_blocks_hold(tmp_path):
     model = _MLP()
     profiler = MemoryProfilerCallback(steps=[2], dirpath=tmp_path, log_peak=False)
-    _trainer(tmp_path, [profiler]).fit(model)
+    quiet_trainer(accelerator="cuda", default_root_dir=tmp_path, max_steps=4, callbacks=[profiler]).fit(model)
 
     text = (tmp_path / "step_000002.rank00.md").read_text()
     peak = _peak_by_category(text)

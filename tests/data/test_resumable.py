@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_cp.data import ResumableDataLoader
+from tests._trainer import quiet_trainer
 
 
 def test_loader_position_skips_index_batches_without_loading_them():
@@ -68,14 +69,10 @@ class _Recorder(LightningModule):
 
 def _train(directory, max_steps, ckpt_path=None):
     module = _Recorder()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = quiet_trainer(
         max_steps=max_steps,
         limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
         callbacks=[ModelCheckpoint(dirpath=directory, every_n_train_steps=2, save_top_k=-1)],
     )
     trainer.fit(module, ckpt_path=ckpt_path)

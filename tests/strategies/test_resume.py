@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_cp import MegatronCPStrategy
 from lightning_cp.data import LongRangeDataModule
 from lightning_cp.models import GPTConfig, GPTModule
 from lightning_cp.strategies.checkpoint_io import AtomicCheckpointIO
 from lightning_cp.strategies.preemption import SigtermAgreement
+from tests._trainer import cp_trainer
 
 STEPS, RESUME_AT = 6, 3  # an epoch of 12 batches: the checkpoint is mid-epoch
 
@@ -40,15 +40,11 @@ def _fit(cp: int, directory: str, ckpt_path: str | None = None) -> dict[int, flo
         vocab_size=32, seq_len=16, num_train_samples=48, num_val_samples=4, batch_size=2
     )
     losses = _Losses()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=dist.get_world_size(),
-        strategy=MegatronCPStrategy(cp=cp),
+    trainer = cp_trainer(
+        cp,
         max_steps=STEPS,
         limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
         callbacks=[losses, ModelCheckpoint(dirpath=directory, every_n_train_steps=RESUME_AT, save_top_k=-1)],
     )
     trainer.fit(module, data, ckpt_path=ckpt_path)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 
 from lightning_cp.callbacks import MemoryProfilerCallback
+from tests._trainer import quiet_trainer
 from tests.callbacks._fake_cuda import (
     FakeCuda,
     GiB,
@@ -46,16 +46,8 @@ def test_without_cuda_warns_once_writes_nothing_and_logs_rss(tmp_path, monkeypat
     before = _vm_hwm_bytes()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = Trainer(
-            default_root_dir=tmp_path,
-            max_steps=6,
-            accelerator="cpu",
-            enable_progress_bar=False,
-            logger=False,
-            enable_checkpointing=False,
-            enable_model_summary=False,
-            callbacks=[callback],
-            limit_val_batches=0,
+        trainer = quiet_trainer(
+            default_root_dir=tmp_path, max_steps=6, callbacks=[callback], limit_val_batches=0
         )
         trainer.fit(model)
     after = _vm_hwm_bytes()
