@@ -15,7 +15,7 @@ model. For every completion token ``t`` of sequence ``i``::
     kl      = exp(ref_logp - logp) - (ref_logp - logp) - 1                       # k3 estimator, >= 0
     loss    = mean over completion tokens of (policy + kl_coef * kl) - entropy_coef * (mean entropy)
 
-``token_logprobs(hidden, weight, labels, temperature=..., return_entropy=True)`` gives ``logp`` and the
+``token_logprobs_with_entropy(hidden, weight, labels, temperature=...)`` gives ``logp`` and the
 entropy per token from the final hidden states and the LM-head weight, differentiable w.r.t. both, without
 the ``[tokens, vocab]`` logits (the same chunked pass as the training loss). ``temperature`` must be the
 sampling temperature, so that ``logp`` is the log-probability of the distribution the completions came
@@ -26,7 +26,7 @@ then takes a few optimizer steps on the same rollouts (PPO-style epochs), printi
 
 Under :class:`~lightning_cp.MegatronCPStrategy`, inside a ``LightningModule`` step, ``hidden`` holds this
 CP rank's tokens and ``batch["labels"]`` is already shifted; the token mean then needs the global
-number of completion tokens (one all-reduce over ``lightning_cp.parallel.groups.dp_cp_group()``), as
+number of completion tokens (one all-reduce over ``current_layout().loss_group``, DP x CP), as
 :class:`~lightning_cp.CPLossMixin` does for the LM loss.
 """
 
@@ -39,7 +39,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_cp.models import GPT, GPTConfig
-from lightning_cp.ops import token_logprobs
+from lightning_cp.ops import (
+    token_logprobs,
+    token_logprobs_with_entropy,
+)
 
 PROMPTS, GROUP = 2, 4  # 2 prompts x 4 completions = 8 sequences
 PROMPT_LEN, COMPLETION_LEN = 8, 12
@@ -81,10 +84,17 @@ def hidden_states(model: GPT, input_ids: Tensor) -> Tensor:
     return model(input_ids, positions).flatten(0, 1)
 
 
-def logprobs(model: GPT, input_ids: Tensor, labels: Tensor, **kwargs: bool) -> Tensor | tuple[Tensor, Tensor]:
+def logprobs(model: GPT, input_ids: Tensor, labels: Tensor) -> Tensor:
     """``log p(label)`` ``[B * S]`` under ``model`` at the sampling temperature (0 where the label is -100)."""
     hidden = hidden_states(model, input_ids)
-    return token_logprobs(hidden, model.lm_head_weight, labels.flatten(), temperature=TEMPERATURE, **kwargs)
+    return token_logprobs(hidden, model.lm_head_weight, labels.flatten(), temperature=TEMPERATURE)
+
+
+def logprobs_and_entropy(model: GPT, input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`logprobs` and the entropy ``[B * S]`` of each token's distribution, both differentiable."""
+    hidden = hidden_states(model, input_ids)
+    weight = model.lm_head_weight
+    return token_logprobs_with_entropy(hidden, weight, labels.flatten(), temperature=TEMPERATURE)
 
 
 def policy_loss(
@@ -128,7 +138,7 @@ def check_against_logits(
     """Same values and gradients as with materialized logits (printed as maximum differences)."""
     hidden = hidden_states(policy, input_ids)
     weight = policy.lm_head_weight
-    fused = token_logprobs(hidden, weight, labels.flatten(), temperature=TEMPERATURE, return_entropy=True)
+    fused = token_logprobs_with_entropy(hidden, weight, labels.flatten(), temperature=TEMPERATURE)
     plain = materialized_logprobs(hidden, weight, labels.flatten())
     grads = []
     for logp, entropy in (fused, plain):
@@ -157,9 +167,7 @@ def main() -> None:
 
     optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)
     for step in range(STEPS):
-        logp, entropy = logprobs(
-            policy, input_ids, labels, return_entropy=True
-        )  # entropy is differentiable too
+        logp, entropy = logprobs_and_entropy(policy, input_ids, labels)
         loss, stats = policy_loss(logp, entropy, old_logp, ref_logp, advantages, labels)
         optimizer.zero_grad()
         loss.backward()

@@ -30,6 +30,7 @@ import yaml
 from lightning.pytorch import Trainer
 
 from lightning_cp import MegatronCPStrategy, MemoryProfilerCallback
+from lightning_cp.callbacks.memory.schedule import parse_steps
 from lightning_cp.cli import main
 from lightning_cp.data import LongRangeDataModule, TokenFileDataset, write_token_file
 from lightning_cp.models import GPTConfig, GPTModule
@@ -216,8 +217,9 @@ def test_gpu_single_config_is_the_main_job_on_one_gpu(cli):
     for key in ("max_steps", "val_check_interval", "log_every_n_steps"):
         assert trainer[key] == main_job["trainer"][key], key
     callbacks = {c["class_path"]: c["init_args"] for c in trainer["callbacks"]}
-    profiler = MemoryProfilerCallback(**callbacks["lightning_cp.MemoryProfilerCallback"])  # validates steps
-    assert profiler._windows == ((5, 5), (20, 21)) and profiler.log_peak
+    options = callbacks["lightning_cp.MemoryProfilerCallback"]
+    profiler = MemoryProfilerCallback(**options)  # validates every option
+    assert parse_steps(options["steps"]) == ((5, 5), (20, 21)) and profiler.log_peak
 
 
 @pytest.mark.parametrize("config", [HF_CPU, HF_GPU], ids=lambda p: p.stem)

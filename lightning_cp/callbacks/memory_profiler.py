@@ -1,20 +1,14 @@
 """``MemoryProfilerCallback``: CUDA memory snapshots of chosen training steps and of OOMs.
 
 Works in any Lightning project, with or without ``MegatronCPStrategy``; under Megatron's parallel
-state the DP / CP / TP coordinates of the rank go into the file names.
+state the DP / CP / TP coordinates of the rank go into the file names. The callback is the Lightning
+hooks only; each job is a module of :mod:`lightning_cp.callbacks.memory`.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
-import pickle
-import sys
-import tempfile
 import warnings
-import weakref
-from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,29 +17,27 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.distributed.tensor import DTensor
-from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_cp.callbacks import _memory_report
-from lightning_cp.parallel.layout import current_layout
+from lightning_cp.callbacks.memory import report
+from lightning_cp.callbacks.memory.dump import SNAPSHOT_FILENAME, dump_snapshot, writable_error
+from lightning_cp.callbacks.memory.peaks import (
+    PEAK_ALLOCATED_KEY,
+    PEAK_RESERVED_KEY,
+    PEAK_RSS_KEY,
+    peak_metrics,
+)
+from lightning_cp.callbacks.memory.recording import AllocatorRecording
+from lightning_cp.callbacks.memory.schedule import Ranks, StepSchedule, Window, check_ranks, rank_selected
+from lightning_cp.callbacks.memory.tensors import TensorsByDevice, known_tensors
 
-#: Name of a snapshot file. ``kind`` is ``step`` (a recorded step or window) or ``oom_step`` (a dump
-#: at an out-of-memory error); ``steps`` is ``000010`` or, for a window, ``000010-000012``;
-#: ``layout`` is this rank's ``.dp1-cp1-tp0`` in a distributed run and empty in a single process. The offline
-#: report and PyTorch's HTML share the stem: ``.png``, ``.md``, ``.html``.
-SNAPSHOT_FILENAME = "{kind}_{steps}.rank{rank:02d}{layout}.pickle"
-
-#: Keys logged with ``log_peak``: GiB, the maximum over all ranks of each rank's peak in the step.
-PEAK_ALLOCATED_KEY = "memory/peak_allocated_gib"
-PEAK_RESERVED_KEY = "memory/peak_reserved_gib"
-#: Without CUDA: the process's peak resident set size since it started (the OS cannot reset it per step).
-PEAK_RSS_KEY = "memory/peak_rss_gib"
-
-_GIB = float(2**30)
-_Window = tuple[int, int]
-#: ``{device: {(start, end): (category, name)}}``: the byte ranges of known tensors (see ``_memory_report``).
-_TensorsByDevice = dict[torch.device, dict[tuple[int, int], tuple[str, str]]]
+__all__ = [
+    "PEAK_ALLOCATED_KEY",
+    "PEAK_RESERVED_KEY",
+    "PEAK_RSS_KEY",
+    "SNAPSHOT_FILENAME",
+    "MemoryProfilerCallback",
+]
 
 
 class MemoryProfilerCallback(Callback):
@@ -54,7 +46,7 @@ class MemoryProfilerCallback(Callback):
     For each recorded step (or window of steps) and each selected rank this writes, to ``dirpath``:
 
     - ``step_000010.rank03.dp1-cp1-tp0.pickle``: ``torch.cuda.memory._snapshot()`` (pickle protocol 4),
-      which pytorch.org/memory_viz opens (see :data:`SNAPSHOT_FILENAME`);
+      which pytorch.org/memory_viz opens (see :data:`~lightning_cp.callbacks.memory.dump.SNAPSHOT_FILENAME`);
     - ``.md``: the peak broken down by category (parameters, gradients, optimizer state, buffers,
       activations and temporaries, other) and the largest allocations live at the peak, with the tensors
       they hold and their Python stacks;
@@ -138,8 +130,8 @@ class MemoryProfilerCallback(Callback):
         log_peak: bool = True,
     ) -> None:
         super().__init__()
-        self._windows = _parse_steps(steps)
-        _check_ranks(ranks)
+        self._schedule = StepSchedule(steps)
+        check_ranks(ranks)
         if max_entries < 1:
             raise ValueError(
                 f"max_entries={max_entries} must be a positive number of trace entries, e.g. 100_000."
@@ -147,38 +139,38 @@ class MemoryProfilerCallback(Callback):
         if stacks not in ("python", "all"):
             raise ValueError(f"stacks={stacks!r} must be 'python' (fast dumps) or 'all' (adds C++ frames).")
         self.steps = steps
-        self.ranks = ranks
+        self.ranks: Ranks = ranks
         self.max_entries = max_entries
         self.dirpath = dirpath
         self.stacks = stacks
         self.dump_on_oom = dump_on_oom
         self.log_peak = log_peak
 
+        self._recording = AllocatorRecording(
+            stacks, max_entries, on_oom=self._on_allocator_oom if dump_on_oom else None
+        )
         self._cuda = False
         self._snapshots_on = False  # CUDA is available and this rank is selected
         self._dir: Path | None = None
         self._rank = 0
         self._step = 0  # global step of the current batch, for OOM dumps
-        self._recording = False
-        self._active: _Window | None = None  # (first recorded step, last step) of the open window
-        self._done: set[_Window] = set()
+        self._active: Window | None = None  # (first recorded step, last step) of the open window
         self._oom_dumped_step: int | None = None
-        self._observer_attached = False
         self._warned_no_cuda = False
         self._warned_no_plot = False
         self._trainer: Trainer | None = None  # set in setup: the dumps look up the model and optimizers
-        self._tensors_at_start: _TensorsByDevice = {}
+        self._tensors_at_start: TensorsByDevice = {}
 
     @property
     def _record_whole_fit(self) -> bool:
-        return not self._windows and self.dump_on_oom
+        return not self._schedule.windows and self.dump_on_oom
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         self._cuda = torch.cuda.is_available()
-        self._done.clear()
+        self._schedule.reset()
         if not self._cuda:
             if not self._warned_no_cuda:
                 rank_zero_warn(
@@ -188,7 +180,11 @@ class MemoryProfilerCallback(Callback):
                 )
                 self._warned_no_cuda = True
             return
-        if (self._windows or self.dump_on_oom) and not _memory_report.can_plot() and not self._warned_no_plot:
+        if (
+            (self._schedule.windows or self.dump_on_oom)
+            and not report.can_plot()
+            and not self._warned_no_plot
+        ):
             rank_zero_warn(
                 "MemoryProfilerCallback: matplotlib is not installed, so the snapshots get their markdown "
                 "report but no PNG. `pip install lightning-cp[report]` adds it."
@@ -201,12 +197,12 @@ class MemoryProfilerCallback(Callback):
                 f"MemoryProfilerCallback(ranks={self.ranks}): ranks >= world_size={trainer.world_size} "
                 "never record."
             )
-        self._snapshots_on = _rank_selected(self.ranks, trainer.global_rank, trainer.local_rank)
+        self._snapshots_on = rank_selected(self.ranks, trainer.global_rank, trainer.local_rank)
         if self.dirpath is not None:
             self._dir = Path(self.dirpath)
         else:  # ``trainer.log_dir`` broadcasts from rank 0: every rank asks, selected or not
             self._dir = Path(trainer.log_dir or trainer.default_root_dir) / "memory_snapshots"
-        error = _writable_error(self._dir) if self._snapshots_on else None
+        error = writable_error(self._dir) if self._snapshots_on else None
         if not trainer.strategy.reduce_boolean_decision(error is None, all=True):
             reason = f"on rank {trainer.global_rank}: {error}" if error else "on another rank (see its error)"
             raise MisconfigurationException(
@@ -222,12 +218,8 @@ class MemoryProfilerCallback(Callback):
     ) -> None:
         self._step = trainer.global_step
         if self._snapshots_on and self._active is None and not self._record_whole_fit:
-            window = next(
-                (w for w in self._windows if w[0] <= self._step <= w[1] and w not in self._done), None
-            )
-            if window is not None:
-                self._done.add(window)
-                self._active = (self._step, window[1])
+            self._active = self._schedule.open_at(self._step)
+            if self._active is not None:
                 self._start()
         if self.log_peak and self._cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -242,7 +234,7 @@ class MemoryProfilerCallback(Callback):
             self._stop()
         if self.log_peak:
             pl_module.log_dict(
-                _peak_metrics(self._cuda), on_step=True, on_epoch=False, sync_dist=True, reduce_fx="max"
+                peak_metrics(self._cuda), on_step=True, on_epoch=False, sync_dist=True, reduce_fx="max"
             )
 
     @override
@@ -261,7 +253,7 @@ class MemoryProfilerCallback(Callback):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         is_oom = isinstance(exception, torch.OutOfMemoryError)
-        if not self._recording:
+        if not self._recording.on:
             if is_oom and self.dump_on_oom and self._snapshots_on:
                 warnings.warn(
                     f"MemoryProfilerCallback: out of memory at step {self._step} on rank {self._rank} while "
@@ -277,34 +269,26 @@ class MemoryProfilerCallback(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self._recording:
+        if self._recording.on:
             self._stop()
         self._trainer = None
 
     def _start(self) -> None:
-        # clear_history: each window is one recording, without events of an earlier one.
-        torch.cuda.memory._record_memory_history(
-            enabled="all", stacks=self.stacks, max_entries=self.max_entries, clear_history=True
-        )
-        self._recording = True
+        self._recording.start()
         self._tensors_at_start = self._known_tensors()
-        if self.dump_on_oom and not self._observer_attached:
-            _attach_oom_observer(self)
-            self._observer_attached = True
 
     def _stop(self) -> None:
-        torch.cuda.memory._record_memory_history(enabled=None)
-        self._recording = False
+        self._recording.stop()
         self._active = None
         self._tensors_at_start = {}
 
-    def _known_tensors(self) -> _TensorsByDevice:
+    def _known_tensors(self) -> TensorsByDevice:
         assert self._trainer is not None, "setup() keeps the trainer before anything is recorded"
-        return _known_tensors(self._trainer.lightning_module, self._trainer.optimizers)
+        return known_tensors(self._trainer.lightning_module, self._trainer.optimizers)
 
     def _on_allocator_oom(self) -> None:
         """Called by the allocator before it raises an OOM (possibly one that user code catches)."""
-        if self._recording and self.dump_on_oom:
+        if self._recording.on:
             self._dump_oom()
             self._oom_dumped_step = self._step
 
@@ -318,193 +302,6 @@ class MemoryProfilerCallback(Callback):
                 f"MemoryProfilerCallback: could not dump the OOM snapshot on rank {self._rank}: {err!r}"
             )
 
-    def _dump(self, kind: str, first: int, last: int) -> Path | None:
-        """Write the snapshot and its reports; returns the pickle path, or ``None`` for an empty trace."""
+    def _dump(self, kind: str, first: int, last: int) -> None:
         assert self._dir is not None, "setup() resolves dirpath before anything is recorded"
-        snapshot = torch.cuda.memory._snapshot()
-        steps = f"{first:06d}" if first == last else f"{first:06d}-{last:06d}"
-        device = _memory_report.busiest_device(snapshot)
-        if device is None:
-            warnings.warn(
-                f"MemoryProfilerCallback: the recording of {kind} {steps} on rank {self._rank} has no "
-                "allocator events (does the model run on this rank's CUDA device?); no snapshot written."
-            )
-            return None
-        parallel = current_layout()
-        path = self._dir / SNAPSHOT_FILENAME.format(
-            kind=kind,
-            steps=steps,
-            rank=self._rank,
-            layout=f".{parallel.tag()}" if parallel.world_size > 1 else "",
-        )
-        partial = path.with_name(f"{path.name}.partial")
-        with open(partial, "wb") as f:
-            pickle.dump(snapshot, f, protocol=4)  # protocol 4: what the memory_viz page reads
-        os.replace(partial, path)
-        self._write_reports(snapshot, path, _snapshot_device(device))
-        return path
-
-    def _write_reports(self, snapshot: Mapping[str, Any], path: Path, device: torch.device) -> None:
-        """The offline report and PyTorch's HTML next to ``path``; a failure warns and training goes on."""
-        stem = path.with_name(path.stem)
-        try:
-            _memory_report.write_report(
-                snapshot,
-                stem,
-                title=path.stem,
-                tensors=self._known_tensors().get(device, {}),
-                tensors_at_start=self._tensors_at_start.get(device, {}),
-            )
-        except Exception as err:  # noqa: BLE001
-            warnings.warn(
-                f"MemoryProfilerCallback: the offline report for {path.name} failed: {err!r}", stacklevel=2
-            )
-        try:
-            from torch.cuda._memory_viz import trace_plot
-
-            stem.with_name(f"{stem.name}.html").write_text(trace_plot(snapshot))
-        except Exception as err:  # noqa: BLE001
-            warnings.warn(
-                f"MemoryProfilerCallback: PyTorch's HTML view of {path.name} failed: {err!r}", stacklevel=2
-            )
-
-
-def _snapshot_device(index: int) -> torch.device:
-    """The device of ``snapshot["device_traces"][index]``: only tensors on it can be in its blocks."""
-    return torch.device("cuda", index)
-
-
-def _known_tensors(module: torch.nn.Module, optimizers: Sequence[Optimizer]) -> _TensorsByDevice:
-    """The byte ranges of ``module``'s parameters, gradients and buffers and of the optimizers' state.
-
-    Returns ``{device: {(start, end): (category, name)}}`` with the categories of ``_memory_report``;
-    a name is the parameter's (``model.head.weight``), or for optimizer state the key and the parameter
-    (``exp_avg of model.head.weight``). A DTensor counts as its local shard, the memory of this rank.
-    Reads addresses only: nothing is allocated or synchronized.
-    """
-    by_device: _TensorsByDevice = defaultdict(dict)
-
-    def add(tensor: torch.Tensor, category: str, name: str) -> None:
-        if isinstance(tensor, DTensor):
-            tensor = tensor.to_local()
-        if tensor.layout != torch.strided or tensor.numel() == 0:
-            return
-        try:
-            start = tensor.data_ptr()
-        except RuntimeError:  # wrapper subclasses (e.g. quantized weights) have no storage of their own
-            return
-        # The elements span up to the last one's offset; a view may skip bytes in between.
-        extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-        span = (start, start + extent * tensor.element_size())
-        by_device[tensor.device].setdefault(span, (category, name))  # the first category listed wins
-
-    names: dict[int, str] = {}
-    for name, param in module.named_parameters():
-        names[id(param)] = name
-        add(param, _memory_report.PARAMETERS, name)
-        if param.grad is not None:
-            add(param.grad, _memory_report.GRADIENTS, name)
-    for name, buffer in module.named_buffers():
-        add(buffer, _memory_report.BUFFERS, name)
-    for optimizer in optimizers:
-        for param, state in optimizer.state.items():
-            owner = names.get(id(param), f"a {tuple(param.shape)} parameter outside the module")
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    add(value, _memory_report.OPTIMIZER_STATE, f"{key} of {owner}")
-    return dict(by_device)
-
-
-def _attach_oom_observer(callback: MemoryProfilerCallback) -> None:
-    """Attach an allocator OOM observer that forwards to ``callback`` while it exists.
-
-    PyTorch cannot detach observers, so the observer holds a weak reference: a finished callback is
-    not kept alive and its observer does nothing.
-    """
-    ref = weakref.ref(callback)
-
-    def observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
-        target = ref()
-        if target is not None:
-            target._on_allocator_oom()
-
-    torch._C._cuda_attach_out_of_memory_observer(observer)
-
-
-def _parse_steps(steps: Sequence[int | str] | None) -> tuple[_Window, ...]:
-    """``[3, "10-12"]`` -> ``((3, 3), (10, 12))``: sorted, disjoint, inclusive windows."""
-    if steps is None:
-        return ()
-    if isinstance(steps, (str, int)):
-        # ValueError like every other malformed ``steps``, as the docstring promises.
-        raise ValueError(f"steps={steps!r} must be a list, e.g. steps=[{steps!r}].")  # noqa: TRY004
-    windows = []
-    for item in steps:
-        text = str(item).strip()
-        first, sep, last = text.partition("-")
-        try:
-            window = (int(first), int(last) if sep else int(first))
-        except ValueError:
-            raise ValueError(
-                f"steps item {item!r} must be a step (10) or a window 'first-last' ('10-12')."
-            ) from None
-        if window[0] < 0 or window[0] > window[1]:
-            raise ValueError(
-                f"steps item {item!r} must be non-negative steps with first <= last, e.g. '10-12'."
-            )
-        windows.append(window)
-    windows.sort()
-    for before, after in itertools.pairwise(windows):
-        if after[0] <= before[1]:
-            raise ValueError(
-                f"steps={list(steps)!r}: {before[0]}-{before[1]} and {after[0]}-{after[1]} overlap; "
-                "merge them into one window."
-            )
-    return tuple(windows)
-
-
-def _check_ranks(ranks: object) -> None:
-    if ranks in ("all", "local_zero"):
-        return
-    if not isinstance(ranks, list) or not all(isinstance(r, int) and r >= 0 for r in ranks):
-        raise ValueError(
-            f"ranks={ranks!r} must be 'all', 'local_zero' or a list of global ranks, e.g. [0, 3]."
-        )
-
-
-def _rank_selected(
-    ranks: Literal["all", "local_zero"] | list[int], global_rank: int, local_rank: int
-) -> bool:
-    if ranks == "all":
-        return True
-    if ranks == "local_zero":
-        return local_rank == 0
-    return global_rank in ranks
-
-
-def _writable_error(dirpath: Path) -> str | None:
-    """Create ``dirpath`` and a file in it; the error text if that fails, else ``None``."""
-    try:
-        dirpath.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=dirpath):
-            pass
-    except OSError as err:
-        return str(err)
-    return None
-
-
-def _peak_metrics(cuda: bool) -> dict[str, float]:
-    if cuda:
-        return {
-            PEAK_ALLOCATED_KEY: torch.cuda.max_memory_allocated() / _GIB,
-            PEAK_RESERVED_KEY: torch.cuda.max_memory_reserved() / _GIB,
-        }
-    return {PEAK_RSS_KEY: _peak_rss_bytes() / _GIB}
-
-
-def _peak_rss_bytes() -> int:
-    """Peak resident set size of this process (Linux and macOS)."""
-    import resource  # POSIX only; imported here so the module still imports on Windows
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+        dump_snapshot(self._dir, kind, first, last, self._rank, self._known_tensors(), self._tensors_at_start)

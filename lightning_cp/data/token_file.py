@@ -4,18 +4,13 @@ The file is a raw array of ``uint16`` (vocabularies up to 65536) or ``uint32`` t
 (nanoGPT's ``train.bin`` format). It is memory-mapped, so it may be far larger than RAM; only the tokens of
 a sample are read.
 
-A raw array does not say how it was written, and a ``uint32`` file read as ``uint16`` is still a valid
-array: ids interleaved with zeros, on which a model trains without any error. So the dtype is never
-guessed. :func:`write_token_file` writes the file together with a *sidecar*, ``<path>.json``::
-
-    {"dtype": "uint16", "num_tokens": 259874, "vocab_size": 1024, "eos_id": 1023}
-
-``dtype`` (``"uint16"`` or ``"uint32"``) and ``num_tokens`` are required, ``vocab_size`` (every id is
-below it) and ``eos_id`` (the end-of-document id, or ``null``) optional; no other key is allowed. The
-reader checks the file size against ``num_tokens`` (a sidecar left over from another file fails) and the
-caller's ``dtype`` / ``vocab_size`` / ``eos_id`` against the sidecar. A file without a sidecar needs an
-explicit ``dtype``; a ``uint16`` reading that looks like ``uint32`` ids (odd positions, the high halves,
-hold only tiny values while even ones do not, on a sample of the file) is refused.
+A raw array does not say how it was written, so the dtype is never guessed: :func:`write_token_file`
+writes the file together with a *sidecar*, ``<path>.json``, which records its dtype, token count,
+vocabulary size and end-of-document id (the schema: :mod:`lightning_cp.data.token_file_sidecar`). The
+reader checks the file size against the recorded ``num_tokens`` (a sidecar left over from another file
+fails) and the caller's ``dtype`` / ``vocab_size`` / ``eos_id`` against the sidecar. A file without a
+sidecar needs an explicit ``dtype``; a ``uint16`` reading that looks like ``uint32`` ids (odd positions,
+the high halves, hold only tiny values while even ones do not, on a sample of the file) is refused.
 
 Two ways to cut the file into samples:
 
@@ -43,11 +38,7 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
-from pathlib import Path
-from typing import Literal
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -59,26 +50,14 @@ from lightning_cp.data._token_spans import (
     _sample_blocks,
     _TokenSpans,
 )
+from lightning_cp.data.token_file_sidecar import TOKEN_DTYPES, TokenDType, TokenFileSidecar
 
-TokenDType = Literal["uint16", "uint32"]
-
-_DTYPES = ("uint16", "uint32")
 _UINT16_IDS = 1 << 16
 
 _MIN_SAMPLE_PAIRS = 16
 """Fewer ``(even, odd)`` pairs than this are too few to judge, and the check is skipped."""
 _HIGH_HALF_LIMIT = 16
 """High halves (``id >> 16``) of ``uint32`` ids stay below this for any vocabulary up to a million ids."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Sidecar:
-    """The content of ``<path>.json``: how the token file was written."""
-
-    dtype: TokenDType
-    num_tokens: int
-    vocab_size: int | None = None
-    eos_id: int | None = None
 
 
 def write_token_file(
@@ -121,11 +100,9 @@ def write_token_file(
     if eos_id is not None and not 0 <= eos_id < vocab_size:
         raise ValueError(f"eos_id={eos_id} must be in [0, vocab_size={vocab_size}).")
     dtype: TokenDType = "uint16" if vocab_size <= _UINT16_IDS else "uint32"
-    sidecar = _sidecar_path(path)
-    sidecar.unlink(missing_ok=True)
+    TokenFileSidecar.path_of(path).unlink(missing_ok=True)
     ids.astype(dtype).tofile(path)
-    record = _Sidecar(dtype=dtype, num_tokens=int(ids.size), vocab_size=vocab_size, eos_id=eos_id)
-    sidecar.write_text(json.dumps(dataclasses.asdict(record), indent=2) + "\n")
+    TokenFileSidecar(dtype=dtype, num_tokens=int(ids.size), vocab_size=vocab_size, eos_id=eos_id).write(path)
     return dtype
 
 
@@ -201,20 +178,20 @@ def _check_token_file(
     _check_seq_len(seq_len)
     path = os.fspath(path)
     _check_path(path)
-    sidecar = _read_sidecar(path)
+    sidecar = TokenFileSidecar.read(path)
     if sidecar is None and dtype is None:
         raise ValueError(
-            f"path={path!r} has no sidecar {str(_sidecar_path(path))!r} that records its dtype; pass "
+            f"path={path!r} has no sidecar {str(TokenFileSidecar.path_of(path))!r} that records its dtype; pass "
             "dtype='uint16' or dtype='uint32' (the type it was written with), or write it with "
             "lightning_cp.data.write_token_file."
         )
     if sidecar is not None and dtype is not None and dtype != sidecar.dtype:
         raise ValueError(
-            f"dtype={dtype!r} contradicts the sidecar {str(_sidecar_path(path))!r}, which records "
+            f"dtype={dtype!r} contradicts the sidecar {str(TokenFileSidecar.path_of(path))!r}, which records "
             f"dtype={sidecar.dtype!r}; leave dtype unset or fix the sidecar."
         )
     dtype = sidecar.dtype if dtype is None else dtype
-    if dtype not in _DTYPES:
+    if dtype not in TOKEN_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use 'uint16' or 'uint32'.")
     itemsize = np.dtype(dtype).itemsize
     size = os.path.getsize(path)
@@ -229,7 +206,7 @@ def _check_token_file(
         )
     num_tokens = size // itemsize
     if sidecar is not None:
-        _check_against_sidecar(path, sidecar, num_tokens, vocab_size, eos_id)
+        sidecar.check(path, num_tokens, vocab_size, eos_id)
     id_limit = np.iinfo(dtype).max + 1 if vocab_size is None else min(np.iinfo(dtype).max + 1, vocab_size)
     if eos_id is not None and not 0 <= eos_id < id_limit:
         raise ValueError(
@@ -263,76 +240,6 @@ def _check_path(path: str) -> None:
         raise ValueError(
             f"path={path!r} is one of the two files of the Megatron indexed dataset {prefix!r} ({prefix}.bin "
             f"+ {prefix}.idx); pass the prefix, path={prefix!r}, so that the documents come from the index."
-        )
-
-
-def _sidecar_path(path: str | os.PathLike) -> Path:
-    return Path(f"{os.fspath(path)}.json")
-
-
-def _read_sidecar(path: str) -> _Sidecar | None:
-    """The validated sidecar of ``path``, or ``None`` when there is none."""
-    sidecar = _sidecar_path(path)
-    if not sidecar.is_file():
-        return None
-    fix = "rewrite the file with lightning_cp.data.write_token_file or correct the sidecar"
-    try:
-        record = json.loads(sidecar.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(
-            f"The sidecar {str(sidecar)!r} of path={path!r} is not valid JSON ({error}); {fix}."
-        ) from error
-    fields = {field.name for field in dataclasses.fields(_Sidecar)}
-    required = {"dtype", "num_tokens"}
-    if not isinstance(record, dict) or not required <= set(record) <= fields:
-        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise ValueError(
-            f"The sidecar {str(sidecar)!r} of path={path!r} has keys {keys}; it needs {sorted(required)} and "
-            f"may also have {sorted(fields - required)}, nothing else; {fix}."
-        )
-    sidecar_record = _Sidecar(**record)
-    checks = (
-        ("dtype", sidecar_record.dtype in _DTYPES, "'uint16' or 'uint32'"),
-        ("num_tokens", _is_int(sidecar_record.num_tokens, minimum=0), "an integer >= 0"),
-        (
-            "vocab_size",
-            sidecar_record.vocab_size is None or _is_int(sidecar_record.vocab_size, 1),
-            "null or >= 1",
-        ),
-        ("eos_id", sidecar_record.eos_id is None or _is_int(sidecar_record.eos_id, 0), "null or >= 0"),
-    )
-    for key, valid, expected in checks:
-        if not valid:
-            raise ValueError(
-                f"The sidecar {str(sidecar)!r} of path={path!r} has {key}={record[key]!r}, which must be "
-                f"{expected}; {fix}."
-            )
-    return sidecar_record
-
-
-def _is_int(value: object, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def _check_against_sidecar(
-    path: str, sidecar: _Sidecar, num_tokens: int, vocab_size: int | None, eos_id: int | None
-) -> None:
-    where = f"the sidecar {str(_sidecar_path(path))!r}"
-    if num_tokens != sidecar.num_tokens:
-        raise ValueError(
-            f"path={path!r} holds {num_tokens} {sidecar.dtype} tokens, but {where} records "
-            f"num_tokens={sidecar.num_tokens}: the sidecar belongs to another version of the file; rewrite "
-            "both with lightning_cp.data.write_token_file."
-        )
-    if vocab_size is not None and sidecar.vocab_size is not None and vocab_size < sidecar.vocab_size:
-        raise ValueError(
-            f"vocab_size={vocab_size} is smaller than the vocab_size={sidecar.vocab_size} recorded in "
-            f"{where}: ids up to {sidecar.vocab_size - 1} may occur; pass the tokenizer's vocabulary size."
-        )
-    if eos_id is not None and sidecar.eos_id is not None and eos_id != sidecar.eos_id:
-        raise ValueError(
-            f"eos_id={eos_id} contradicts the eos_id={sidecar.eos_id} recorded in {where}; pass "
-            f"eos_id={sidecar.eos_id} for documents, or eos_id=None for fixed windows."
         )
 
 

@@ -23,7 +23,12 @@ from lightning_cp.constants import LABELS
 from lightning_cp.loss.lm_metrics import as_collection, default_lm_metrics, input_token_count, lm_totals
 from lightning_cp.loss.metrics import TokensPerSecond
 from lightning_cp.loss.objective import GlobalTokenObjective
-from lightning_cp.ops import TokenStats, cross_entropy, linear_cross_entropy, token_logprobs
+from lightning_cp.ops import (
+    TokenStats,
+    cross_entropy_with_stats,
+    linear_cross_entropy_with_stats,
+    token_logprobs,
+)
 from lightning_cp.parallel.layout import ParallelLayout, current_layout
 
 _STAGES = {"train": "train", "validate": "val", "sanity_check": "val", "test": "test"}
@@ -103,8 +108,8 @@ class CPLossMixin:
         """
         layout = current_layout()
         hidden, weight, labels, tp_group = _head_inputs(hidden, weight, batch, layout)
-        loss_sum, stats = linear_cross_entropy(
-            hidden, weight, labels, reduction="sum", return_stats=True, tp_group=tp_group, **loss_kwargs
+        loss_sum, stats = linear_cross_entropy_with_stats(
+            hidden, weight, labels, reduction="sum", tp_group=tp_group, **loss_kwargs
         )
         return self._cp_loss(loss_sum, stats, batch, layout)
 
@@ -117,11 +122,10 @@ class CPLossMixin:
         output of a column-parallel head); a tensor does not say so itself.
         """
         layout = current_layout()
-        loss_sum, stats = cross_entropy(
+        loss_sum, stats = cross_entropy_with_stats(
             logits.reshape(-1, logits.shape[-1]),
             batch[LABELS].reshape(-1),
             reduction="sum",
-            return_stats=True,
             tp_group=_vocab_parallel_group(layout, vocab_parallel),
             **loss_kwargs,
         )

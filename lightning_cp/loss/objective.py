@@ -1,8 +1,8 @@
 """The global-token objective: the one place where the loss is normalized, and its gradient rescale.
 
 The objective is the mean loss over every valid target token of the global batch: all DP and CP ranks
-and all gradient-accumulation micro-batches of an optimizer step (``docs/design.md``,
-"Normalization"). Each rank only has its own tokens, so the mean cannot be taken locally (a CP-local
+and all gradient-accumulation micro-batches of an optimizer step (``docs/design.md``, "How one batch
+flows", step 5). Each rank only has its own tokens, so the mean cannot be taken locally (a CP-local
 mean is wrong as soon as ranks hold different numbers of targets). Instead, with ``W = |DP x CP|`` ranks
 whose gradients DDP / FSDP average, and ``N`` the global number of valid targets::
 

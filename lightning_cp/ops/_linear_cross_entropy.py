@@ -6,8 +6,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from lightning_cp.ops import _engine as engine
+from lightning_cp.ops import _formulas as formulas
 from lightning_cp.ops._plan import Plan
-from lightning_cp.ops._stats import TokenStats
+from lightning_cp.ops.token_stats import TokenStats
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -25,7 +26,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         labels: torch.Tensor,
         stats: TokenStats,
         plan: Plan,
-        opts: engine.CEOptions,
+        opts: formulas.CEOptions,
         need_hidden: bool,
         need_weight: bool,
     ) -> torch.Tensor:
@@ -37,7 +38,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 hidden,
                 weight,
                 labels,
-                lambda a, b: engine.ce_coefs(stats.lse[a:b], row_weight[a:b], opts, plan.vocab),
+                lambda a, b: formulas.ce_coefs(stats.lse[a:b], row_weight[a:b], opts, plan.vocab),
                 need_hidden=need_hidden,
                 need_weight=need_weight,
                 stats=stats,
@@ -54,7 +55,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             fused,
             count,
         )
-        return engine.reduce_loss(engine.ce_token_loss(stats, opts, plan.vocab), count, opts.reduction)
+        return formulas.reduce_loss(formulas.ce_token_loss(stats, opts, plan.vocab), count, opts.reduction)
 
     @staticmethod
     @once_differentiable
@@ -69,7 +70,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 )
             grad_hidden, grad_weight = ctx.grads
             ctx.grads = None
-            scale = engine.output_scale(grad_loss, ctx.count, opts.reduction)
+            scale = formulas.output_scale(grad_loss, ctx.count, opts.reduction)
             for g in (grad_hidden, grad_weight):
                 if g is not None:
                     g.mul_(scale)
@@ -81,7 +82,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 hidden,
                 weight,
                 labels,
-                lambda a, b: engine.ce_coefs(lse[a:b], row_weight[a:b], opts, plan.vocab),
+                lambda a, b: formulas.ce_coefs(lse[a:b], row_weight[a:b], opts, plan.vocab),
                 need_hidden=ctx.need[0],
                 need_weight=ctx.need[1],
             )

@@ -6,8 +6,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from lightning_cp.ops import _engine as engine
+from lightning_cp.ops import _formulas as formulas
 from lightning_cp.ops._plan import Plan
-from lightning_cp.ops._stats import TokenStats
+from lightning_cp.ops.token_stats import TokenStats
 
 
 class LinearLogprobs(torch.autograd.Function):
@@ -49,7 +50,7 @@ class LinearLogprobs(torch.autograd.Function):
             hidden,
             weight,
             labels,
-            lambda a, b: engine.logprob_coefs(
+            lambda a, b: formulas.logprob_coefs(
                 lse[a:b],
                 g_lp[a:b],
                 None if g_ent is None else g_ent[a:b],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_cp.ops import _stats
+from lightning_cp.ops import _partials
 
 # Values per elementwise block (16 MiB of fp32): a few such temporaries are a small fraction of a chunk
 # (512 MiB by default), and blocks stay large enough for vectorized kernels.
@@ -58,16 +58,16 @@ class TorchChunk:
         self._inv_temp = inv_temp
 
     def partial_stats(self, *, entropy: bool, smoothing: bool) -> torch.Tensor:
-        """The ``[NUM_STATS, n]`` fp32 partials of this shard (layout in :mod:`lightning_cp.ops._stats`)."""
+        """The ``[NUM_STATS, n]`` fp32 partials of this shard (layout in :mod:`lightning_cp.ops._partials`)."""
         s, labels = self._s, self._labels
-        out = s.new_zeros((_stats.NUM_STATS, s.shape[0]))
+        out = s.new_zeros((_partials.NUM_STATS, s.shape[0]))
         row_max, argmax = s.max(dim=1)
         target = s.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
-        out[_stats.MAX] = row_max
-        out[_stats.TARGET] = torch.where(labels >= 0, target, 0.0)
-        out[_stats.ARGMAX].view(torch.int32).copy_(argmax)
+        out[_partials.MAX] = row_max
+        out[_partials.TARGET] = torch.where(labels >= 0, target, 0.0)
+        out[_partials.ARGMAX].view(torch.int32).copy_(argmax)
         if smoothing:
-            out[_stats.SUM] = s.sum(dim=1)
+            out[_partials.SUM] = s.sum(dim=1)
         shift = row_max.unsqueeze(1)
         # A -inf logit (a masked vocabulary entry) has exp 0 and must add 0 to sum_j e_j (s_j - m), not
         # 0 * -inf = nan: the entropy product uses the lowest finite float instead.
@@ -75,11 +75,11 @@ class TorchChunk:
         for v0, v1 in _blocks(*s.shape):
             block = s[:, v0:v1]
             exp = torch.sub(block, shift).exp_()
-            out[_stats.SUMEXP] += exp.sum(dim=1)
+            out[_partials.SUMEXP] += exp.sum(dim=1)
             if entropy:
                 finite = block.clamp(min=lowest).sub_(shift)
                 # A batched dot product: no [n, block] product temporary.
-                out[_stats.SHIFTED] += torch.bmm(exp.unsqueeze(1), finite.unsqueeze(2)).view(-1)
+                out[_partials.SHIFTED] += torch.bmm(exp.unsqueeze(1), finite.unsqueeze(2)).view(-1)
         return out
 
     def grad(

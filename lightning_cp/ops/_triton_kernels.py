@@ -3,7 +3,7 @@
 The logits chunk ``z`` ``[n, V_local]`` stays in its input dtype. One program per row streams the row
 in ``BLOCK``-wide tiles with the online-softmax recurrence (running max, rescaled sum of exponentials,
 first argmax, ``sum e * (s - m)`` for the entropy, ``sum s`` for label smoothing) and writes the
-``[NUM_STATS, n]`` partials of :mod:`lightning_cp.ops._stats`. After the partials are merged (over the
+``[NUM_STATS, n]`` partials of :mod:`lightning_cp.ops._partials`. After the partials are merged (over the
 tensor-parallel group if any), a second kernel rereads the row and writes ``dL/dz`` *in place* over the
 logits, so the gradient costs no memory beyond the chunk itself.
 
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_cp.ops import _stats
+from lightning_cp.ops import _partials
 
 # Widest tile a program holds in registers; wider vocabularies loop over tiles.
 _MAX_BLOCK = 4096
@@ -191,22 +191,22 @@ class TritonChunk:
         self._inv_temp = inv_temp
 
     def partial_stats(self, *, entropy: bool, smoothing: bool) -> torch.Tensor:
-        """The ``[NUM_STATS, n]`` fp32 partials of this shard (layout in :mod:`lightning_cp.ops._stats`)."""
+        """The ``[NUM_STATS, n]`` fp32 partials of this shard (layout in :mod:`lightning_cp.ops._partials`)."""
         z = self._z
         n, n_cols = z.shape
-        out = torch.zeros((_stats.NUM_STATS, n), dtype=torch.float32, device=z.device)
+        out = torch.zeros((_partials.NUM_STATS, n), dtype=torch.float32, device=z.device)
         block, warps = _launch_config(n_cols)
         with _on_device(z):
             _partial_stats_kernel[(n,)](
                 z,
                 z.stride(0),
                 self._labels,
-                out[_stats.MAX],
-                out[_stats.SUMEXP],
-                out[_stats.TARGET],
-                out[_stats.ARGMAX].view(torch.int32),
-                out[_stats.SHIFTED],
-                out[_stats.SUM],
+                out[_partials.MAX],
+                out[_partials.SUMEXP],
+                out[_partials.TARGET],
+                out[_partials.ARGMAX].view(torch.int32),
+                out[_partials.SHIFTED],
+                out[_partials.SUM],
                 n_cols,
                 self._softcap or 1.0,
                 self._inv_temp,

@@ -6,8 +6,10 @@ the CP group at all: every rank computes it on its local tokens, chunk by chunk,
 normalization (elsewhere) sums token counts. Labels arrive already shifted (next token) from the data
 pipeline; targets that do not count carry ``ignore_index``.
 
-All three functions share one engine (``_engine``) with two backends: plain PyTorch and Triton kernels
-(``impl="auto"`` takes Triton for CUDA tensors when it is installed). Semantics are those of
+Each loss comes as two functions: one returns the loss, its ``_with_stats`` twin also the per-token
+:class:`~lightning_cp.ops.TokenStats` that the metrics read (``token_logprobs`` likewise has
+``token_logprobs_with_entropy``). All share one engine (``_engine``) with two backends: plain PyTorch
+and Triton kernels (``impl="auto"`` takes Triton for CUDA tensors when it is installed). Semantics are those of
 ``torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=..., reduction=...,
 label_smoothing=...)`` on materialized logits, where ``softcap`` first maps ``logits`` to
 ``softcap * tanh(logits / softcap)`` and ``z_loss`` adds ``z_loss * logsumexp(logits) ** 2`` to the loss
@@ -24,69 +26,60 @@ returned gradient of ``hidden`` is the full one (all-reduced over ``tp_group`` i
 
 from __future__ import annotations
 
-from typing import Literal, overload
+from typing import Literal, TypedDict
 
 import torch
 import torch.distributed as dist
+from typing_extensions import Unpack
 
-from lightning_cp.ops._engine import CEOptions
+from lightning_cp.ops._formulas import CEOptions
 from lightning_cp.ops._linear_cross_entropy import LinearCrossEntropy
 from lightning_cp.ops._logits_cross_entropy import LogitsCrossEntropy
 from lightning_cp.ops._plan import Plan
-from lightning_cp.ops._stats import TokenStats
 from lightning_cp.ops._token_logprobs import LinearLogprobs
+from lightning_cp.ops.token_stats import TokenStats
 
 Reduction = Literal["mean", "sum", "none"]
 Impl = Literal["auto", "torch", "triton"]
 
 
-@overload
+class HeadOptions(TypedDict, total=False):
+    """Keyword options of every function here; all optional, defaults in brackets."""
+
+    ignore_index: int
+    """Label value of tokens that do not count [``-100``]."""
+    softcap: float | None
+    """If set, logits become ``softcap * tanh(logits / softcap)`` before everything else [``None``]."""
+    chunk_size: int | None
+    """Tokens per chunk [``None``: one fp32 ``[chunk, V_local]`` block of ~256 MiB on CPU, ~512 MiB on GPUs].
+    Larger chunks feed the matmuls better, smaller ones lower the peak memory."""
+    tp_group: dist.ProcessGroup | None
+    """Tensor-parallel group over which the vocabulary is sharded (see the module docstring) [``None``]."""
+    impl: Impl
+    """``"auto"`` (Triton for CUDA tensors when installed, else torch), ``"torch"`` or ``"triton"`` [``"auto"``]."""
+
+
+class LossOptions(HeadOptions, total=False):
+    """Keyword options of the cross-entropy functions: :class:`HeadOptions` and these."""
+
+    reduction: Reduction
+    """``"mean"`` (over valid tokens), ``"sum"`` or ``"none"`` (``[N]``, 0 at ignored tokens) [``"mean"``]."""
+    label_smoothing: float
+    """In ``[0, 1]``, as in ``torch.nn.functional.cross_entropy`` [``0.0``]."""
+    z_loss: float
+    """Coefficient of ``logsumexp(logits) ** 2`` added per valid token [``0.0``]."""
+
+
+class LogprobOptions(HeadOptions, total=False):
+    """Keyword options of the log-probability functions: :class:`HeadOptions` and this."""
+
+    temperature: float
+    """The softmax is that of ``softcap(logits) / temperature`` [``1.0``]."""
+
+
 def linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    ignore_index: int = ...,
-    reduction: Reduction = ...,
-    label_smoothing: float = ...,
-    z_loss: float = ...,
-    softcap: float | None = ...,
-    chunk_size: int | None = ...,
-    tp_group: dist.ProcessGroup | None = ...,
-    impl: Impl = ...,
-    return_stats: Literal[False] = ...,
-) -> torch.Tensor: ...
-@overload
-def linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    ignore_index: int = ...,
-    reduction: Reduction = ...,
-    label_smoothing: float = ...,
-    z_loss: float = ...,
-    softcap: float | None = ...,
-    chunk_size: int | None = ...,
-    tp_group: dist.ProcessGroup | None = ...,
-    impl: Impl = ...,
-    return_stats: Literal[True],
-) -> tuple[torch.Tensor, TokenStats]: ...
-def linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    ignore_index: int = -100,
-    reduction: Reduction = "mean",
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    softcap: float | None = None,
-    chunk_size: int | None = None,
-    tp_group: dist.ProcessGroup | None = None,
-    impl: Impl = "auto",
-    return_stats: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, TokenStats]:
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **options: Unpack[LossOptions]
+) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``labels``, fused with the LM head, chunked over tokens.
 
     Args:
@@ -95,96 +88,40 @@ def linear_cross_entropy(
         weight: ``[V, H]`` output embedding, same dtype and device as ``hidden``; under ``tp_group``
             this rank's ``[V / tp, H]`` vocabulary shard.
         labels: ``[N]`` integer global vocabulary ids in ``[0, V)``, or ``ignore_index``.
-        ignore_index: label value of tokens that do not count.
-        reduction: ``"mean"`` (over valid tokens), ``"sum"`` or ``"none"`` (``[N]``, 0 at ignored tokens).
-        label_smoothing: in ``[0, 1]``, as in ``torch.nn.functional.cross_entropy``.
-        z_loss: coefficient of ``logsumexp(logits) ** 2`` added per valid token.
-        softcap: if set, logits become ``softcap * tanh(logits / softcap)`` before everything else.
-        chunk_size: tokens per chunk; default makes one fp32 ``[chunk, V_local]`` block ~256 MiB on CPU
-            and ~512 MiB on GPUs. Larger chunks feed the matmuls better, smaller ones lower the peak memory.
-        tp_group: tensor-parallel group over which the vocabulary is sharded (see module docstring).
-        impl: ``"auto"``, ``"torch"`` or ``"triton"``.
-        return_stats: also return the :class:`TokenStats`.
+        **options: :class:`LossOptions` (``ignore_index``, ``reduction``, ``label_smoothing``, ``z_loss``,
+            ``softcap``, ``chunk_size``, ``tp_group``, ``impl``).
 
     Returns:
-        The fp32 loss (a scalar, or ``[N]`` for ``reduction="none"``), and the :class:`TokenStats` when
-        ``return_stats``.
+        The fp32 loss: a scalar, or ``[N]`` for ``reduction="none"``.
 
     Memory and work: the extra peak is ``O(chunk x V_local)`` plus the gradient buffers. For a scalar
     loss with gradients needed, the gradients of ``hidden`` and ``weight`` are computed during this call
     (3 matmuls per chunk) and only scaled by the backward; with ``reduction="none"`` the backward
     recomputes the chunk logits. A bf16 / fp16 ``weight`` gets its gradient from a second pass over
     vocabulary blocks (2 more matmuls per chunk, at most 2 x 256 MiB of fp32 accumulators) instead of
-    an fp32 ``[V, H]`` buffer.
+    an fp32 ``[V, H]`` buffer. Communication: none without ``tp_group`` (see the module docstring).
 
     Raises:
-        ValueError / TypeError: on shape, dtype or option errors, and on CPU for labels outside
-            ``[0, V)`` other than ``ignore_index``. On CUDA that check is a device-side assert (no host sync).
+        ValueError / TypeError: on shape, dtype or option errors (an unknown keyword too), and on CPU for
+            labels outside ``[0, V)`` other than ``ignore_index``. On CUDA that check is a device-side
+            assert (no host sync).
     """
-    _check_head(hidden, weight)
-    opts = CEOptions.build(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss)
-    plan = Plan.build(
-        n_tokens=hidden.shape[0],
-        local_vocab=weight.shape[0],
-        device=hidden.device,
-        impl=impl,
-        chunk_size=chunk_size,
-        softcap=softcap,
-        tp_group=tp_group,
-    )
-    local_labels, stats = _prepare_targets(
-        labels, ignore_index, plan, hidden, entropy=return_stats, smoothing=opts.label_smoothing > 0
-    )
-    loss = LinearCrossEntropy.apply(
-        hidden, weight, local_labels, stats, plan, opts, _needs_grad(hidden), _needs_grad(weight)
-    )
-    return (loss, stats) if return_stats else loss
+    loss, _ = _cross_entropy(hidden, weight, labels, entropy=False, **options)
+    return loss
 
 
-@overload
-def cross_entropy(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    ignore_index: int = ...,
-    reduction: Reduction = ...,
-    label_smoothing: float = ...,
-    z_loss: float = ...,
-    softcap: float | None = ...,
-    chunk_size: int | None = ...,
-    tp_group: dist.ProcessGroup | None = ...,
-    impl: Impl = ...,
-    return_stats: Literal[False] = ...,
-) -> torch.Tensor: ...
-@overload
-def cross_entropy(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    ignore_index: int = ...,
-    reduction: Reduction = ...,
-    label_smoothing: float = ...,
-    z_loss: float = ...,
-    softcap: float | None = ...,
-    chunk_size: int | None = ...,
-    tp_group: dist.ProcessGroup | None = ...,
-    impl: Impl = ...,
-    return_stats: Literal[True],
-) -> tuple[torch.Tensor, TokenStats]: ...
-def cross_entropy(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    ignore_index: int = -100,
-    reduction: Reduction = "mean",
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    softcap: float | None = None,
-    chunk_size: int | None = None,
-    tp_group: dist.ProcessGroup | None = None,
-    impl: Impl = "auto",
-    return_stats: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, TokenStats]:
+def linear_cross_entropy_with_stats(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **options: Unpack[LossOptions]
+) -> tuple[torch.Tensor, TokenStats]:
+    """:func:`linear_cross_entropy` and the :class:`TokenStats` of the ``N`` tokens, entropy included.
+
+    The statistics come from the same pass over the vocabulary (the entropy adds one reduction per
+    chunk), detached; arguments, loss, errors and communication are those of :func:`linear_cross_entropy`.
+    """
+    return _cross_entropy(hidden, weight, labels, entropy=True, **options)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, **options: Unpack[LossOptions]) -> torch.Tensor:
     """Cross-entropy of already materialized ``logits`` ``[N, V]``, upcast to fp32 one chunk at a time.
 
     Same options and results as :func:`linear_cross_entropy`; under ``tp_group`` the logits are this
@@ -193,77 +130,102 @@ def cross_entropy(
     per-token ``logsumexp`` and the backward writes into one ``[N, V_local]`` gradient buffer of the
     logits' dtype, chunk by chunk.
     """
-    _check_float_matrix("logits", logits)
+    loss, _ = _cross_entropy(logits, None, labels, entropy=False, **options)
+    return loss
+
+
+def cross_entropy_with_stats(
+    logits: torch.Tensor, labels: torch.Tensor, **options: Unpack[LossOptions]
+) -> tuple[torch.Tensor, TokenStats]:
+    """:func:`cross_entropy` and the :class:`TokenStats` of the ``N`` tokens, entropy included (as
+    :func:`linear_cross_entropy_with_stats`)."""
+    return _cross_entropy(logits, None, labels, entropy=True, **options)
+
+
+def token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **options: Unpack[LogprobOptions]
+) -> torch.Tensor:
+    """Per-token ``log p(label)`` under ``softmax(softcap(hidden @ weight.T) / temperature)``, for RL losses.
+
+    ``hidden``, ``weight`` and ``labels`` are as in :func:`linear_cross_entropy`; ``**options`` are
+    :class:`LogprobOptions` (``temperature``, ``ignore_index``, ``softcap``, ``chunk_size``, ``tp_group``,
+    ``impl``).
+
+    Returns:
+        ``logprobs`` ``[N]`` fp32, 0 at ignored tokens, differentiable w.r.t. ``hidden`` and ``weight``.
+        The backward takes any per-token upstream gradients and recomputes the chunk logits (3 matmuls
+        per chunk; 2 more for a bf16 / fp16 ``weight``, see :func:`linear_cross_entropy`).
+    """
+    logprobs, _ = _token_logprobs(hidden, weight, labels, entropy=False, **options)
+    return logprobs
+
+
+def token_logprobs_with_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **options: Unpack[LogprobOptions]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs` and the softmax entropy ``[N]`` fp32 (nats, 0 at ignored tokens), both
+    differentiable (e.g. for an entropy bonus); from the same pass over the vocabulary."""
+    logprobs, entropy = _token_logprobs(hidden, weight, labels, entropy=True, **options)
+    assert entropy is not None, "entropy=True fills it"
+    return logprobs, entropy
+
+
+def _cross_entropy(
+    inputs: torch.Tensor,
+    weight: torch.Tensor | None,
+    labels: torch.Tensor,
+    *,
+    entropy: bool,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    impl: Impl = "auto",
+) -> tuple[torch.Tensor, TokenStats]:
+    """The loss and statistics of ``hidden`` ``[N, H]`` through ``weight``, or of ``logits`` ``[N, V_local]``
+    when ``weight`` is ``None``; the keywords (defaults included) of :class:`LossOptions`."""
+    if weight is None:
+        _check_float_matrix("logits", inputs)
+    else:
+        _check_head(inputs, weight)
     opts = CEOptions.build(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss)
     plan = Plan.build(
-        n_tokens=logits.shape[0],
-        local_vocab=logits.shape[1],
-        device=logits.device,
+        n_tokens=inputs.shape[0],
+        local_vocab=inputs.shape[1] if weight is None else weight.shape[0],
+        device=inputs.device,
         impl=impl,
         chunk_size=chunk_size,
         softcap=softcap,
         tp_group=tp_group,
     )
     local_labels, stats = _prepare_targets(
-        labels, ignore_index, plan, logits, entropy=return_stats, smoothing=opts.label_smoothing > 0
+        labels, ignore_index, plan, inputs, entropy=entropy, smoothing=opts.label_smoothing > 0
     )
-    loss = LogitsCrossEntropy.apply(logits, local_labels, stats, plan, opts)
-    return (loss, stats) if return_stats else loss
+    if weight is None:
+        return LogitsCrossEntropy.apply(inputs, local_labels, stats, plan, opts), stats
+    loss = LinearCrossEntropy.apply(
+        inputs, weight, local_labels, stats, plan, opts, _needs_grad(inputs), _needs_grad(weight)
+    )
+    return loss, stats
 
 
-@overload
-def token_logprobs(
+def _token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
     *,
-    temperature: float = ...,
-    return_entropy: Literal[False] = ...,
-    ignore_index: int = ...,
-    softcap: float | None = ...,
-    chunk_size: int | None = ...,
-    tp_group: dist.ProcessGroup | None = ...,
-    impl: Impl = ...,
-) -> torch.Tensor: ...
-@overload
-def token_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    temperature: float = ...,
-    return_entropy: Literal[True],
-    ignore_index: int = ...,
-    softcap: float | None = ...,
-    chunk_size: int | None = ...,
-    tp_group: dist.ProcessGroup | None = ...,
-    impl: Impl = ...,
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-def token_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
+    entropy: bool,
     temperature: float = 1.0,
-    return_entropy: bool = False,
     ignore_index: int = -100,
     softcap: float | None = None,
     chunk_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
     impl: Impl = "auto",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Per-token ``log p(label)`` under ``softmax(softcap(hidden @ weight.T) / temperature)``, for RL losses.
-
-    ``hidden``, ``weight``, ``labels``, ``ignore_index``, ``softcap``, ``chunk_size``, ``tp_group`` and
-    ``impl`` are as in :func:`linear_cross_entropy`.
-
-    Returns:
-        ``logprobs`` ``[N]`` fp32, 0 at ignored tokens, differentiable w.r.t. ``hidden`` and ``weight``;
-        with ``return_entropy``, also the softmax entropy ``[N]`` fp32 (0 at ignored tokens),
-        differentiable too (e.g. for an entropy bonus). The backward takes any per-token upstream
-        gradients and recomputes the chunk logits (3 matmuls per chunk; 2 more for a bf16 / fp16
-        ``weight``, see :func:`linear_cross_entropy`).
-    """
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities and (with ``entropy``) the entropy; the keywords of :class:`LogprobOptions`."""
     _check_head(hidden, weight)
     plan = Plan.build(
         n_tokens=hidden.shape[0],
@@ -276,12 +238,11 @@ def token_logprobs(
         temperature=temperature,
     )
     local_labels, stats = _prepare_targets(
-        labels, ignore_index, plan, hidden, entropy=return_entropy, smoothing=False
+        labels, ignore_index, plan, hidden, entropy=entropy, smoothing=False
     )
-    logprobs, entropy = LinearLogprobs.apply(
+    return LinearLogprobs.apply(
         hidden, weight, local_labels, stats, plan, _needs_grad(hidden), _needs_grad(weight)
     )
-    return (logprobs, entropy) if return_entropy else logprobs
 
 
 def _needs_grad(t: torch.Tensor) -> bool:

@@ -4,12 +4,14 @@
 - :class:`CPSplit`, :func:`shard_batch`, :func:`unshard`, :class:`CPShard`: the load-balanced split of
   sequences over CP ranks, and what attention needs of it (computed once per batch).
 - :func:`context_parallel_attention`: causal attention over whole sequences from each rank's shard.
-- :mod:`~lightning_cp.parallel.groups`: creating and destroying Megatron-core's groups.
+
+The modules the strategy drives are imported from themselves: :mod:`~lightning_cp.parallel.groups`
+(creating and destroying Megatron-core's groups), ``layout.set_current_layout`` and
+:mod:`~lightning_cp.parallel.batch_context` (what the running strategy makes current).
 """
 
-from lightning_cp.parallel import groups
 from lightning_cp.parallel.attention import context_parallel_attention
-from lightning_cp.parallel.layout import ParallelLayout, current_layout, set_current_layout
+from lightning_cp.parallel.layout import ParallelLayout, current_layout
 from lightning_cp.parallel.sharding import CPShard, CPSplit, shard_batch, unshard
 
 __all__ = [
@@ -18,8 +20,6 @@ __all__ = [
     "ParallelLayout",
     "context_parallel_attention",
     "current_layout",
-    "groups",
-    "set_current_layout",
     "shard_batch",
     "unshard",
 ]

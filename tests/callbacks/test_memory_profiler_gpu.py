@@ -7,10 +7,12 @@ import warnings
 
 import pytest
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_cp.callbacks import MemoryProfilerCallback, _memory_report
+from lightning_cp.callbacks import MemoryProfilerCallback
+from lightning_cp.callbacks.memory import tensors, timeline
+from tests._trainer import quiet_trainer
 
 pytestmark = pytest.mark.gpu
 
@@ -54,33 +56,21 @@ class _PeakProbe(Callback):
             self.peak = torch.cuda.max_memory_allocated()
 
 
-def _trainer(tmp_path, callbacks, max_steps=4) -> Trainer:
-    return Trainer(
-        default_root_dir=tmp_path,
-        max_steps=max_steps,
-        accelerator="cuda",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
-
-
 def test_real_snapshot_peak_matches_max_memory_allocated(tmp_path):
     probe = _PeakProbe(step=2)
     profiler = MemoryProfilerCallback(steps=[2], dirpath=tmp_path, log_peak=False)
-    _trainer(tmp_path, [profiler, probe]).fit(_MLP())
+    quiet_trainer(
+        accelerator="cuda", default_root_dir=tmp_path, max_steps=4, callbacks=[profiler, probe]
+    ).fit(_MLP())
 
     stem = tmp_path / "step_000002.rank00"
     for ext in ("png", "md", "html"):
         assert stem.with_name(f"{stem.name}.{ext}").stat().st_size > 0
     with open(stem.with_name(f"{stem.name}.pickle"), "rb") as f:
         snapshot = pickle.load(f)
-    device = _memory_report.busiest_device(snapshot)
+    device = timeline.busiest_device(snapshot)
     assert device == torch.cuda.current_device()
-    peak = _memory_report.analyze(snapshot, device).peak_bytes
+    peak = timeline.analyze(snapshot, device).peak_bytes
     assert probe.peak is not None and probe.peak > 16 * 2**20
     assert peak == pytest.approx(probe.peak, rel=0.03)
 
@@ -89,7 +79,9 @@ def test_real_oom_is_dumped_by_the_observer_before_it_propagates(tmp_path):
     profiler = MemoryProfilerCallback(steps=None, dirpath=tmp_path, log_peak=False)
     with pytest.raises(torch.OutOfMemoryError), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _trainer(tmp_path, [profiler]).fit(_MLP(oom_at=1))
+        quiet_trainer(accelerator="cuda", default_root_dir=tmp_path, max_steps=4, callbacks=[profiler]).fit(
+            _MLP(oom_at=1)
+        )
 
     with open(tmp_path / "oom_step_000001.rank00.pickle", "rb") as f:
         snapshot = pickle.load(f)
@@ -108,7 +100,7 @@ def _peak_by_category(markdown: str) -> dict[str, int]:
 def test_real_snapshot_breaks_the_peak_down_by_what_the_blocks_hold(tmp_path):
     model = _MLP()
     profiler = MemoryProfilerCallback(steps=[2], dirpath=tmp_path, log_peak=False)
-    _trainer(tmp_path, [profiler]).fit(model)
+    quiet_trainer(accelerator="cuda", default_root_dir=tmp_path, max_steps=4, callbacks=[profiler]).fit(model)
 
     text = (tmp_path / "step_000002.rank00.md").read_text()
     peak = _peak_by_category(text)
@@ -116,11 +108,11 @@ def test_real_snapshot_breaks_the_peak_down_by_what_the_blocks_hold(tmp_path):
     # A block may exceed its request by less than 1 MiB (the allocator does not split off smaller
     # remainders); there are 4 parameters, 4 gradients, and AdamW's exp_avg and exp_avg_sq of each.
     slack = 2**20
-    assert params <= peak[_memory_report.PARAMETERS] < params + 4 * slack
-    assert 2 * params <= peak[_memory_report.OPTIMIZER_STATE] < 2 * params + 8 * slack
+    assert params <= peak[tensors.PARAMETERS] < params + 4 * slack
+    assert 2 * params <= peak[tensors.OPTIMIZER_STATE] < 2 * params + 8 * slack
     # zero_grad frees the previous step's gradients before backward makes new ones: one set at any time.
-    assert params <= peak[_memory_report.GRADIENTS] < params + 4 * slack
+    assert params <= peak[tensors.GRADIENTS] < params + 4 * slack
     assert peak["total"] == sum(n for category, n in peak.items() if category != "total")
     for name in ("net.0.weight", "net.2.weight"):
-        assert f"| {_memory_report.PARAMETERS} | {name}" in text
+        assert f"| {tensors.PARAMETERS} | {name}" in text
         assert f"exp_avg of {name}" in text

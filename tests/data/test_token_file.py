@@ -233,31 +233,6 @@ def test_a_sidecar_of_another_version_of_the_file_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("content", "match"),
-    [
-        ("{not json", "is not valid JSON"),
-        (json.dumps({"dtype": "uint16"}), r"has keys \['dtype'\]; it needs \['dtype', 'num_tokens'\]"),
-        (json.dumps({"dtype": "uint16", "num_tokens": 50, "vocab": 5}), "'vocab'.*nothing else"),
-        (json.dumps([1, 2]), "has keys list"),
-        (
-            json.dumps({"dtype": "int32", "num_tokens": 50}),
-            "dtype='int32', which must be 'uint16' or 'uint32'",
-        ),
-        (json.dumps({"dtype": "uint16", "num_tokens": "50"}), "num_tokens='50', which must be an integer"),
-        (
-            json.dumps({"dtype": "uint16", "num_tokens": 50, "eos_id": -1}),
-            "eos_id=-1, which must be null or >= 0",
-        ),
-    ],
-)
-def test_malformed_sidecars_are_named(tmp_path, content, match):
-    path = _write(tmp_path / "tok.bin", np.arange(50), "uint16")
-    (tmp_path / "tok.bin.json").write_text(content)
-    with pytest.raises(ValueError, match=r"The sidecar '.*tok.bin.json' of path=.*" + match):
-        TokenFileDataset(path, seq_len=10)
-
-
-@pytest.mark.parametrize(
     ("tokens", "kwargs", "match"),
     [
         ([1, 2, 300], {"vocab_size": 300}, r"holds id 300 \(at position 2\), outside \[0, vocab_size=300\)"),

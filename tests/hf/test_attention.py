@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from lightning_cp.hf import check_attention_is_context_parallel
 from lightning_cp.hf.attention import hf_context_parallel_attention, mask_for_hf
 from lightning_cp.models import GPTConfig, GPTModule, HFCausalLM
-from lightning_cp.parallel import current_layout, groups, set_current_layout, shard_batch
+from lightning_cp.parallel import current_layout, groups, shard_batch
 from lightning_cp.parallel.batch_context import current_batch, set_current_batch
+from lightning_cp.parallel.layout import set_current_layout
 from tests.hf._models import CONFIGS, VOCAB, build
 
 DOC_LENGTHS = [7, 13, 5, 11]  # odd and unequal: every CP split pads, pieces straddle ranks

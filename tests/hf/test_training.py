@@ -6,13 +6,13 @@ attention, in a plain single-process loop with the same AdamW on the same global
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, seed_everything
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_cp import MegatronCPStrategy
 from lightning_cp.data import LongRangeCopyDataset, collate_padded
 from lightning_cp.models import HFCausalLM
 from lightning_cp.parallel import shard_batch
+from tests._trainer import cp_trainer as _trainer
 from tests.hf._models import CONFIGS, VOCAB, build
 
 GLOBAL_BATCH = 4
@@ -33,19 +33,6 @@ class _Losses(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(trainer.callback_metrics["train/loss_step"].item())
-
-
-def _trainer(cp, **kwargs):
-    return Trainer(
-        accelerator="cpu",
-        devices=dist.get_world_size(),
-        strategy=MegatronCPStrategy(cp=cp),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
 
 
 def _fit(cps):

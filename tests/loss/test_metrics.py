@@ -20,7 +20,8 @@ from lightning_cp.loss.metrics import (
     TokensPerSecond,
     sequence_totals,
 )
-from lightning_cp.parallel import groups, set_current_layout
+from lightning_cp.parallel import groups
+from lightning_cp.parallel.layout import set_current_layout
 
 IGNORE = -100
 _SEQ_STATS = ("mean", "min", "max", "count")

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 
 from lightning_cp import CPLossMixin
-from lightning_cp.parallel import groups, set_current_layout, shard_batch
+from lightning_cp.parallel import groups, shard_batch
+from lightning_cp.parallel.layout import set_current_layout
 
 VOCAB, HIDDEN, ROWS, SEQ = 24, 8, 4, 14
 

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from lightning_cp.ops import cross_entropy, linear_cross_entropy, token_logprobs
+from lightning_cp.ops import (
+    cross_entropy_with_stats,
+    linear_cross_entropy_with_stats,
+    token_logprobs_with_entropy,
+)
 from tests.ops import _reference as ref
 from tests.ops._reference import assert_close, make_case, upcast_leaves
 
@@ -31,9 +35,7 @@ def check_saturated_softcap(path: str, softcap: float, impl: str, device: torch.
     common = {"softcap": softcap, "chunk_size": 8, "impl": impl}
     if path == "logprobs":
         leaves, ref_leaves = [hidden, weight], [ref_hidden, ref_weight]
-        logprobs, entropy = token_logprobs(
-            hidden, weight, labels, temperature=0.7, return_entropy=True, **common
-        )
+        logprobs, entropy = token_logprobs_with_entropy(hidden, weight, labels, temperature=0.7, **common)
         (logprobs.sum() + 0.5 * entropy.sum()).backward()
         expected = ref.logprobs_and_entropy(ref.head_logits(ref_hidden, ref_weight, softcap, 0.7), labels)
         (expected[0].sum() + 0.5 * expected[1].sum()).backward()
@@ -41,12 +43,12 @@ def check_saturated_softcap(path: str, softcap: float, impl: str, device: torch.
     else:
         if path == "linear":
             leaves, ref_leaves = [hidden, weight], [ref_hidden, ref_weight]
-            loss, stats = linear_cross_entropy(hidden, weight, labels, return_stats=True, **common)
+            loss, stats = linear_cross_entropy_with_stats(hidden, weight, labels, **common)
             z = ref.head_logits(ref_hidden, ref_weight, softcap)
         else:
             logits = (hidden @ weight.t()).detach().requires_grad_()
             leaves, ref_leaves = [logits], upcast_leaves(logits)
-            loss, stats = cross_entropy(logits, labels, return_stats=True, **common)
+            loss, stats = cross_entropy_with_stats(logits, labels, **common)
             z = ref.transform(ref_leaves[0], softcap)
         loss.backward()
         expected = ref.cross_entropy(z, labels)

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from lightning_cp.ops import cross_entropy, linear_cross_entropy, token_logprobs
+from lightning_cp.ops import (
+    cross_entropy,
+    linear_cross_entropy_with_stats,
+    token_logprobs_with_entropy,
+)
 from lightning_cp.parallel import groups
 from tests._dist import WorkerPool
 from tests.ops import _reference as ref
@@ -36,8 +40,8 @@ def run_sharded(
     shard = weight.detach()[rank * SHARD : (rank + 1) * SHARD].clone().requires_grad_()
     common = {"tp_group": group, "chunk_size": 8, "impl": impl}
     if path == "linear":
-        loss, stats = linear_cross_entropy(
-            hidden, shard, labels, reduction=reduction, return_stats=True, **common, **options
+        loss, stats = linear_cross_entropy_with_stats(
+            hidden, shard, labels, reduction=reduction, **common, **options
         )
         (loss * upstream(loss.shape, 1)).sum().backward()
         return {
@@ -53,7 +57,7 @@ def run_sharded(
         loss = cross_entropy(logits, labels, reduction=reduction, **common, **options)
         (loss * upstream(loss.shape, 1)).sum().backward()
         return {"loss": loss.detach(), "grad_logits_shard": logits.grad}
-    logprobs, entropy = token_logprobs(hidden, shard, labels, return_entropy=True, **common, **options)
+    logprobs, entropy = token_logprobs_with_entropy(hidden, shard, labels, **common, **options)
     ((logprobs * upstream((N,), 1)).sum() + (entropy * upstream((N,), 2)).sum()).backward()
     return {
         "logprobs": logprobs.detach(),

@@ -29,8 +29,11 @@ from lightning_cp.ops import (
     _engine,
     _triton_kernels,
     cross_entropy,
+    cross_entropy_with_stats,
     linear_cross_entropy,
+    linear_cross_entropy_with_stats,
     token_logprobs,
+    token_logprobs_with_entropy,
 )
 from tests.ops import _reference as ref
 from tests.ops import _softcap_cases
@@ -78,8 +81,8 @@ def test_linear_cross_entropy_matches_reference(reduction, options, dtype, block
     monkeypatch.setattr(_engine, "_WEIGHT_BLOCK_BYTES", WEIGHT_BLOCK_ROWS * H * 4)
     hidden, weight, labels = _case(dtype)
     labels[1::2] = ref.head_logits(hidden.detach(), weight.detach(), options.get("softcap")).argmax(-1)[1::2]
-    loss, stats = linear_cross_entropy(
-        hidden, weight, labels, reduction=reduction, chunk_size=8, impl="triton", return_stats=True, **options
+    loss, stats = linear_cross_entropy_with_stats(
+        hidden, weight, labels, reduction=reduction, chunk_size=8, impl="triton", **options
     )
     up = _upstream(loss)
     (loss * up).sum().backward()
@@ -132,35 +135,29 @@ def test_cross_entropy_from_logits_matches_reference(reduction, options, dtype, 
 
 
 @pytest.mark.parametrize(
-    "temperature, softcap, return_entropy, dtype",
+    "temperature, softcap, with_entropy, dtype",
     [(0.7, 2.0, True, torch.float32), (1.0, None, False, torch.float32), (0.7, 2.0, True, torch.bfloat16)],
 )
-def test_token_logprobs_matches_reference(temperature, softcap, return_entropy, dtype, monkeypatch):
+def test_token_logprobs_matches_reference(temperature, softcap, with_entropy, dtype, monkeypatch):
     monkeypatch.setattr(_triton_kernels, "_MAX_BLOCK", SMALL_BLOCK)
     monkeypatch.setattr(_engine, "_WEIGHT_BLOCK_BYTES", WEIGHT_BLOCK_ROWS * H * 4)
     hidden, weight, labels = _case(dtype)
-    out = token_logprobs(
-        hidden,
-        weight,
-        labels,
-        temperature=temperature,
-        softcap=softcap,
-        return_entropy=return_entropy,
-        chunk_size=8,
-        impl="triton",
+    function = token_logprobs_with_entropy if with_entropy else token_logprobs
+    out = function(
+        hidden, weight, labels, temperature=temperature, softcap=softcap, chunk_size=8, impl="triton"
     )
-    logprobs, entropy = out if return_entropy else (out, None)
+    logprobs, entropy = out if with_entropy else (out, None)
     up = _upstream(logprobs)
-    ((logprobs * up).sum() + (entropy.sum() if return_entropy else 0.0)).backward()
+    ((logprobs * up).sum() + (entropy.sum() if with_entropy else 0.0)).backward()
 
     ref_hidden, ref_weight = upcast_leaves(hidden, weight)
     exp_lp, exp_ent = ref.logprobs_and_entropy(
         ref.head_logits(ref_hidden, ref_weight, softcap, temperature), labels
     )
-    ((exp_lp * up).sum() + (exp_ent.sum() if return_entropy else 0.0)).backward()
+    ((exp_lp * up).sum() + (exp_ent.sum() if with_entropy else 0.0)).backward()
 
     assert_close(logprobs, exp_lp, dtype)
-    if return_entropy:
+    if with_entropy:
         assert_close(entropy, exp_ent, dtype)
     assert_close(hidden.grad, ref_hidden.grad, dtype)
     assert_close(weight.grad, ref_weight.grad, dtype)
@@ -178,7 +175,7 @@ def test_correct_breaks_ties_to_the_first_maximum_across_tiles(monkeypatch):
     logits = torch.zeros(4, 40, device=DEVICE)
     logits[:, 5] = logits[:, 30] = 2.0  # equal maxima in the first and the second tile
     labels = torch.tensor([5, 30, IGNORE, 7], device=DEVICE)
-    _, stats = cross_entropy(logits, labels, impl="triton", return_stats=True)
+    _, stats = cross_entropy_with_stats(logits, labels, impl="triton")
     assert stats.correct.tolist() == [True, False, False, False]
 
 

@@ -16,8 +16,11 @@ from lightning_cp.ops import (
     _engine,
     _torch_kernels,
     cross_entropy,
+    cross_entropy_with_stats,
     linear_cross_entropy,
+    linear_cross_entropy_with_stats,
     token_logprobs,
+    token_logprobs_with_entropy,
 )
 from lightning_cp.ops._plan import auto_chunk_size
 from tests.ops import _reference as ref
@@ -94,35 +97,29 @@ def test_cross_entropy_from_logits_matches_reference(option, reduction, chunk_si
 
 
 @pytest.mark.parametrize("chunk_size", [None, 8])
-@pytest.mark.parametrize("return_entropy", [False, True])
+@pytest.mark.parametrize("with_entropy", [False, True])
 @pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_token_logprobs_matches_reference(temperature, softcap, return_entropy, chunk_size):
+def test_token_logprobs_matches_reference(temperature, softcap, with_entropy, chunk_size):
     hidden, weight, labels = make_case(N, H, V)
-    out = token_logprobs(
-        hidden,
-        weight,
-        labels,
-        temperature=temperature,
-        return_entropy=return_entropy,
-        softcap=softcap,
-        chunk_size=chunk_size,
-        impl="torch",
+    function = token_logprobs_with_entropy if with_entropy else token_logprobs
+    out = function(
+        hidden, weight, labels, temperature=temperature, softcap=softcap, chunk_size=chunk_size, impl="torch"
     )
-    logprobs, entropy = out if return_entropy else (out, None)
+    logprobs, entropy = out if with_entropy else (out, None)
     up_lp, up_ent = _upstream(logprobs, seed=1), _upstream(logprobs, seed=2)
-    objective = (logprobs * up_lp).sum() + ((entropy * up_ent).sum() if return_entropy else 0.0)
+    objective = (logprobs * up_lp).sum() + ((entropy * up_ent).sum() if with_entropy else 0.0)
     objective.backward()
 
     ref_hidden, ref_weight = upcast_leaves(hidden, weight)
     exp_lp, exp_ent = ref.logprobs_and_entropy(
         ref.head_logits(ref_hidden, ref_weight, softcap, temperature), labels
     )
-    ((exp_lp * up_lp).sum() + ((exp_ent * up_ent).sum() if return_entropy else 0.0)).backward()
+    ((exp_lp * up_lp).sum() + ((exp_ent * up_ent).sum() if with_entropy else 0.0)).backward()
 
     assert logprobs.dtype == torch.float32
     assert_close(logprobs, exp_lp)
-    if return_entropy:
+    if with_entropy:
         assert_close(entropy, exp_ent)
     assert_close(hidden.grad, ref_hidden.grad)
     assert_close(weight.grad, ref_weight.grad)
@@ -143,14 +140,12 @@ def test_token_stats_match_reference(path, option):
     z = ref.head_logits(hidden.detach(), weight.detach(), softcap)
     labels = _labels_half_argmax(z, labels)
     if path == "linear":
-        _, stats = linear_cross_entropy(
-            hidden, weight, labels, chunk_size=8, impl="torch", return_stats=True, **OPTIONS[option]
+        _, stats = linear_cross_entropy_with_stats(
+            hidden, weight, labels, chunk_size=8, impl="torch", **OPTIONS[option]
         )
     else:
         logits = (hidden @ weight.t()).detach()
-        _, stats = cross_entropy(
-            logits, labels, chunk_size=8, impl="torch", return_stats=True, **OPTIONS[option]
-        )
+        _, stats = cross_entropy_with_stats(logits, labels, chunk_size=8, impl="torch", **OPTIONS[option])
 
     assert isinstance(stats, TokenStats)
     expected = ref.token_stats(z, labels)
@@ -175,15 +170,13 @@ def test_several_vocabulary_blocks_per_chunk(monkeypatch, path, option):
     labels = _labels_half_argmax(ref.head_logits(hidden.detach(), weight.detach(), softcap), labels)
     if path == "linear":
         inputs = (hidden, weight)
-        loss, stats = linear_cross_entropy(
-            hidden, weight, labels, chunk_size=8, impl="torch", return_stats=True, **OPTIONS[option]
+        loss, stats = linear_cross_entropy_with_stats(
+            hidden, weight, labels, chunk_size=8, impl="torch", **OPTIONS[option]
         )
     else:
         logits = (hidden @ weight.t()).detach().requires_grad_()
         inputs = (logits,)
-        loss, stats = cross_entropy(
-            logits, labels, chunk_size=8, impl="torch", return_stats=True, **OPTIONS[option]
-        )
+        loss, stats = cross_entropy_with_stats(logits, labels, chunk_size=8, impl="torch", **OPTIONS[option])
     loss.backward()
 
     ref_inputs = upcast_leaves(*inputs)
@@ -204,7 +197,7 @@ def test_correct_breaks_ties_to_the_first_maximum(labels, correct):
     logits = torch.zeros(4, 40)
     logits[:, 5] = logits[:, 30] = 2.0
     labels = torch.tensor(labels)
-    _, stats = cross_entropy(logits, labels, impl="torch", return_stats=True)
+    _, stats = cross_entropy_with_stats(logits, labels, impl="torch")
     assert stats.correct.tolist() == correct
     assert torch.equal(stats.correct, (logits.argmax(-1) == labels) & (labels != IGNORE))
 
@@ -215,7 +208,7 @@ def test_masked_minus_inf_logits_give_finite_entropy():
     logits[:, V - 7 :] = float("-inf")  # e.g. padded vocabulary entries masked out
     _, _, labels = make_case(N, H, V - 7)
     logits.requires_grad_()
-    loss, stats = cross_entropy(logits, labels, chunk_size=8, impl="torch", return_stats=True)
+    loss, stats = cross_entropy_with_stats(logits, labels, chunk_size=8, impl="torch")
     loss.backward()
 
     ref_logits = logits.detach().clone().requires_grad_()
@@ -250,7 +243,7 @@ def test_all_ignored_gives_zero_loss_and_zero_grads(path, reduction):
         )
         leaves = [logits]
     else:
-        lp, ent = token_logprobs(hidden, weight, labels, return_entropy=True, chunk_size=8, impl="torch")
+        lp, ent = token_logprobs_with_entropy(hidden, weight, labels, chunk_size=8, impl="torch")
         out = lp + ent
         leaves = [hidden, weight]
     (out * _upstream(out)).sum().backward()
@@ -276,7 +269,7 @@ def test_low_precision_inputs_are_close_to_fp32_reference(path):
         expected = ref.cross_entropy(ref_logits, labels, reduction="sum")
         leaves, ref_leaves = [logits], [ref_logits]
     else:
-        lp, ent = token_logprobs(hidden, weight, labels, return_entropy=True, chunk_size=8, impl="torch")
+        lp, ent = token_logprobs_with_entropy(hidden, weight, labels, chunk_size=8, impl="torch")
         exp_lp, exp_ent = ref.logprobs_and_entropy(ref.head_logits(ref_hidden, ref_weight), labels)
         loss, expected = lp.sum() - 0.1 * ent.sum(), exp_lp.sum() - 0.1 * exp_ent.sum()
         leaves, ref_leaves = [hidden, weight], [ref_hidden, ref_weight]
@@ -301,13 +294,12 @@ def test_low_precision_weight_gradient_in_vocabulary_blocks(monkeypatch, path):
         z = ref.head_logits(ref_hidden, ref_weight, OPTIONS["all"]["softcap"])
         ref.cross_entropy(z, labels, **_ce_options("all")).backward()
     else:
-        lp, ent = token_logprobs(
+        lp, ent = token_logprobs_with_entropy(
             hidden,
             weight,
             labels,
             temperature=0.7,
             softcap=2.0,
-            return_entropy=True,
             chunk_size=8,
             impl="torch",
         )
@@ -478,7 +470,7 @@ def test_logits_path_upcasts_one_chunk_at_a_time():
     _, _, labels = make_case(n, 4, vocab)
     recorder = _OpRecorder()
     with recorder:
-        cross_entropy(logits, labels, chunk_size=chunk, impl="torch", return_stats=True)[0].backward()
+        cross_entropy_with_stats(logits, labels, chunk_size=chunk, impl="torch")[0].backward()
     assert recorder.largest[torch.float32] <= chunk * vocab
     assert recorder.largest[torch.bfloat16] == n * vocab  # the one gradient buffer, in the logits' dtype
     assert logits.grad.dtype == torch.bfloat16
@@ -490,16 +482,14 @@ def _fwd_bwd(path: str, chunk: int, n: int, vocab: int) -> _OpRecorder:
     recorder = _OpRecorder(hidden, weight, labels, logits)
     with recorder:
         if path == "logprobs":
-            lp, ent = token_logprobs(
-                hidden, weight, labels, return_entropy=True, softcap=3.0, chunk_size=chunk
-            )
+            lp, ent = token_logprobs_with_entropy(hidden, weight, labels, softcap=3.0, chunk_size=chunk)
             (lp.sum() + ent.sum()).backward()
         elif path == "logits":
-            cross_entropy(logits, labels, softcap=3.0, chunk_size=chunk, return_stats=True)[0].backward()
+            cross_entropy_with_stats(logits, labels, softcap=3.0, chunk_size=chunk)[0].backward()
         else:
             reduction = path.split("-")[1]
-            loss, _ = linear_cross_entropy(
-                hidden, weight, labels, reduction=reduction, chunk_size=chunk, impl="torch", return_stats=True
+            loss, _ = linear_cross_entropy_with_stats(
+                hidden, weight, labels, reduction=reduction, chunk_size=chunk, impl="torch"
             )
             loss.sum().backward()
     return recorder
@@ -552,6 +542,10 @@ def _bad_call(kind: str):
         "label_smoothing": lambda: cross_entropy(hidden @ weight.t(), labels, label_smoothing=1.5),
         "softcap": lambda: linear_cross_entropy(hidden, weight, labels, softcap=0.0),
         "temperature": lambda: token_logprobs(hidden, weight, labels, temperature=0.0),
+        "another function's option": lambda: linear_cross_entropy_with_stats(
+            hidden, weight, labels, temperature=0.7
+        ),
+        "misspelled option": lambda: token_logprobs_with_entropy(hidden, weight, labels, chunksize=8),
     }
     return calls[kind]
 
@@ -575,6 +569,8 @@ def _bad_call(kind: str):
         ("label_smoothing", ValueError, r"`label_smoothing` must be in \[0, 1\], got 1.5"),
         ("softcap", ValueError, r"`softcap` must be > 0 or None"),
         ("temperature", ValueError, r"`temperature` must be > 0, got 0.0"),
+        ("another function's option", TypeError, r"unexpected keyword argument 'temperature'"),
+        ("misspelled option", TypeError, r"unexpected keyword argument 'chunksize'"),
     ],
 )
 def test_bad_input_raises_early_with_a_clear_message(kind, error, match):

@@ -11,7 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_cp.ops import cross_entropy, linear_cross_entropy
+from lightning_cp.ops import (
+    cross_entropy,
+    cross_entropy_with_stats,
+    linear_cross_entropy,
+)
 from lightning_cp.parallel import groups
 from tests.ops._reference import assert_close, make_case
 from tests.ops._tp import H, V, check_against_single_rank_reference, upstream
@@ -109,7 +113,7 @@ def _run_tie_across_shards(impl: str) -> list[bool]:
     logits[:, 5] = logits[:, 30] = 2.0  # equal maxima on shard 0 (ids 0..24) and shard 1 (ids 25..49)
     labels = torch.tensor([5, 30, -100, 7])
     shard = logits[:, rank * (V // 2) : (rank + 1) * (V // 2)]
-    _, stats = cross_entropy(shard, labels, tp_group=layout.tp_group, impl=impl, return_stats=True)
+    _, stats = cross_entropy_with_stats(shard, labels, tp_group=layout.tp_group, impl=impl)
     return stats.correct.tolist()
 
 

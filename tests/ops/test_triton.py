@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_cp.ops import _engine, linear_cross_entropy
+from lightning_cp.ops import (
+    _engine,
+    linear_cross_entropy_with_stats,
+)
 from tests.ops import _reference as ref
 from tests.ops._reference import IGNORE, assert_close, upcast_leaves
 
@@ -82,9 +85,7 @@ def test_triton_matches_torch_path_and_reference_on_cuda_at_a_realistic_size(dty
     results, correct = {}, {}
     for impl in ("torch", "triton"):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        loss, stats = linear_cross_entropy(
-            h, w, labels, chunk_size=128, impl=impl, return_stats=True, **options
-        )
+        loss, stats = linear_cross_entropy_with_stats(h, w, labels, chunk_size=128, impl=impl, **options)
         loss.backward()
         results[impl] = (loss, h.grad, w.grad, stats.nll, stats.entropy)
         correct[impl] = stats.correct

@@ -3,8 +3,8 @@
 import pytest
 import torch.distributed as dist
 
-from lightning_cp.parallel import ParallelLayout, current_layout, set_current_layout
-from lightning_cp.parallel.layout import check_size, data_parallel_size
+from lightning_cp.parallel import ParallelLayout, current_layout
+from lightning_cp.parallel.layout import check_size, data_parallel_size, set_current_layout
 
 G = object()  # stands for a process group: the layout never calls into it
 

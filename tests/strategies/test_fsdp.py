@@ -18,6 +18,7 @@ from lightning_cp import MegatronCPStrategy
 from lightning_cp.models import GPTModule
 from lightning_cp.strategies import consolidate_checkpoint
 from lightning_cp.strategies._fsdp import mixed_precision_policy
+from tests._trainer import cp_trainer as _trainer
 from tests.strategies.test_megatron_cp import (
     CONFIG,
     GLOBAL_BATCH,
@@ -27,7 +28,6 @@ from tests.strategies.test_megatron_cp import (
     _loader,
     _Recorder,
     _reference,
-    _trainer,
 )
 
 

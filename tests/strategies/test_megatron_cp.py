@@ -19,6 +19,7 @@ from lightning_cp import MegatronCPStrategy
 from lightning_cp.data import LongRangeCopyDataset, collate_packed, collate_padded
 from lightning_cp.models import GPT, GPTConfig, GPTModule
 from lightning_cp.parallel import CPShard, CPSplit, ParallelLayout, current_layout
+from tests._trainer import cp_trainer as _trainer
 
 CONFIG = GPTConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=32)
 GLOBAL_BATCH = 4
@@ -88,21 +89,6 @@ class _Recorder(Callback):
     def on_validation_epoch_end(self, trainer, pl_module):
         if not trainer.sanity_checking:
             self.val_losses.append(trainer.callback_metrics["val/loss"].item())
-
-
-def _trainer(cp, world, **kwargs):
-    options = {
-        "accelerator": "cpu",
-        "devices": world,
-        "strategy": MegatronCPStrategy(cp=cp),
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-    }
-    options.update(kwargs)
-    return Trainer(**options)
 
 
 def _fit(cp, packed, accumulate=1):

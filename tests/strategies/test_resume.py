@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_cp import MegatronCPStrategy
-from lightning_cp.data import LongRangeDataModule, ResumableDataLoader
+from lightning_cp.data import LongRangeDataModule
 from lightning_cp.models import GPTConfig, GPTModule
 from lightning_cp.strategies.checkpoint_io import AtomicCheckpointIO
 from lightning_cp.strategies.preemption import SigtermAgreement
+from tests._trainer import cp_trainer
 
 STEPS, RESUME_AT = 6, 3  # an epoch of 12 batches: the checkpoint is mid-epoch
 
@@ -40,15 +40,11 @@ def _fit(cp: int, directory: str, ckpt_path: str | None = None) -> dict[int, flo
         vocab_size=32, seq_len=16, num_train_samples=48, num_val_samples=4, batch_size=2
     )
     losses = _Losses()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=dist.get_world_size(),
-        strategy=MegatronCPStrategy(cp=cp),
+    trainer = cp_trainer(
+        cp,
         max_steps=STEPS,
         limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
         callbacks=[losses, ModelCheckpoint(dirpath=directory, every_n_train_steps=RESUME_AT, save_top_k=-1)],
     )
     trainer.fit(module, data, ckpt_path=ckpt_path)
@@ -72,32 +68,6 @@ def test_resuming_mid_epoch_continues_with_the_next_batches(world2, tmp_path, cp
     assert sorted(resumed) == list(range(RESUME_AT + 1, STEPS + 1))
     for step, loss in resumed.items():
         assert loss == pytest.approx(uninterrupted[step], rel=1e-6, abs=0), f"step {step}"
-
-
-def test_loader_position_skips_index_batches_without_loading_them():
-    loaded = []
-    dataset = [torch.tensor(i) for i in range(10)]
-
-    class Recording(torch.utils.data.Dataset):
-        def __len__(self):
-            return len(dataset)
-
-        def __getitem__(self, i):
-            loaded.append(i)
-            return dataset[i]
-
-    loader = ResumableDataLoader(Recording(), batch_size=3)
-    iterator = iter(loader)
-    next(iterator), next(iterator)
-    assert loader.state_dict() == {"batches": 2}
-    fresh = ResumableDataLoader(Recording(), batch_size=3)
-    fresh.load_state_dict(loader.state_dict())
-    loaded.clear()
-    assert [batch.tolist() for batch in fresh] == [[6, 7, 8], [9]]
-    assert loaded == [6, 7, 8, 9] and len(fresh) == 4
-    assert next(iter(fresh)).tolist() == [0, 1, 2]  # the next epoch starts from the beginning
-    with pytest.raises(ValueError, match="5 batches"):
-        fresh.load_state_dict({"batches": 5})
 
 
 def test_a_failed_save_keeps_the_previous_checkpoint_and_leaves_no_partial_file(tmp_path, monkeypatch):
