@@ -311,21 +311,23 @@ def test_every_variant_keeps_the_blocked_kernel_memory_bound():
     assert growth < 400 * 2**20, f"peak RSS grew {growth / 2**20:.0f} MiB"
 
 
-def _cuda_bf16_run(variant, lengths, sinks_dtype=torch.float32):
-    """Packed documents of ``lengths`` at cp = 1 on CUDA in bf16: (inputs, outputs and gradients)."""
+def _cuda_bf16_run(variant, lengths):
+    """Packed documents of ``lengths`` at cp = 1 on CUDA in bf16 (fp32 sinks): (whether FlashAttention ran,
+    the float64 inputs, the outputs and gradients)."""
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     q, k, v, sinks, dout = _inputs(1, int(cu[-1]), variant)
     (lq, _), (lk, _), (lv, _), (ldout, _) = (_shard_heads(t, 1, 0, cu) for t in (q, k, v, dout))
     shard = CPShard.build(CPSplit(1, 0), torch.tensor(lengths), "cuda")
     leaves = [t.cuda().bfloat16().requires_grad_() for t in (lq, lk, lv)]
-    ls = None if sinks is None else sinks.cuda().to(sinks_dtype).requires_grad_()
+    ls = None if sinks is None else sinks.cuda().float().requires_grad_()
     out = context_parallel_attention(*leaves, cp_shard=shard, **variant.kwargs(ls))
     out.backward(ldout.cuda().bfloat16())
     full = [
         unshard([t.detach().double().cpu().transpose(1, 2)], cu_seqlens=cu).transpose(1, 2)
         for t in (out, *(t.grad for t in leaves))
     ]
-    return (q, k, v, sinks, dout), (*full, None if ls is None else ls.grad.double().cpu())
+    flash = _varlen.use_flash(leaves[0], leaves[2], variant.softcap)
+    return flash, (q, k, v, sinks, dout), (*full, None if ls is None else ls.grad.double().cpu())
 
 
 @pytest.mark.gpu
@@ -335,12 +337,8 @@ def test_flash_path_on_cuda_matches_the_float64_reference(variant):
     the log-sum-exp), packed documents of 40 to 1640 tokens, windows scaled alike."""
     variant = Variant(**{**vars(variant), "window": variant.window and 40 * variant.window})
     lengths = [40 * n for n in PACKED_LENGTHS]
-    assert _varlen.use_flash(
-        torch.empty(1, 1, DIM, device="cuda", dtype=torch.bfloat16),
-        torch.empty(1, 1, variant.value_dim),
-        None,
-    )
-    inputs, got = _cuda_bf16_run(variant, lengths)
+    flash, inputs, got = _cuda_bf16_run(variant, lengths)
+    assert flash
     expected = _reference(*inputs, lengths, variant)
     for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, expected, strict=True):
         if b is not None:
@@ -350,10 +348,8 @@ def test_flash_path_on_cuda_matches_the_float64_reference(variant):
 @pytest.mark.gpu
 def test_softcap_on_cuda_runs_the_exact_kernel_for_bf16_inputs():
     variant = Variant(softcap=1.0, logit_gain=20.0, window=7, sinks=True, value_dim=5)
-    assert not _varlen.use_flash(
-        torch.empty(1, 1, DIM, device="cuda", dtype=torch.bfloat16), torch.empty(1, 1, 5), 1.0
-    )
-    inputs, got = _cuda_bf16_run(variant, list(PACKED_LENGTHS))
+    flash, inputs, got = _cuda_bf16_run(variant, list(PACKED_LENGTHS))
+    assert not flash
     expected = _reference(*inputs, list(PACKED_LENGTHS), variant)
     for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, expected, strict=True):
         assert ((a - b).norm() / b.norm()).item() < 2e-2, name
