@@ -172,7 +172,7 @@ def _block_rows(queries: int, keys: int, heads: int, window: int | None) -> int:
     return max(1, min(queries, rows))
 
 
-def _blocks(pieces: Pieces, heads: int, window: int | None) -> list[tuple[int, int, int, int, int]]:
+def _blocks(pieces: Pieces, heads: int, window: int | None = None) -> list[tuple[int, int, int, int, int]]:
     """``(q_start, q_stop, k_start, k_stop, diagonal)`` of every query block of every piece.
 
     A block of queries ``[j0, j1)`` of a piece needs its keys ``[first, lk - lq + j1)`` with ``first = 0``,
