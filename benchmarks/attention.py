@@ -1,14 +1,15 @@
 """CP attention of one rank, forward + backward, next to the ideal share and the previous implementation.
 
-Every case computes causal attention for the queries one CP rank holds (``shard_batch``'s head-tail
-split of ``--cp`` ranks) over the keys of the whole sequence (padded: one sequence; packed: documents
-that attend only within themselves), on one device. The other ranks are simulated: the all-gather of K/V
+Every case computes causal attention (with ``--window``, sliding-window attention) for the queries one
+CP rank holds (``shard_batch``'s head-tail split of ``--cp`` ranks) over the keys of the whole sequence
+(padded: one sequence; packed: documents that attend only within themselves), on one device. The other ranks are simulated: the all-gather of K/V
 returns the whole sequence's K/V (this rank's part from its inputs), the reduce-scatter of their
 gradients keeps this rank's slice.
 
 ============  ======================================================================================
-``ideal``     full-sequence attention of all tokens (padded: SDPA causal; packed: SDPA per document),
-              run once per shape; a rank's ideal share of it is its time / cp (the ``x ideal`` column)
+``ideal``     full-sequence attention of all tokens (padded: SDPA causal; packed: SDPA per document; with
+              a window, SDPA with the window's mask), run once per shape; a rank's ideal share of it is
+              its time / cp (the ``x ideal`` column)
 ``ours``      ``lightning_cp.parallel.attention``: per-piece varlen causal kernels (FlashAttention-2 varlen
               on CUDA, the exact blocked kernel elsewhere), K/V re-gathered in the backward
 ``previous``  the implementation before the layout issue: K/V all-gathered and kept by autograd, SDPA
@@ -16,13 +17,15 @@ gradients keeps this rank's slice.
 ============  ======================================================================================
 
 Columns: peak extra memory and wall time of forward + backward (``_probes``), the bytes autograd saves
-between the forward and the backward (what one layer holds per rank until its backward), and the time
-against the ideal share. Each case runs in a fresh worker process (``_harness``).
+between the forward and the backward (what one layer holds per rank until its backward), the keys and
+values the rank's pieces attend to (``selected K/V``: ``ours`` selects them out of the gathered
+``cp * T_local`` tokens; a window shrinks them), and the time against the ideal share. Each case runs in a fresh worker process (``_harness``).
 
 Run from the repository root::
 
     python benchmarks/attention.py --quick
     python benchmarks/attention.py --tokens 4096 8192 --cp 2 4 --layouts padded docs8 mixed
+    python benchmarks/attention.py --tokens 8192 --cp 4 --layouts padded --window none 512
     python benchmarks/attention.py --device cuda --tokens 32768 131072 --cp 4 --markdown attention.md
 """
 
@@ -70,9 +73,12 @@ class Shape:
     heads: int
     kv_heads: int
     head_dim: int
+    window: int | None = None
+    """Sliding window in tokens (``None``: full causal attention), for every case."""
 
     def label(self) -> str:
-        return f"{self.layout} T={self.tokens} cp={self.cp}"
+        window = "" if self.window is None else f" w={self.window}"
+        return f"{self.layout} T={self.tokens} cp={self.cp}{window}"
 
     def document_lengths(self) -> list[int]:
         if self.layout == "padded":
@@ -97,7 +103,7 @@ class _Problem:
     k: Tensor
     v: Tensor
     shard: CPShard
-    peers_kv: Tensor  # [cp * T_local, 2 * Hkv, D]: every rank's local K/V, in rank order
+    peers_kv: Tensor  # [cp * T_local, Hkv * 2 * D]: every rank's local K and V side by side, in rank order
     full: tuple[Tensor, Tensor, Tensor]  # [1, H, T, D] of all tokens, for the ideal case
     lengths: list[int]
     coordinates: tuple[Tensor, Tensor, Tensor, Tensor]
@@ -131,7 +137,7 @@ def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: 
     # shard_batch pads every sequence to a multiple of 2 * cp; padding (-1) reads token 0 (never scored).
     tokens = [s["token"][0].to(device) - 1 for s in shards]
     index = [t.clamp(min=0) for t in tokens]
-    peers_kv = torch.cat([torch.cat([k[i], v[i]], dim=1) for i in index])
+    peers_kv = torch.cat([torch.cat([k[i].flatten(1), v[i].flatten(1)], dim=1) for i in index])
     mine = index[rank]
     shard = CPShard.build(CPSplit(shape.cp, rank), torch.tensor(lengths), device)
     document, position = (
@@ -182,8 +188,8 @@ class _SimulatedPeers(GroupExchange):
 
 
 def _build_ours(p: _Problem) -> Callable[[], Tensor]:
-    exchange, scale = p.exchange(), p.shape.head_dim**-0.5
-    return lambda: _CPAttention.apply(p.q, p.k, p.v, p.shard, exchange, scale)
+    exchange, scale, keys = p.exchange(), p.shape.head_dim**-0.5, p.shard.keys(p.shape.window)
+    return lambda: _CPAttention.apply(p.q, p.k, p.v, None, keys, exchange, scale, None)
 
 
 def _build_previous(p: _Problem) -> Callable[[], Tensor]:
@@ -193,9 +199,11 @@ def _build_previous(p: _Problem) -> Callable[[], Tensor]:
     query_doc, query_pos, key_doc, key_pos = p.coordinates
 
     def step() -> Tensor:
-        kv = _GatherKeepingGraph.apply(torch.cat([p.k, p.v], dim=1), exchange)
-        k, v = kv[:, : p.shape.kv_heads], kv[:, p.shape.kv_heads :]
+        kv = _GatherKeepingGraph.apply(torch.cat([p.k.flatten(1), p.v.flatten(1)], dim=1), exchange)
+        k, v = kv.unflatten(1, (2, p.shape.kv_heads, p.shape.head_dim)).unbind(1)
         mask = (query_doc[:, None] == key_doc[None]) & (key_pos[None] <= query_pos[:, None])
+        if p.shape.window is not None:
+            mask &= key_pos[None] > query_pos[:, None] - p.shape.window
         out = F.scaled_dot_product_attention(
             p.q.transpose(0, 1)[None],
             k.repeat_interleave(group, dim=1).transpose(0, 1)[None],
@@ -225,15 +233,17 @@ def _build_ideal(p: _Problem) -> Callable[[], Tensor]:
     group = p.shape.heads // p.shape.kv_heads
     bounds = torch.tensor([0, *p.lengths]).cumsum(0).tolist()
 
+    def attend(a: int, b: int, kk: Tensor, vv: Tensor) -> Tensor:
+        if p.shape.window is None:
+            return F.scaled_dot_product_attention(q[:, :, a:b], kk[:, :, a:b], vv[:, :, a:b], is_causal=True)
+        position = torch.arange(b - a, device=q.device)
+        offset = position[:, None] - position[None]
+        mask = (offset >= 0) & (offset < p.shape.window)
+        return F.scaled_dot_product_attention(q[:, :, a:b], kk[:, :, a:b], vv[:, :, a:b], attn_mask=mask)
+
     def step() -> Tensor:
         kk, vv = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return torch.cat(
-            [
-                F.scaled_dot_product_attention(q[:, :, a:b], kk[:, :, a:b], vv[:, :, a:b], is_causal=True)
-                for a, b in itertools.pairwise(bounds)
-            ],
-            dim=2,
-        )
+        return torch.cat([attend(a, b, kk, vv) for a, b in itertools.pairwise(bounds)], dim=2)
 
     return step
 
@@ -327,9 +337,22 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
 def _measure_case(shape: Shape, case: Case, args: argparse.Namespace) -> dict[str, Any]:
     itemsize = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     estimate = case.estimate((shape, itemsize)) + _RUNTIME_OVERHEAD_BYTES
-    row = {"case": case.name, "shape": shape.label(), **asdict(shape), "dtype": args.dtype}
+    row = {
+        "case": case.name,
+        "shape": shape.label(),
+        **asdict(shape),
+        "dtype": args.dtype,
+        "selected_kv_bytes": _selected_kv_bytes(shape, args.rank, itemsize),
+    }
     spec = {"shape": asdict(shape), "dtype": args.dtype, "rank": args.rank}
     return {**row, **run_case(Path(__file__), case, args, spec, estimate)}
+
+
+def _selected_kv_bytes(shape: Shape, rank: int, itemsize: int) -> int:
+    """Bytes of the keys and values the rank's pieces attend to (``ours`` selects them from the gathered
+    ``cp * T_local``): what one layer's K/V take on the rank besides the gathered copy."""
+    shard = CPShard.build(CPSplit(shape.cp, rank), torch.tensor(shape.document_lengths()), "cpu")
+    return shard.keys(shape.window).num_keys * 2 * shape.kv_heads * shape.head_dim * itemsize
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -354,6 +377,7 @@ _COLUMNS = (
     ratio_column("mem_x_ours", "x ours"),
     Column("saved MiB", "saved_bytes", ",.1f", scale=MIB),
     ratio_column("saved_x_ours", "x ours"),
+    Column("selected K/V MiB", "selected_kv_bytes", ",.1f", scale=MIB),
     Column("time ms", "time_ms", ",.1f"),
     Column("ideal share ms", "ideal_share_ms", ",.1f"),
     ratio_column("x_ideal", "x ideal"),
@@ -363,6 +387,15 @@ _COLUMNS = (
 _FULL_CPU = {"tokens": [4096, 8192], "cp": [2, 4], "layouts": list(LAYOUTS)}
 _FULL_CUDA = {"tokens": [8192, 32768, 131072], "cp": [2, 4, 8], "layouts": list(LAYOUTS)}
 _QUICK = {"tokens": [1024], "cp": [2], "layouts": ["padded", "mixed"], "repeat": 1, "warmup": 0}
+
+
+def _window(text: str) -> int | None:
+    if text == "none":
+        return None
+    window = int(text)
+    if window < 1:
+        raise argparse.ArgumentTypeError(f"a window is a positive number of tokens or 'none', not {text}")
+    return window
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -376,6 +409,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=4, help="key/value heads (default 4: GQA)")
     parser.add_argument("--head-dim", type=int, default=64, help="default 64 (128 on CUDA is typical)")
     parser.add_argument("--rank", type=int, default=0, help="the simulated CP rank (default 0)")
+    parser.add_argument(
+        "--window",
+        type=_window,
+        nargs="+",
+        default=[None],
+        help="sliding windows in tokens, 'none' for full causal attention (default: none)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke test: T=1024, cp=2, one run")
     add_common_arguments(parser)
     args = parser.parse_args(argv)
@@ -399,10 +439,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if cases is None:
         return []
     shapes = [
-        Shape(tokens, layout, cp, args.heads, args.kv_heads, args.head_dim)
+        Shape(tokens, layout, cp, args.heads, args.kv_heads, args.head_dim, window)
         for layout in args.layouts
         for tokens in args.tokens
         for cp in args.cp
+        for window in args.window
     ]
     started = time.perf_counter()
     rows = run_grid(shapes, cases, lambda shape, case: _measure_case(shape, case, args))

@@ -293,13 +293,14 @@ def test_quick_run_of_loss_memory_measures_each_case_with_plains_loss(bench, tmp
 # attention.py
 
 
+@pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("layout", ["padded", "mixed"])
 @pytest.mark.parametrize("rank", [0, 1])
-def test_attention_cases_compute_the_rank_s_rows_of_full_attention(bench, layout, rank):
+def test_attention_cases_compute_the_rank_s_rows_of_full_attention(bench, layout, rank, window):
     """The simulated rank's outputs, by ours and by the previous implementation, are its rows of the ideal
     (whole-sequence) attention: the simulation gives each case the inputs a real CP rank would have."""
     attention = bench.attention
-    shape = attention.Shape(tokens=66, layout=layout, cp=2, heads=4, kv_heads=2, head_dim=8)
+    shape = attention.Shape(tokens=66, layout=layout, cp=2, heads=4, kv_heads=2, head_dim=8, window=window)
     problem = attention._make_problem(shape, torch.float64, torch.device("cpu"), rank)
     assert len(problem.lengths) > 2 or layout == "padded"
     full = attention._build_ideal(problem)()[0].transpose(0, 1)  # [T, H, D]

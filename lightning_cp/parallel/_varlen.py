@@ -1,28 +1,45 @@
 """Variable-length causal attention kernels for the local work of CP attention (forward and backward).
 
-The problem (set up by :mod:`lightning_cp.parallel.attention`): ``q`` ``[Tq, Hq, D]`` and ``k``, ``v``
-``[Tk, Hkv, D]`` (``Hkv`` divides ``Hq``: grouped-query attention) are cut into pieces by ``cu_q`` and
-``cu_k`` (``[P + 1]`` boundaries); the queries of piece ``i`` attend to the keys of piece ``i`` only,
-causally with bottom-right alignment: query ``j`` of a piece of ``lq`` queries and ``lk >= lq`` keys sees
-keys ``0 .. lk - lq + j``. Every query therefore sees at least one key. Outputs are ``out`` ``[Tq, Hq, D]``
-and the softmax log-sum-exp ``lse`` ``[Hq, Tq]`` (fp32, or float64 for float64 inputs), which the backward reuses instead of keeping
-the attention probabilities.
+The problem (set up by :mod:`lightning_cp.parallel.attention` from a
+:class:`~lightning_cp.parallel._key_selection.KeySelection`): ``q`` ``[Tq, Hq, D]``, ``k`` ``[Tk, Hkv, D]``
+and ``v`` ``[Tk, Hkv, Dv]`` (``Hkv`` divides ``Hq``: grouped-query attention; ``Dv`` may differ from ``D``,
+as in DeepSeek's multi-head latent attention) are cut into pieces by ``cu_q`` and ``cu_k`` (``[P + 1]``
+boundaries); the queries of piece ``i`` attend to the keys of piece ``i`` only, causally with
+bottom-right alignment: query ``j`` of a piece of ``lq`` queries and ``lk >= lq`` keys sees keys
+``lk - lq + j - window < m <= lk - lq + j`` (``window=None``: from key 0). Every query therefore sees at
+least one key (its own). The score of a visible pair is ``scale * q . k``, or with ``softcap``
+``softcap * tanh(scale * q . k / softcap)`` (Gemma-2's attention logit softcapping: after the scaling,
+before the mask and the softmax). Outputs are ``out`` ``[Tq, Hq, Dv]`` and the softmax log-sum-exp ``lse``
+``[Hq, Tq]`` (fp32, or float64 for float64 inputs), which the backward reuses instead of keeping the
+attention probabilities. Attention sinks are a correction of either kernel's result through ``lse``
+(:func:`add_sinks`, :func:`sink_grad`).
 
-Two kernels:
+Two kernels (:func:`use_flash` chooses, and logs its choice once):
 
-- :func:`flash_available`: PyTorch's FlashAttention-2 variable-length kernels on CUDA (fp16 / bf16), the
-  ones behind ``torch.nn.attention.varlen.varlen_attn``; the aten ops are called directly so that the
-  backward takes the saved ``lse`` (``varlen_attn``'s autograd would keep the keys).
+- PyTorch's FlashAttention-2 variable-length kernels on CUDA (fp16 / bf16, head dims up to 256 and
+  multiples of 8), the ones behind ``torch.nn.attention.varlen.varlen_attn``; the aten ops are called
+  directly so that the backward takes the saved ``lse`` (``varlen_attn``'s autograd would keep the keys).
+  Windows go through their ``window_size_left`` / ``window_size_right``; a value head dim other than the
+  query's is padded with zeros to the larger one (scores and outputs are unchanged). They have no
+  softcap.
 - the exact torch kernel (any device and dtype, computing in fp32): queries in blocks, each block's
   ``[heads, block, keys]`` scores bounded by ``_SCORE_BUDGET_BYTES`` and recomputed in the backward, so
-  memory is ``O(Tq + Tk)`` plus one block whatever the lengths. It is the CPU path (FlexAttention has no
-  CPU backward) and the fallback for fp32 on CUDA.
+  memory is ``O(Tq + Tk)`` plus one block whatever the lengths (with a window, a block spans only the
+  keys its queries reach). It is the CPU path (FlexAttention has no CPU backward), and on CUDA the path
+  for fp32 and for softcapping.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+_log = logging.getLogger(__name__)
 
 _SCORE_BUDGET_BYTES = 64 * 2**20
 """fp32 scores of one query block (the torch kernel): a few such temporaries at a time."""
@@ -31,25 +48,77 @@ Pieces = list[tuple[int, int, int, int]]
 """``(q_start, q_stop, k_start, k_stop)`` of every piece, on the host."""
 
 
-def flash_available(q: Tensor) -> bool:
-    """Whether :func:`flash_forward` / :func:`flash_backward` run for tensors like ``q``."""
-    return (
-        q.is_cuda
-        and q.dtype in (torch.float16, torch.bfloat16)
-        and q.shape[-1] % 8 == 0
-        and q.shape[-1] <= 256
-        and torch.backends.cuda.flash_sdp_enabled()
-    )
+def use_flash(q: Tensor, v: Tensor, softcap: float | None) -> bool:
+    """Whether the FlashAttention-2 kernels run for tensors like ``q``, ``v`` (else the torch kernel).
+
+    Logs once per process and reason which kernel runs (INFO; WARNING when CUDA inputs that could run
+    FlashAttention take the slower torch kernel because of ``softcap``).
+    """
+    dim = max(q.shape[-1], v.shape[-1])
+    if not q.is_cuda:
+        reason = f"{q.device.type} tensors (FlashAttention-2 is CUDA only)"
+    elif q.dtype not in (torch.float16, torch.bfloat16):
+        reason = f"{q.dtype} inputs (FlashAttention-2 takes fp16 / bf16)"
+    elif dim % 8 or dim > 256:
+        reason = f"head dim {dim} (FlashAttention-2 takes multiples of 8 up to 256)"
+    elif not torch.backends.cuda.flash_sdp_enabled():
+        reason = "FlashAttention disabled (torch.backends.cuda.enable_flash_sdp(False))"
+    elif softcap is not None:
+        _log_once(
+            logging.WARNING,
+            "CP attention: attention logit softcapping runs in the exact blocked torch kernel (fp32 "
+            "scores, slower than FlashAttention): PyTorch's FlashAttention-2 kernels have no softcap.",
+        )
+        return False
+    else:
+        _log_once(logging.INFO, "CP attention: FlashAttention-2 varlen kernels (CUDA).")
+        return True
+    _log_once(logging.INFO, f"CP attention: the exact blocked torch kernel, for {reason}.")
+    return False
+
+
+@functools.cache
+def _log_once(level: int, message: str) -> None:
+    _log.log(level, message)
+
+
+def _window_arguments(window: int | None) -> dict[str, int]:
+    """FlashAttention-2's window: ``window - 1`` keys before the (bottom-right aligned) diagonal, none after."""
+    return {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
+
+
+def _pad_head_dim(x: Tensor, dim: int) -> Tensor:
+    return x if x.shape[-1] == dim else F.pad(x, (0, dim - x.shape[-1]))
 
 
 def flash_forward(
-    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
-    """FlashAttention-2 varlen forward, causal (bottom-right). Returns ``(out, lse, rng)``."""
+    """FlashAttention-2 varlen forward, causal (bottom-right), optionally windowed: ``(out, lse, rng)``."""
+    dim = max(q.shape[-1], v.shape[-1])
     out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
+        _pad_head_dim(q, dim),
+        _pad_head_dim(k, dim),
+        _pad_head_dim(v, dim),
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        0.0,
+        True,
+        False,
+        scale=scale,
+        **_window_arguments(window),
     )
-    return out, lse, (rng_state, unused)
+    return out[..., : v.shape[-1]].contiguous(), lse, (rng_state, unused)
 
 
 def flash_backward(
@@ -65,38 +134,80 @@ def flash_backward(
     max_k: int,
     scale: float,
     rng: tuple[Tensor, Tensor],
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """FlashAttention-2 varlen backward from the saved ``out`` and ``lse``: ``(dq, dk, dv)``."""
-    return torch.ops.aten._flash_attention_backward(
-        dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, *rng, scale=scale
+    dim = max(q.shape[-1], v.shape[-1])
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        _pad_head_dim(dout.contiguous(), dim),
+        _pad_head_dim(q, dim),
+        _pad_head_dim(k, dim),
+        _pad_head_dim(v, dim),
+        _pad_head_dim(out, dim),
+        lse,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        0.0,
+        True,
+        *rng,
+        scale=scale,
+        **_window_arguments(window),
     )
+    return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
 
 
-def _blocks(pieces: Pieces, heads: int) -> list[tuple[int, int, int, int, int]]:
-    """``(q_start, q_stop, k_start, k_stop, causal_offset)`` of every query block of every piece.
+def _block_rows(queries: int, keys: int, heads: int, window: int | None) -> int:
+    """Queries per block: their ``[heads, rows, keys spanned]`` fp32 scores fit ``_SCORE_BUDGET_BYTES``.
 
-    A block of queries ``[j0, j1)`` of a piece needs its keys ``[0, lk - lq + j1)``; ``causal_offset`` is
-    ``lk - lq + j0``, the last key the block's first query sees.
+    A block of ``rows`` queries spans at most ``keys`` keys, and with a window at most
+    ``rows + window - 1``: the larger of the two row counts that fit is taken.
+    """
+    cells = _SCORE_BUDGET_BYTES // (4 * heads)
+    rows = cells // keys
+    if window is not None:  # the largest rows with rows * (rows + window - 1) <= cells
+        reach = window - 1
+        rows = max(rows, (math.isqrt(reach * reach + 4 * cells) - reach) // 2)
+    return max(1, min(queries, rows))
+
+
+def _blocks(pieces: Pieces, heads: int, window: int | None = None) -> list[tuple[int, int, int, int, int]]:
+    """``(q_start, q_stop, k_start, k_stop, diagonal)`` of every query block of every piece.
+
+    A block of queries ``[j0, j1)`` of a piece needs its keys ``[first, lk - lq + j1)`` with ``first = 0``,
+    or ``lk - lq + j0 - window + 1`` (at least 0) with a window; ``diagonal`` is ``lk - lq + j0 - first``,
+    the last of those keys the block's first query sees.
     """
     blocks = []
     for q0, q1, k0, k1 in pieces:
         lq, lk = q1 - q0, k1 - k0
         if lq == 0:
             continue
-        rows = max(1, min(lq, _SCORE_BUDGET_BYTES // (4 * heads * lk)))
+        rows = _block_rows(lq, lk, heads, window)
         for j0 in range(0, lq, rows):
             j1 = min(j0 + rows, lq)
-            blocks.append((q0 + j0, q0 + j1, k0, k0 + lk - lq + j1, lk - lq + j0))
+            first = 0 if window is None else max(0, lk - lq + j0 - window + 1)
+            blocks.append((q0 + j0, q0 + j1, k0 + first, k0 + lk - lq + j1, lk - lq + j0 - first))
     return blocks
 
 
-def _scores(qb: Tensor, kb: Tensor, causal_offset: int, scale: float) -> Tensor:
-    """Masked scores ``[Hkv, g, b, keys]`` (fp32) of queries ``qb`` ``[b, Hkv, g, D]`` against ``kb``."""
+def _logits(qb: Tensor, kb: Tensor, scale: float, softcap: float | None) -> Tensor:
+    """Scores ``[Hkv, g, b, keys]`` (fp32) of queries ``qb`` ``[b, Hkv, g, D]`` against ``kb``, capped."""
     s = torch.einsum("bhgd,khd->hgbk", qb, kb).mul_(scale)
-    rows, keys = qb.shape[0], kb.shape[0]
-    hidden = (
-        torch.arange(keys, device=qb.device) > causal_offset + torch.arange(rows, device=qb.device)[:, None]
-    )
+    if softcap is not None:
+        s.div_(softcap).tanh_().mul_(softcap)
+    return s
+
+
+def _mask_(s: Tensor, diagonal: int, window: int | None) -> Tensor:
+    """``s`` with ``-inf`` where row ``r`` may not see key ``t``: ``t > diagonal + r`` or out of the window."""
+    rows, keys = s.shape[-2:]
+    key = torch.arange(keys, device=s.device)
+    last = torch.arange(rows, device=s.device).add_(diagonal).unsqueeze(1)  # each row's diagonal key
+    hidden = key > last
+    if window is not None:
+        hidden |= key <= last - window
     return s.masked_fill_(hidden, float("-inf"))
 
 
@@ -110,17 +221,27 @@ def _grouped(x: Tensor, kv_heads: int) -> Tensor:
     return _acc(x).unflatten(1, (kv_heads, x.shape[1] // kv_heads))
 
 
-def torch_forward(q: Tensor, k: Tensor, v: Tensor, pieces: Pieces, scale: float) -> tuple[Tensor, Tensor]:
-    """Exact blocked forward on any device: ``(out [Tq, Hq, D] in q's dtype, lse [Hq, Tq])``.
+def torch_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pieces: Pieces,
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Exact blocked forward on any device: ``(out [Tq, Hq, Dv] in q's dtype, lse [Hq, Tq])``.
 
     Computes in fp32 (float64 for float64 inputs); ``lse`` is kept in that precision.
     """
     kv_heads = k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    out = torch.zeros((*q.shape[:2], v.shape[-1]), dtype=acc, device=q.device)
     lse = torch.zeros((q.shape[1], q.shape[0]), dtype=acc, device=q.device)
-    for q0, q1, k0, k1, offset in _blocks(pieces, q.shape[1]):
-        s = _scores(_grouped(q[q0:q1], kv_heads), _acc(k[k0:k1]), offset, scale)
+    for q0, q1, k0, k1, diagonal in _blocks(pieces, q.shape[1], window):
+        s = _logits(_grouped(q[q0:q1], kv_heads), _acc(k[k0:k1]), scale, softcap)
+        s = _mask_(s, diagonal, window)
         block_lse = torch.logsumexp(s, dim=-1)
         p = s.sub_(block_lse.unsqueeze(-1)).exp_()
         out[q0:q1] = torch.einsum("hgbk,khd->bhgd", p, _acc(v[k0:k1])).flatten(1, 2)
@@ -129,7 +250,17 @@ def torch_forward(q: Tensor, k: Tensor, v: Tensor, pieces: Pieces, scale: float)
 
 
 def torch_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, pieces: Pieces, scale: float
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    pieces: Pieces,
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Exact blocked backward recomputing each block's probabilities from ``lse``: ``(dq, dk, dv)``."""
     kv_heads = k.shape[1]
@@ -137,15 +268,46 @@ def torch_backward(
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    for q0, q1, k0, k1, offset in _blocks(pieces, q.shape[1]):
+    for q0, q1, k0, k1, diagonal in _blocks(pieces, q.shape[1], window):
         qb, kb, vb = _grouped(q[q0:q1], kv_heads), _acc(k[k0:k1]), _acc(v[k0:k1])
         dob = _grouped(dout[q0:q1], kv_heads)
         block_lse = lse[:, q0:q1].unflatten(0, (kv_heads, -1))
-        p = _scores(qb, kb, offset, scale).sub_(block_lse.unsqueeze(-1)).exp_()
+        s = _logits(qb, kb, scale, softcap)
+        # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2, from the capped scores before masking.
+        slope = None if softcap is None else s.div(softcap).square_().neg_().add_(1)
+        p = _mask_(s, diagonal, window).sub_(block_lse.unsqueeze(-1)).exp_()
         dv[k0:k1] += torch.einsum("hgbk,bhgd->khd", p, dob)
         # D_i = sum_d dO_i * O_i: the softmax backward's row term.
         delta = (dob * _grouped(out[q0:q1], kv_heads)).sum(-1).permute(1, 2, 0)
-        ds = p.mul_(torch.einsum("bhgd,khd->hgbk", dob, vb).sub_(delta.unsqueeze(-1))).mul_(scale)
+        ds = p.mul_(torch.einsum("bhgd,khd->hgbk", dob, vb).sub_(delta.unsqueeze(-1)))
+        if slope is not None:
+            ds.mul_(slope)
+        ds.mul_(scale)
         dq[q0:q1] = torch.einsum("hgbk,khd->bhgd", ds, kb).flatten(1, 2)
         dk[k0:k1] += torch.einsum("hgbk,bhgd->khd", ds, qb)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Fold attention sinks into a kernel's ``out`` ``[Tq, Hq, Dv]`` and ``lse`` ``[Hq, Tq]``.
+
+    A sink (gpt-oss) is one learned logit per query head, ``sinks`` ``[Hq]``, that joins every query's
+    softmax denominator and carries no value: the output becomes ``out * sigmoid(lse - sink)`` and the
+    log-sum-exp ``logaddexp(lse, sink)``. Either kernel's backward, given these two, returns the exact
+    ``dq``, ``dk``, ``dv`` (it recomputes the probabilities from the log-sum-exp, and the sink column, which
+    has no value, enters only through it and through ``rowsum(dO * O)``); :func:`sink_grad` gives the
+    sinks' own gradient.
+    """
+    total = torch.logaddexp(lse, sinks.to(lse.dtype).unsqueeze(1))
+    kept = torch.exp(lse - total)  # sigmoid(lse - sink): the share of the real keys
+    return (_acc(out) * kept.T.unsqueeze(-1)).to(out.dtype), total
+
+
+def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """``[Hq]`` gradient of the sinks from :func:`add_sinks`' ``out`` and ``lse``.
+
+    The sink's probability is ``exp(sink - lse)`` and its value is zero, so its logit's gradient is
+    ``-exp(sink - lse) * rowsum(dO * O)``, summed over this rank's queries.
+    """
+    delta = (_acc(dout) * _acc(out)).sum(-1).T
+    return -(torch.exp(sinks.to(lse.dtype).unsqueeze(1) - lse) * delta).sum(1).to(sinks.dtype)

@@ -5,10 +5,12 @@ Each CP rank holds the queries, keys and values of its own tokens in the load-ba
 and values are all-gathered over the CP group (one collective for both, only the key/value heads: with
 grouped-query attention that is ``Hkv``, not ``Hq``, heads). The batch's
 :class:`~lightning_cp.parallel.CPShard` then picks, for each local chunk of each sequence (a
-*piece*), the keys of that sequence up to the chunk's end, and a variable-length causal kernel attends
+*piece*), the keys of that sequence up to the chunk's end (from where the chunk's sliding window starts,
+with a window: :mod:`lightning_cp.parallel._key_selection`), and a variable-length causal kernel attends
 piece by piece (:mod:`lightning_cp.parallel._varlen`: FlashAttention-2 varlen on CUDA, an exact
 blocked torch kernel elsewhere). Documents of a packed batch never see each other, and no
-``[T_local, T_total]`` mask is ever built.
+``[T_local, T_total]`` mask is ever built. Sliding windows, logit softcapping, attention sinks and a value
+head dim of its own are exact on every path.
 
 Memory: the gathered keys and values live only inside the forward and the backward of a layer. The
 backward all-gathers them again instead of keeping them, so a layer saves ``O(T_local)`` (its local
@@ -18,6 +20,7 @@ reduce-scatter (an all-reduce on gloo, which has none).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_cp.parallel import _varlen
+from lightning_cp.parallel._key_selection import KeySelection, select_row_keys
 from lightning_cp.parallel.layout import ProcessGroup
 from lightning_cp.parallel.sharding import CPShard
 
@@ -38,60 +42,94 @@ def context_parallel_attention(
     cp_shard: CPShard | None = None,
     cp_group: ProcessGroup | None = None,
     scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention over the whole sequences while each rank holds only its shard.
 
+    Every variant below is exact (the same as on the full sequence, outputs and gradients) for padded and
+    packed batches, any CP size, and grouped- or multi-query attention; they combine freely.
+
     Args:
         q: ``[B, Hq, S_local, D]``, this rank's queries in ``shard_batch``'s layout (any float dtype).
-        k, v: ``[B, Hkv, S_local, D]`` with ``Hkv`` dividing ``Hq`` (grouped- or multi-query attention
-            when smaller); same dtype and device as ``q``.
+        k: ``[B, Hkv, S_local, D]`` with ``Hkv`` dividing ``Hq`` (grouped- or multi-query attention when
+            smaller); same dtype and device as ``q``.
+        v: ``[B, Hkv, S_local, Dv]``; ``Dv`` may differ from ``D`` (DeepSeek's multi-head latent attention).
         cp_shard: the batch's ``batch["cp_shard"]`` from :func:`~lightning_cp.parallel.shard_batch`.
             Required under CP and for packed batches; without it (and without CP) every row is one
             sequence and this is plain causal attention over the local tokens.
         cp_group: the context-parallel group (``strategy.layout.cp_group``); ``None``: no CP.
-        scale: softmax scale, default ``D ** -0.5``.
+        scale: softmax scale, default ``D ** -0.5`` (Gemma's ``query_pre_attn_scalar ** -0.5``, Granite's
+            ``attention_multiplier``); a positive number.
+        window: sliding window in tokens, ``transformers``' ``sliding_window``: the query at position ``i``
+            of a sequence sees key ``j`` iff ``i - window < j <= i`` (``window=1``: itself only). ``None``:
+            full causal attention. Per call, so per layer: models that alternate windowed and global layers
+            pass it on the windowed ones. Each piece's keys start at its window
+            (:meth:`CPShard.keys <lightning_cp.parallel.CPShard.keys>`, built once per batch and window).
+        softcap: attention logit softcapping (Gemma-2's ``attn_logit_softcapping``), a positive number:
+            scores become ``softcap * tanh(scale * q . k / softcap)`` before the mask and the softmax.
+        sinks: ``[Hq]`` attention sinks (gpt-oss's ``sinks``, passed as ``s_aux``): one learned logit per
+            query head that joins every softmax denominator without a value, so a query may attend to
+            "nothing". Differentiable: its gradient is returned like ``q``'s.
 
     Returns:
-        ``[B, Hq, S_local, D]``: the attention output of this rank's queries, in ``q``'s dtype.
+        ``[B, Hq, S_local, Dv]``: the attention output of this rank's queries, in ``q``'s dtype.
+
+    Kernels: on CUDA with fp16 / bf16 inputs and head dims (the larger of ``D``, ``Dv``) that are multiples
+    of 8 up to 256, PyTorch's FlashAttention-2 varlen kernels (``window`` through their window arguments,
+    ``Dv != D`` through zero padding of the smaller head dim, ``sinks`` as a correction through the
+    log-sum-exp). Everywhere else, and on CUDA whenever ``softcap`` is set (FlashAttention-2 has none), an
+    exact blocked torch kernel that computes in fp32 with one bounded block of scores at a time
+    (slower than FlashAttention on CUDA). The choice is logged once per process. Without CP or a shard,
+    rows that are whole sequences with none of ``window``, ``softcap``, ``sinks`` take the fused causal SDPA.
 
     Communication: one all-gather of K and V over ``cp_group`` in the forward; in the backward the same
-    all-gather again and one reduce-scatter (NCCL) or all-reduce (gloo) of their gradients.
+    all-gather again and one reduce-scatter (NCCL) or all-reduce (gloo) of their gradients. With a window
+    the whole K/V are still gathered; only the keys each piece reaches are selected.
 
     Raises:
-        ValueError: on inconsistent shapes, a shard of another CP split than ``cp_group``'s, or CP
-            without a shard.
+        ValueError: on inconsistent shapes, a shard of another CP split than ``cp_group``'s, CP without a
+            shard, or a ``scale``, ``window``, ``softcap`` or ``sinks`` that is not as described above.
     """
     cp_size, cp_rank = _group_coordinates(cp_group)
-    batch, heads, local_len, dim = _check_shapes(q, k, v)
-    scale = dim**-0.5 if scale is None else float(scale)
+    batch, heads, local_len = _check_shapes(q, k, v)
+    scale = _check_variants(q, scale, window, softcap, sinks)
+    # Without softcap and sinks, a window that covers the whole row changes nothing.
+    plain = softcap is None and sinks is None and (window is None or window >= local_len)
     if cp_shard is None:
         if cp_size > 1:
             raise ValueError(
                 f"context_parallel_attention over a CP group of {cp_size} ranks needs the batch's shard: pass "
                 "cp_shard=batch['cp_shard'] (set by shard_batch / MegatronCPStrategy)."
             )
-        return _causal_rows(q, k, v, scale)
-    split = cp_shard.split
-    if (split.cp_size, split.cp_rank) != (cp_size, cp_rank):
-        raise ValueError(
-            f"cp_shard was made for CP rank {split.cp_rank} of {split.cp_size}, but this is rank {cp_rank} "
-            f"of cp_group's {cp_size}; shard the batch with the group's size and rank."
-        )
-    if cp_shard.local_tokens != batch * local_len:
-        raise ValueError(
-            f"cp_shard describes {cp_shard.local_tokens} local tokens but q holds B * S_local = "
-            f"{batch} * {local_len}; pass the shard of the batch these tensors come from."
-        )
-    if cp_size == 1 and cp_shard.num_sequences == batch:
-        return _causal_rows(q, k, v, scale)  # one sequence per row, all local: the fused causal kernel
+        if plain:
+            return _causal_rows(q, k, v, scale)
+    else:
+        split = cp_shard.split
+        if (split.cp_size, split.cp_rank) != (cp_size, cp_rank):
+            raise ValueError(
+                f"cp_shard was made for CP rank {split.cp_rank} of {split.cp_size}, but this is rank {cp_rank} "
+                f"of cp_group's {cp_size}; shard the batch with the group's size and rank."
+            )
+        if cp_shard.local_tokens != batch * local_len:
+            raise ValueError(
+                f"cp_shard describes {cp_shard.local_tokens} local tokens but q holds B * S_local = "
+                f"{batch} * {local_len}; pass the shard of the batch these tensors come from."
+            )
+        if plain and cp_size == 1 and cp_shard.num_sequences == batch:
+            return _causal_rows(q, k, v, scale)  # one sequence per row, all local: the fused causal kernel
     if batch * local_len == 0:
-        return torch.empty_like(q)
+        return q.new_empty((batch, heads, local_len, v.shape[-1]))
+    keys = select_row_keys(batch, local_len, window, q.device) if cp_shard is None else cp_shard.keys(window)
 
-    def tokens(x: Tensor) -> Tensor:  # [B, H, S, D] -> [B * S, H, D]
-        return x.transpose(1, 2).reshape(batch * local_len, x.shape[1], dim)
+    def tokens(x: Tensor) -> Tensor:  # [B, H, S, d] -> [B * S, H, d]
+        return x.transpose(1, 2).reshape(batch * local_len, x.shape[1], x.shape[3])
 
-    out = _CPAttention.apply(tokens(q), tokens(k), tokens(v), cp_shard, GroupExchange(cp_group), scale)
-    return out.view(batch, local_len, heads, dim).transpose(1, 2)
+    out = _CPAttention.apply(
+        tokens(q), tokens(k), tokens(v), sinks, keys, GroupExchange(cp_group), scale, softcap
+    )
+    return out.view(batch, local_len, heads, v.shape[-1]).transpose(1, 2)
 
 
 def _group_coordinates(group: ProcessGroup | None) -> tuple[int, int]:
@@ -100,20 +138,52 @@ def _group_coordinates(group: ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int]:
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int]:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            "q must be [B, Hq, S_local, D] and k, v [B, Hkv, S_local, D]; "
+            "q must be [B, Hq, S_local, D], k [B, Hkv, S_local, D] and v [B, Hkv, S_local, Dv]; "
             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}."
         )
     batch, heads, local_len, dim = q.shape
     kv_heads = k.shape[1]
     if k.shape[0] != batch or k.shape[2] != local_len or k.shape[3] != dim or heads % kv_heads:
         raise ValueError(
-            f"k, v {tuple(k.shape)} do not fit q {tuple(q.shape)}: they need the same B, S_local and D, and "
-            f"their head count ({kv_heads}) must divide q's ({heads})."
+            f"k, v {tuple(k.shape)} do not fit q {tuple(q.shape)}: they need the same B and S_local, k "
+            f"the same D, and their head count ({kv_heads}) must divide q's ({heads})."
         )
-    return batch, heads, local_len, dim
+    return batch, heads, local_len
+
+
+def _check_variants(
+    q: Tensor, scale: float | None, window: int | None, softcap: float | None, sinks: Tensor | None
+) -> float:
+    """Validate the variant arguments; return the scale to use."""
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale={scale!r} must be a positive finite number (the default is D ** -0.5).")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(
+            f"window={window!r} must be a positive integer number of tokens (a query sees itself and the "
+            "window - 1 tokens before it), or None for full causal attention."
+        )
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(
+            f"softcap={softcap!r} must be a positive finite number (scores become "
+            "softcap * tanh(score / softcap)), or None for no softcapping."
+        )
+    if sinks is not None and (
+        not isinstance(sinks, Tensor)
+        or sinks.shape != (q.shape[1],)
+        or not sinks.is_floating_point()
+        or sinks.device != q.device
+    ):
+        described = (
+            f"{tuple(sinks.shape)} {sinks.dtype} on {sinks.device}" if isinstance(sinks, Tensor) else sinks
+        )
+        raise ValueError(
+            f"sinks must be a float tensor [Hq] = [{q.shape[1]}] on {q.device}, one logit per query head; "
+            f"got {described}."
+        )
+    return q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
 def _causal_rows(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -121,18 +191,6 @@ def _causal_rows(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return F.scaled_dot_product_attention(
         q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
     )
-
-
-def _pieces(shard: CPShard) -> _varlen.Pieces:
-    """Host-side ``(q_start, q_stop, k_start, k_stop)`` of every piece, from the CPU chunk lengths."""
-    kept = shard.split.kept_chunks
-    pieces, q0, k0 = [], 0, 0
-    for chunk in shard.chunk_lengths.tolist():
-        for global_chunk in kept:
-            keys = (global_chunk + 1) * chunk
-            pieces.append((q0, q0 + chunk, k0, k0 + keys))
-            q0, k0 = q0 + chunk, k0 + keys
-    return pieces
 
 
 class GroupExchange:
@@ -169,23 +227,38 @@ class GroupExchange:
         return full[rank * local : (rank + 1) * local].clone()
 
 
-def _pieces_keys(kv: Tensor, shard: CPShard, exchange: GroupExchange) -> tuple[Tensor, Tensor]:
-    """Every piece's keys and values ``[K, Hkv, D]`` from this rank's ``kv`` ``[T_local, 2 * Hkv, D]``."""
-    keys = exchange.all_gather(kv).index_select(0, shard.key_index)
-    kv_heads = kv.shape[1] // 2
-    return keys[:, :kv_heads], keys[:, kv_heads:]
+def _selected_keys(
+    k: Tensor, v: Tensor, keys: KeySelection, exchange: GroupExchange
+) -> tuple[Tensor, Tensor]:
+    """Every piece's keys ``[K, Hkv, D]`` and values ``[K, Hkv, Dv]`` from this rank's ``k``, ``v``.
+
+    One all-gather brings every rank's keys and values (flattened side by side, so ``Dv`` may differ from
+    ``D``); ``keys.key_index`` then picks each piece's.
+    """
+    if keys.key_index is None:
+        return k, v
+    kv = exchange.all_gather(torch.cat([k.flatten(1), v.flatten(1)], dim=1)).index_select(0, keys.key_index)
+    split = k.shape[1] * k.shape[2]
+    return kv[:, :split].unflatten(1, k.shape[1:]), kv[:, split:].unflatten(1, v.shape[1:])
 
 
-def _return_to_owners(grad: Tensor, shard: CPShard, exchange: GroupExchange, local: int) -> Tensor:
-    """Sum the pieces' key gradients ``[K, ...]`` into the ``[T_local, ...]`` of the ranks owning the keys."""
-    size = shard.split.cp_size
-    full = grad.new_zeros((size * local, *grad.shape[1:]))
-    full.index_add_(0, shard.key_index, grad)
-    return exchange.reduce_scatter(full)
+def _return_to_owners(
+    dk: Tensor, dv: Tensor, keys: KeySelection, exchange: GroupExchange
+) -> tuple[Tensor, Tensor]:
+    """Sum the pieces' key and value gradients ``[K, ...]`` into the ``[T_local, ...]`` of their owners."""
+    if keys.key_index is None:
+        return dk, dv
+    grad = torch.cat([dk.flatten(1), dv.flatten(1)], dim=1)
+    full = grad.new_zeros((keys.gathered_tokens, grad.shape[1]))
+    full.index_add_(0, keys.key_index, grad)
+    local = exchange.reduce_scatter(full)
+    split = dk.shape[1] * dk.shape[2]
+    return local[:, :split].unflatten(1, dk.shape[1:]), local[:, split:].unflatten(1, dv.shape[1:])
 
 
 class _CPAttention(torch.autograd.Function):
-    """Token-major CP attention: ``q [T_local, Hq, D]``, ``k, v [T_local, Hkv, D]`` -> ``[T_local, Hq, D]``.
+    """Token-major CP attention: ``q [T_local, Hq, D]``, ``k [T_local, Hkv, D]``, ``v [T_local, Hkv, Dv]``
+    and optional ``sinks [Hq]`` -> ``[T_local, Hq, Dv]``, over the pieces and keys of ``keys``.
 
     Saves only the local tensors; the backward exchanges the keys and values again.
     """
@@ -196,35 +269,42 @@ class _CPAttention(torch.autograd.Function):
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        shard: CPShard,
+        sinks: Tensor | None,
+        keys: KeySelection,
         exchange: GroupExchange,
         scale: float,
+        softcap: float | None,
     ) -> Tensor:
-        piece_k, piece_v = _pieces_keys(torch.cat([k, v], dim=1), shard, exchange)
+        piece_k, piece_v = _selected_keys(k, v, keys, exchange)
         q = q.contiguous()
-        if _varlen.flash_available(q):
+        rng = None
+        if _varlen.use_flash(q, v, softcap):
             out, lse, rng = _varlen.flash_forward(
                 q,
                 piece_k,
                 piece_v,
-                shard.cu_queries,
-                shard.cu_keys,
-                shard.max_queries,
-                shard.max_keys,
+                keys.cu_queries,
+                keys.cu_keys,
+                keys.max_queries,
+                keys.max_keys,
                 scale,
+                window=keys.window,
             )
         else:
-            out, lse = _varlen.torch_forward(q, piece_k, piece_v, _pieces(shard), scale)
-            rng = None
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.shard, ctx.exchange, ctx.scale, ctx.rng = shard, exchange, scale, rng
+            out, lse = _varlen.torch_forward(
+                q, piece_k, piece_v, keys.pieces, scale, window=keys.window, softcap=softcap
+            )
+        if sinks is not None:
+            out, lse = _varlen.add_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.keys, ctx.exchange, ctx.scale, ctx.softcap, ctx.rng = keys, exchange, scale, softcap, rng
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        shard, scale = ctx.shard, ctx.scale
-        piece_k, piece_v = _pieces_keys(torch.cat([k, v], dim=1), shard, ctx.exchange)
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        keys, scale = ctx.keys, ctx.scale
+        piece_k, piece_v = _selected_keys(k, v, keys, ctx.exchange)
         if ctx.rng is not None:
             dq, dk, dv = _varlen.flash_backward(
                 dout,
@@ -233,16 +313,28 @@ class _CPAttention(torch.autograd.Function):
                 piece_v,
                 out,
                 lse,
-                shard.cu_queries,
-                shard.cu_keys,
-                shard.max_queries,
-                shard.max_keys,
+                keys.cu_queries,
+                keys.cu_keys,
+                keys.max_queries,
+                keys.max_keys,
                 scale,
                 ctx.rng,
+                window=keys.window,
             )
         else:
-            dq, dk, dv = _varlen.torch_backward(dout, q, piece_k, piece_v, out, lse, _pieces(shard), scale)
+            dq, dk, dv = _varlen.torch_backward(
+                dout,
+                q,
+                piece_k,
+                piece_v,
+                out,
+                lse,
+                keys.pieces,
+                scale,
+                window=keys.window,
+                softcap=ctx.softcap,
+            )
         del piece_k, piece_v
-        kv_heads = k.shape[1]
-        dkv = _return_to_owners(torch.cat([dk, dv], dim=1), shard, ctx.exchange, q.shape[0])
-        return dq, dkv[:, :kv_heads], dkv[:, kv_heads:], None, None, None
+        dsinks = _varlen.sink_grad(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None
+        dk, dv = _return_to_owners(dk, dv, keys, ctx.exchange)
+        return dq, dk, dv, dsinks, None, None, None, None

@@ -20,7 +20,7 @@ arithmetic is vectorized over sequences.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from lightning_cp.constants import (
     LOSS_MASK,
     POSITION_IDS,
 )
+from lightning_cp.parallel._key_selection import KeySelection, effective_window, select_keys
 from lightning_cp.parallel.layout import check_size
 
 _PACKED_KEYS = (CU_SEQLENS, CU_SEQLENS_PADDED)
@@ -110,12 +111,8 @@ class CPShard:
     this rank's ``T_local`` tokens (the batch flattened row-major) hold, sequence after sequence, the two
     kept chunks of each. Attention splits them into *pieces* (one per kept chunk, ``2 * n`` in all):
     piece ``(i, h)`` holds the queries of chunk ``g = kept_chunks[h]`` of sequence ``i``, which attend
-    causally (bottom-right aligned) to the first ``(g + 1) * chunk_lengths[i]`` keys of that sequence.
-
-    Keys are all-gathered over the CP group in rank order (``[cp * T_local]``); ``key_index`` picks, for
-    every piece in turn, its keys out of that gathered order, so the per-piece keys form one packed
-    ``[K]`` sequence described by ``cu_keys``: exactly the variable-length layout that
-    ``flash_attn_varlen_func`` / ``torch.nn.attention.varlen`` take, with no ``[T_local, T_total]`` mask.
+    causally (bottom-right aligned) to the first ``(g + 1) * chunk_lengths[i]`` keys of that sequence,
+    or, with a sliding window, to those the window reaches (:meth:`keys`).
     """
 
     split: CPSplit
@@ -124,16 +121,7 @@ class CPShard:
     """``[n]`` int64 on the CPU: the chunk length of each sequence (its padded length is ``2 * cp`` times it)."""
     cu_seqlens: Tensor
     """``[n + 1]`` int32: boundaries of the sequences in this rank's ``T_local`` tokens."""
-    cu_queries: Tensor
-    """``[2 * n + 1]`` int32: boundaries of the query pieces in the ``T_local`` tokens."""
-    cu_keys: Tensor
-    """``[2 * n + 1]`` int32: boundaries of the pieces' keys in the ``[K]`` selection made by ``key_index``."""
-    key_index: Tensor
-    """``[K]`` int64: position in the gathered ``[cp * T_local]`` keys of every key of every piece."""
-    max_queries: int
-    """Longest query piece."""
-    max_keys: int
-    """Longest key piece."""
+    _keys: dict[int | None, KeySelection] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, split: CPSplit, lengths: Tensor, device: torch.device | str) -> CPShard:
@@ -142,37 +130,19 @@ class CPShard:
         Computed on the CPU from ``lengths`` (no device synchronization), then copied to ``device``.
         """
         chunk = split.chunk_lengths(lengths.to("cpu", torch.int64))
-        n, cp = len(chunk), split.cp_size
-        kept = torch.tensor(split.kept_chunks)
-        local_lengths = 2 * chunk
-        local_starts = torch.cumsum(local_lengths, 0) - local_lengths
-        local_total = int(local_lengths.sum())
-        key_lengths = ((kept + 1).unsqueeze(0) * chunk.unsqueeze(1)).flatten()
-        key_total = int(key_lengths.sum())
-        # For every key of every piece: its sequence, and its position p in that (padded) sequence.
-        key_sequence = (
-            torch.arange(n).repeat_interleave(2).repeat_interleave(key_lengths, output_size=key_total)
-        )
-        piece_starts = torch.cumsum(key_lengths, 0) - key_lengths
-        p = torch.arange(key_total) - piece_starts.repeat_interleave(key_lengths, output_size=key_total)
-        c = chunk[key_sequence]
-        global_chunk = torch.div(p, c, rounding_mode="floor")
-        owner = torch.where(global_chunk < cp, global_chunk, 2 * cp - 1 - global_chunk)
-        second_half = (global_chunk >= cp).long()
-        key_index = (
-            owner * local_total + local_starts[key_sequence] + second_half * c + (p - global_chunk * c)
-        )
-        longest = int(chunk.max()) if n else 0
-        return cls(
-            split=split,
-            chunk_lengths=chunk,
-            cu_seqlens=_cumulative(local_lengths).to(device),
-            cu_queries=_cumulative(chunk.repeat_interleave(2)).to(device),
-            cu_keys=_cumulative(key_lengths).to(device),
-            key_index=key_index.to(device),
-            max_queries=longest,
-            max_keys=(split.kept_chunks[1] + 1) * longest,
-        )
+        return cls(split=split, chunk_lengths=chunk, cu_seqlens=_cumulative(2 * chunk).to(device))
+
+    def keys(self, window: int | None = None) -> KeySelection:
+        """Which gathered keys every piece attends to: causal, or within a sliding ``window`` of tokens.
+
+        Built on the first call for each window (on the CPU, then copied to ``cu_seqlens``' device) and
+        cached on the shard, so every layer of a batch with that window reuses it.
+        """
+        longest = 2 * self.split.cp_size * int(self.chunk_lengths.max()) if self.num_sequences else 0
+        window = effective_window(window, longest)
+        if window not in self._keys:
+            self._keys[window] = select_keys(self.split, self.chunk_lengths, window, self.cu_seqlens.device)
+        return self._keys[window]
 
     @property
     def num_sequences(self) -> int:

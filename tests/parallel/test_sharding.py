@@ -1,5 +1,3 @@
-import itertools
-
 import megatron.core.utils as megatron_utils
 import pytest
 import torch
@@ -194,43 +192,3 @@ def test_a_split_needs_integer_sizes():
         shard_batch({"input_ids": torch.zeros(1, 8, dtype=torch.long)}, 2.0, 0)
     with pytest.raises(TypeError, match="cp_rank=True"):
         CPSplit(2, True)
-
-
-def _expected_piece_keys(lengths, cp, rank):
-    """For every piece (sequence, kept chunk) in local order: the 1-based global ids of the keys it attends,
-    the sequence's first (chunk + 1) * c padded positions (0 for padding), by a plain loop."""
-    pieces, start = [], 0
-    for length in lengths:
-        c = -(-length // (2 * cp))
-        ids = [start + t + 1 if t < length else 0 for t in range(2 * cp * c)]
-        for chunk in (rank, 2 * cp - 1 - rank):
-            pieces.append(ids[: (chunk + 1) * c])
-        start += length
-    return pieces
-
-
-@pytest.mark.parametrize("cp", [1, 2, 4])
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_cp_shard_finds_every_key_of_every_piece(cp, packed):
-    lengths = [5, 1, 9, 8, 3] if packed else [11, 11]
-    rows, total = (1, sum(lengths)) if packed else (len(lengths), lengths[0])
-    batch = {"input_ids": torch.zeros(rows, total, dtype=torch.long)}
-    batch["token_id"] = torch.arange(1, rows * total + 1).view(rows, total)
-    if packed:
-        batch["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    shards = [shard_batch(batch, cp, r) for r in range(cp)]
-    gathered = torch.cat([s["token_id"].flatten() for s in shards])  # all_gather order: rank-major
-    for rank, shard in enumerate(shards):
-        layout = shard["cp_shard"]
-        keys = gathered[layout.key_index].tolist()
-        cu_keys, cu_queries = layout.cu_keys.tolist(), layout.cu_queries.tolist()
-        expected = _expected_piece_keys(lengths if packed else [total] * rows, cp, rank)
-        assert [keys[a:b] for a, b in itertools.pairwise(cu_keys)] == expected
-        local = shard["token_id"].flatten().tolist()
-        pieces = [local[a:b] for a, b in itertools.pairwise(cu_queries)]
-        # Each piece's queries are the last keys of its key range (bottom-right causal alignment).
-        assert all(keys_of[len(keys_of) - len(q) :] == q for keys_of, q in zip(expected, pieces))
-        assert layout.local_tokens == shard["input_ids"].numel()
-        assert layout.max_keys == max(len(p) for p in expected)
-        if packed:
-            assert torch.equal(layout.cu_seqlens, shard["cu_seqlens"])
