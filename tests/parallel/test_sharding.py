@@ -6,6 +6,7 @@ import torch
 
 from lightning_cp.constants import IGNORE_INDEX
 from lightning_cp.parallel import CPSplit, shard_batch, unshard
+from lightning_cp.parallel.sharding import sharded_under_cp
 
 
 def _reference_targets(input_ids, lengths, loss_mask=None):
@@ -96,7 +97,7 @@ def test_padded_odd_length_is_padded_and_padding_is_never_a_target(cp):
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_packed_layout_per_sequence(cp):
+def test_packed_split_per_sequence(cp):
     lengths = [5, 1, 9, 8, 3]
     cu = torch.tensor([0, 5, 6, 15, 23, 26], dtype=torch.int32)
     input_ids = torch.randint(1, 50, (1, 26))
@@ -221,16 +222,53 @@ def test_cp_shard_finds_every_key_of_every_piece(cp, packed):
     shards = [shard_batch(batch, cp, r) for r in range(cp)]
     gathered = torch.cat([s["token_id"].flatten() for s in shards])  # all_gather order: rank-major
     for rank, shard in enumerate(shards):
-        layout = shard["cp_shard"]
-        keys = gathered[layout.key_index].tolist()
-        cu_keys, cu_queries = layout.cu_keys.tolist(), layout.cu_queries.tolist()
+        cp_shard = shard["cp_shard"]
+        keys = gathered[cp_shard.key_index].tolist()
+        cu_keys, cu_queries = cp_shard.cu_keys.tolist(), cp_shard.cu_queries.tolist()
         expected = _expected_piece_keys(lengths if packed else [total] * rows, cp, rank)
         assert [keys[a:b] for a, b in itertools.pairwise(cu_keys)] == expected
         local = shard["token_id"].flatten().tolist()
         pieces = [local[a:b] for a, b in itertools.pairwise(cu_queries)]
         # Each piece's queries are the last keys of its key range (bottom-right causal alignment).
         assert all(keys_of[len(keys_of) - len(q) :] == q for keys_of, q in zip(expected, pieces))
-        assert layout.local_tokens == shard["input_ids"].numel()
-        assert layout.max_keys == max(len(p) for p in expected)
+        assert cp_shard.local_tokens == shard["input_ids"].numel()
+        assert cp_shard.max_keys == max(len(p) for p in expected)
         if packed:
-            assert torch.equal(layout.cu_seqlens, shard["cu_seqlens"])
+            assert torch.equal(cp_shard.cu_seqlens, shard["cu_seqlens"])
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_cp_shard_knows_the_sequence_of_every_local_token(cp, packed):
+    lengths = [5, 1, 9, 8, 3] if packed else [11, 11, 11]
+    rows, total = (1, sum(lengths)) if packed else (len(lengths), lengths[0])
+    batch = {"input_ids": torch.zeros(rows, total, dtype=torch.long)}
+    # Every token tagged with 1 + its sequence (row, or packed document); CP padding gets 0.
+    if packed:
+        batch["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        batch["tag"] = torch.arange(1, len(lengths) + 1).repeat_interleave(torch.tensor(lengths))[None]
+    else:
+        batch["tag"] = torch.arange(1, rows + 1)[:, None].expand(rows, total)
+    for rank in range(cp):
+        shard = shard_batch(batch, cp, rank)
+        index, tag = shard["cp_shard"].sequence_index, shard["tag"].flatten()
+        assert index.dtype == torch.int64 and index.shape == tag.shape
+        assert torch.equal(index[tag > 0], tag[tag > 0] - 1)
+        assert shard["cp_shard"].num_sequences == len(lengths)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_the_owner_of_a_chunk_keeps_it(cp):
+    chunks = torch.arange(2 * cp)
+    rank, slot = CPSplit(cp, 0).owner(chunks)
+    for chunk, r, s in zip(chunks.tolist(), rank.tolist(), slot.tolist()):
+        assert CPSplit(cp, r).kept_chunks[s] == chunk
+
+
+def test_only_position_ids_split_over_several_ranks_are_marked():
+    batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "position_ids": torch.arange(8).expand(2, 8)}
+    assert not sharded_under_cp(batch["position_ids"])
+    assert not sharded_under_cp(shard_batch(batch, 1, 0)["position_ids"])  # cp = 1: whole sequences
+    shard = shard_batch(batch, 2, 1)
+    assert sharded_under_cp(shard["position_ids"]) and shard["cp_shard"].position_ids is shard["position_ids"]
+    assert not sharded_under_cp(shard["position_ids"].clone()) and not sharded_under_cp(batch["position_ids"])
