@@ -16,8 +16,8 @@ changes, all in ``training_step`` and the ``Trainer``:
    ``arange``), the batch's ``cp_shard`` and the CP group for its attention. ``lightning_cp.models.GPT``
    is such a model; in your own, replace ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` with
    ``context_parallel_attention(q, k, v, cp_shard=batch["cp_shard"], cp_group=layout.cp_group)``
-   (``layout = lightning_cp.parallel.current_layout()``). A Hugging Face model only needs
-   ``attn_implementation="lightning_cp"`` (see the README).
+   (``layout = lightning_cp.parallel.current_layout()``). A Hugging Face model needs
+   ``attn_implementation="lightning_cp"`` and ``cp_shard=batch["cp_shard"]`` in its call (see the README).
 5. No ``self.log("train/loss", ...)``: the mixin logs ``train/loss`` (the mean over every target token of
    the global batch), perplexity, accuracy and token counts, reduced over all ranks.
 6. ``Trainer(strategy=MegatronCPStrategy(cp=...))``.

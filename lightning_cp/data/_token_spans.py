@@ -2,7 +2,7 @@
 
 A sample is a contiguous span ``tokens[start : start + length]`` of one binary file of token ids; the
 datasets differ only in how they find the spans (fixed windows, EOS tokens, a Megatron index). This module
-imports numpy and torch only, so DataLoader workers stay light.
+imports numpy, torch and the batch keys (``lightning_cp.constants``) only, so DataLoader workers stay light.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import os
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from lightning_cp.constants import INPUT_IDS, LOSS_MASK
 
 _SCAN_CHUNK = 1 << 24
 """Tokens read per step when scanning a file: bounds the scan's memory to a few tens of MB."""
@@ -45,7 +47,7 @@ class _TokenSpans(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         start, length = int(self._starts[index]), int(self._lengths[index])
         ids = torch.from_numpy(self._tokens[start : start + length].astype(np.int64))
-        return {"input_ids": ids, "loss_mask": torch.ones(length, dtype=torch.float32)}
+        return {INPUT_IDS: ids, LOSS_MASK: torch.ones(length, dtype=torch.float32)}
 
     @property
     def _tokens(self) -> np.memmap:

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from lightning_cp.constants import IGNORE_INDEX
+from lightning_cp.constants import CU_SEQLENS, IGNORE_INDEX, INPUT_IDS, INPUT_MASK, LABELS, LOSS_MASK
 
 
 def collate_padded(samples: Sequence[Mapping[str, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -55,10 +55,10 @@ def collate_padded(samples: Sequence[Mapping[str, torch.Tensor]], pad_id: int = 
     columns = _columns(samples)
     batch = {}
     for key, values in columns.items():
-        padding_value = pad_id if key == "input_ids" else IGNORE_INDEX if key == "labels" else 0
+        padding_value = pad_id if key == INPUT_IDS else IGNORE_INDEX if key == LABELS else 0
         batch[key] = pad_sequence(values, batch_first=True, padding_value=padding_value)
-    lengths = torch.tensor([len(ids) for ids in columns["input_ids"]])
-    batch["input_mask"] = torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]
+    lengths = torch.tensor([len(ids) for ids in columns[INPUT_IDS]])
+    batch[INPUT_MASK] = torch.arange(batch[INPUT_IDS].shape[1]) < lengths[:, None]
     return batch
 
 
@@ -81,8 +81,8 @@ def collate_packed(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, t
     """
     columns = _columns(samples)
     batch = {key: torch.cat(values).unsqueeze(0) for key, values in columns.items()}
-    lengths = torch.tensor([len(ids) for ids in columns["input_ids"]], dtype=torch.int32)
-    batch["cu_seqlens"] = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    lengths = torch.tensor([len(ids) for ids in columns[INPUT_IDS]], dtype=torch.int32)
+    batch[CU_SEQLENS] = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
     return batch
 
 
@@ -91,20 +91,20 @@ def _columns(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, list[to
     if len(samples) == 0:
         raise ValueError("samples=[] is empty: a batch needs at least one sample.")
     keys = set(samples[0])
-    if "input_ids" not in keys:
-        raise ValueError(f"Each sample needs an 'input_ids' tensor; got keys {sorted(keys)}.")
+    if INPUT_IDS not in keys:
+        raise ValueError(f"Each sample needs an {INPUT_IDS!r} tensor; got keys {sorted(keys)}.")
     columns: dict[str, list[torch.Tensor]] = {key: [] for key in samples[0]}
-    columns.setdefault("loss_mask", [])
+    columns.setdefault(LOSS_MASK, [])
     for i, sample in enumerate(samples):
         if set(sample) != keys:
             raise ValueError(
                 f"samples[{i}] has keys {sorted(sample)} but samples[0] has {sorted(keys)}; every sample "
                 "of a batch needs the same keys."
             )
-        ids = sample["input_ids"]
+        ids = sample[INPUT_IDS]
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() == 0:
             shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise ValueError(f"samples[{i}]['input_ids'] must be a non-empty 1-D tensor, got {shape}.")
+            raise ValueError(f"samples[{i}][{INPUT_IDS!r}] must be a non-empty 1-D tensor, got {shape}.")
         for key, value in sample.items():
             if not isinstance(value, torch.Tensor) or value.shape != ids.shape:
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -112,7 +112,7 @@ def _columns(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, list[to
                     f"samples[{i}][{key!r}] must be a 1-D tensor of the sample's length {ids.numel()} "
                     f"(aligned with input_ids), got {shape}."
                 )
-            columns[key].append(value.long() if key == "input_ids" else value)
-        if "loss_mask" not in keys:
-            columns["loss_mask"].append(torch.ones(ids.numel(), dtype=torch.float32))
+            columns[key].append(value.long() if key == INPUT_IDS else value)
+        if LOSS_MASK not in keys:
+            columns[LOSS_MASK].append(torch.ones(ids.numel(), dtype=torch.float32))
     return columns

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
+from lightning_cp.constants import INPUT_IDS, LOSS_MASK
+
 
 class LongRangeCopyDataset(Dataset):
     """``num_samples`` copy-task sequences, generated on the fly and deterministic per index.
@@ -75,7 +77,7 @@ class LongRangeCopyDataset(Dataset):
         first = torch.randint(0, self.vocab_size, (half,), generator=generator, dtype=torch.int64)
         loss_mask = torch.zeros(2 * half, dtype=torch.float32)
         loss_mask[half:] = 1.0
-        return {"input_ids": torch.cat([first, first]), "loss_mask": loss_mask}
+        return {INPUT_IDS: torch.cat([first, first]), LOSS_MASK: loss_mask}
 
 
 def _check_copy_task(seq_len: int, vocab_size: int, min_len: int | None, **num_samples: int) -> None:

@@ -2,9 +2,11 @@
 
 ``import lightning_cp`` registers the attention implementation ``"lightning_cp"`` with ``transformers``
 when it is installed (never importing it early: the registration happens when ``transformers`` loads
-its attention and mask modules). A model built with it attends over whole sequences while each rank holds
-its shard (:mod:`lightning_cp.hf.attention`); :func:`check_attention_is_context_parallel` is the
-strategy's guard against models that would attend only within a shard.
+its attention and mask modules). A model built with it and called with the batch's shard
+(``cp_shard=batch["cp_shard"]``, next to ``position_ids``) attends over whole sequences while each rank
+holds its shard, and is plain ``"sdpa"`` attention otherwise (:mod:`lightning_cp.hf.attention`);
+:func:`check_attention_is_context_parallel` is the strategy's guard against models that would attend
+only within a shard.
 
 No module here imports ``transformers`` when it is imported; it is an optional dependency
 (``pip install lightning-cp[hf]``).

@@ -1,20 +1,25 @@
 """The attention function and mask hook behind ``attn_implementation="lightning_cp"``.
 
 A Hugging Face attention layer computes its queries, keys and values (rotary embeddings applied from
-the ``position_ids`` it was given) and hands them to the function registered under its config's
-``_attn_implementation``. Under :class:`~lightning_cp.MegatronCPStrategy` those are this rank's tokens
-only, so :func:`hf_context_parallel_attention` calls
-:func:`~lightning_cp.parallel.context_parallel_attention` with the batch's
-:class:`~lightning_cp.parallel.CPShard` (from :func:`~lightning_cp.parallel.batch_context.current_batch`,
-recorded by the strategy) and the CP group of :func:`~lightning_cp.parallel.current_layout`. With
-grouped- or multi-query attention only the key/value heads are all-gathered.
+the ``position_ids`` it was given) and hands them, with the keyword arguments of the decoder call, to the
+function registered under its config's ``_attn_implementation``. The batch's
+:class:`~lightning_cp.parallel.CPShard` reaches it that way, as ``position_ids`` does::
+
+    out = model.model(
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"], cp_shard=batch["cp_shard"]
+    )
+
+Given ``cp_shard``, :func:`hf_context_parallel_attention` calls
+:func:`~lightning_cp.parallel.context_parallel_attention` with it and the CP group of
+:func:`~lightning_cp.parallel.current_layout` (only the key/value heads are all-gathered). Without it, the
+function is exactly ``transformers``' ``"sdpa"`` attention, so the same model runs anywhere: in a
+callback, as a teacher on other tensors, without a strategy, in ``generate``.
 
 Masks: ``transformers`` builds one mask per forward with the function registered for the implementation
-in its ``AttentionMaskInterface``. A mask over the local shard would be wrong under CP (causality runs
-over the whole sequence, and packed documents are cut into pieces on every rank), so during a sharded
-step :func:`mask_for_hf` builds none: causality and document boundaries come from the shard layout.
-Outside a sharded step (no strategy, no recorded batch) both functions are exactly ``transformers``'
-``"sdpa"`` ones, so the same model runs anywhere.
+in its ``AttentionMaskInterface``, which does not see the forward's keyword arguments. :func:`mask_for_hf`
+therefore returns a :class:`DeferredMask` that only records what ``sdpa_mask`` would be called with. With
+``cp_shard`` the attention never builds it (the shard defines causality and document boundaries; no
+``[S_local, S_local]`` mask exists); without, the first layer builds it and every layer shares it.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_cp.constants import CP_SHARD
 from lightning_cp.parallel.attention import context_parallel_attention
-from lightning_cp.parallel.batch_context import CurrentBatch, current_batch
 from lightning_cp.parallel.layout import current_layout
+from lightning_cp.parallel.sharding import CPShard, sharded_under_cp
 
 ATTN_IMPLEMENTATION = "lightning_cp"
 """The name to give ``transformers``: ``from_pretrained(..., attn_implementation="lightning_cp")``."""
@@ -41,122 +47,196 @@ _UNSUPPORTED = {
 }
 
 
+class DeferredMask:
+    """The SDPA mask of one forward, built on first use and then shared by every layer.
+
+    Holds the keyword arguments ``transformers`` gave the mask hook (sizes, offsets, the mask pattern
+    function, the user's 2-D ``attention_mask``); :meth:`build` returns ``sdpa_mask(**arguments)``
+    (``[B, 1, S, S]`` bool, or ``None`` where SDPA's ``is_causal`` suffices), computed once. Also records
+    the ``position_ids`` tensor a context-parallel forward has verified, so the check runs once per forward.
+    """
+
+    def __init__(self, arguments: dict[str, Any]) -> None:
+        self.arguments = arguments
+        self.verified_positions: Tensor | None = None
+        self._built = False
+        self._mask: Tensor | None = None
+
+    @property
+    def padding_mask(self) -> Tensor | None:
+        """The 2-D ``[B, S]`` padding mask the model was called with (``attention_mask=``), if any."""
+        return self.arguments.get("attention_mask")
+
+    def build(self) -> Tensor | None:
+        """``transformers.masking_utils.sdpa_mask`` of the recorded arguments (the first call computes it)."""
+        if not self._built:
+            from transformers.masking_utils import sdpa_mask
+
+            self._mask = sdpa_mask(**self.arguments)
+            self._built = True
+        return self._mask
+
+
+def mask_for_hf(**arguments: Any) -> DeferredMask | Tensor | None:
+    """The ``AttentionMaskInterface`` entry: a :class:`DeferredMask` of ``sdpa_mask``'s arguments.
+
+    Only a mask whose queries and keys coincide (equal lengths, offsets 0: every context-parallel step,
+    and a forward with an empty dynamic cache) is deferred. With a filled or static cache the mask is built
+    at once: ``generate`` with a static cache builds masks ahead of the forward and handles them as tensors.
+    """
+    q_offset = arguments.get("q_offset", 0)
+    queries_are_keys = (
+        not isinstance(q_offset, Tensor)
+        and q_offset == 0
+        and arguments.get("kv_offset", 0) == 0
+        and arguments["kv_length"] == arguments["q_length"]
+    )
+    mask = DeferredMask(arguments)
+    return mask if queries_are_keys else mask.build()
+
+
 def hf_context_parallel_attention(
     module: nn.Module,
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attention_mask: Tensor | None,
+    attention_mask: DeferredMask | Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """Causal attention of a ``transformers`` layer over whole sequences, each rank holding its shard.
+    """Attention of a ``transformers`` layer: over whole sequences given ``cp_shard``, else ``"sdpa"``.
 
     Args:
         module: the calling attention layer (read for ``is_causal``).
         query: ``[B, Hq, S_local, D]``, this rank's queries (rotary embeddings applied).
         key, value: ``[B, Hkv, S_local, D]`` with ``Hkv`` dividing ``Hq``; never repeated to ``Hq`` heads.
-        attention_mask: what :func:`mask_for_hf` built: ``None`` during a sharded step.
+        attention_mask: what :func:`mask_for_hf` returned (or a 4-D mask the model was called with).
         scaling: softmax scale (default ``D ** -0.5``).
-        dropout: attention dropout probability; must be 0.
-        **kwargs: the layer's other keywords; ``position_ids`` is checked against the batch's once per
-            batch, and ``sliding_window``, ``softcap``, ``s_aux``, ``position_bias`` must be ``None``.
+        dropout: attention dropout probability; must be 0 with ``cp_shard``.
+        **kwargs: the decoder call's keywords. ``cp_shard``: the batch's
+            :class:`~lightning_cp.parallel.CPShard` (``batch["cp_shard"]``); with it ``position_ids`` must
+            be the batch's (checked once per forward), and ``sliding_window``, ``softcap``, ``s_aux``,
+            ``position_bias`` must be ``None``.
 
     Returns:
         ``([B, S_local, Hq, D], None)``: the output in ``query``'s dtype, and no attention weights.
 
-    Communication: during a sharded step, that of ``context_parallel_attention`` over the current
-    layout's CP group (one all-gather of K and V forward; the same again and one reduce-scatter
-    backward); none without CP. Outside a sharded step this is ``transformers``' SDPA attention.
+    Communication: with ``cp_shard``, that of ``context_parallel_attention`` over the current layout's CP
+    group (one all-gather of K and V forward; the same again and one reduce-scatter backward; none
+    without CP). Without ``cp_shard`` none: this is ``transformers``' SDPA attention.
 
     Raises:
-        ValueError: an unsupported variant (sliding window, softcap, sinks, bias, dropout, non-causal),
-            query heads not a multiple of key/value heads,
-            a mask given during a sharded step, tensors that are not the current batch's shard, or a
-            model called without the batch's ``position_ids``.
+        ValueError: without ``cp_shard``, ``position_ids`` of a batch sharded over ``cp > 1`` ranks (the
+            model would attend within this rank's shard). With it: an unsupported variant (sliding window,
+            softcap, sinks, bias, dropout, non-causal), query heads not a multiple of key/value heads, an
+            attention mask, tensors that are not the shard's, or ``position_ids`` that are not the batch's.
     """
-    _check_supported(module, dropout, kwargs)
-    if query.shape[1] % key.shape[1]:
-        raise ValueError(
-            f"{type(module).__name__} has {query.shape[1]} query heads and {key.shape[1]} key/value heads: "
-            "the config's num_attention_heads must be a multiple of num_key_value_heads."
-        )
-    batch = current_batch()
-    if batch is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    if attention_mask is not None:
-        raise ValueError(
-            'attn_implementation="lightning_cp" got an attention mask during a context-parallel step; the '
-            "batch's shard layout already defines causality and document boundaries. Do not pass a 4-D "
-            "attention_mask to the model (pad on the right and mark targets with loss_mask instead)."
-        )
-    _check_batch(batch, query, kwargs.get("position_ids"))
+    cp_shard = kwargs.pop(CP_SHARD, None)
+    if cp_shard is None:
+        return _sdpa(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+    _check_supported(module, query, key, dropout, kwargs)
+    _check_mask(attention_mask)
+    _check_tokens(cp_shard, query)
+    _check_positions(cp_shard, kwargs.get("position_ids"), attention_mask)
     out = context_parallel_attention(
-        query,
-        key,
-        value,
-        cp_shard=batch.cp_shard,
-        cp_group=current_layout().cp_group,
-        scale=scaling,
+        query, key, value, cp_shard=cp_shard, cp_group=current_layout().cp_group, scale=scaling
     )
     return out.transpose(1, 2).contiguous(), None
 
 
-def mask_for_hf(*, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor | None:
-    """The ``AttentionMaskInterface`` entry: no mask during a sharded step, else ``transformers``' SDPA mask."""
-    if current_batch() is not None:
-        return None
-    from transformers.masking_utils import sdpa_mask
+def _sdpa(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: DeferredMask | Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> tuple[Tensor, None]:
+    if sharded_under_cp(kwargs.get("position_ids")):
+        raise ValueError(
+            "The model was called on a batch sharded for context parallelism without its shard: each rank "
+            "would attend only within its own tokens. Pass the batch's shard with its position_ids: "
+            "model(input_ids=batch['input_ids'], position_ids=batch['position_ids'], "
+            "cp_shard=batch['cp_shard'])."
+        )
+    if isinstance(attention_mask, DeferredMask):
+        attention_mask = attention_mask.build()
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    return sdpa_mask(attention_mask=attention_mask, **kwargs)
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
 
 
-def _check_supported(module: nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
-    for name, instead in _UNSUPPORTED.items():
-        if kwargs.get(name) is not None:
+def _check_supported(
+    module: nn.Module, query: Tensor, key: Tensor, dropout: float, kwargs: dict[str, Any]
+) -> None:
+    name = type(module).__name__
+    for variant, instead in _UNSUPPORTED.items():
+        if kwargs.get(variant) is not None:
             raise ValueError(
-                f'attn_implementation="lightning_cp" computes plain causal attention, but '
-                f"{type(module).__name__} passed {name}={kwargs[name]!r}: {instead}."
+                f'attn_implementation="lightning_cp" computes plain causal attention, but {name} passed '
+                f"{variant}={kwargs[variant]!r}: {instead}."
             )
     if dropout:
         raise ValueError(
-            f'attn_implementation="lightning_cp" has no attention dropout, but {type(module).__name__} '
-            f"passed dropout={dropout}: set the config's attention_dropout=0.0."
+            f'attn_implementation="lightning_cp" has no attention dropout, but {name} passed '
+            f"dropout={dropout}: set the config's attention_dropout=0.0."
         )
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
         raise ValueError(
-            f'attn_implementation="lightning_cp" is causal attention, but {type(module).__name__} is '
-            "bidirectional (is_causal=False): use it only in causal decoder layers."
+            f'attn_implementation="lightning_cp" is causal attention, but {name} is bidirectional '
+            "(is_causal=False): use it only in causal decoder layers."
         )
-
-
-def _check_batch(batch: CurrentBatch, query: Tensor, position_ids: Tensor | None) -> None:
-    rows, _, length, _ = query.shape
-    shard = batch.cp_shard
-    if rows * length != shard.local_tokens:
+    if query.shape[1] % key.shape[1]:
         raise ValueError(
-            f'attn_implementation="lightning_cp" got queries of {rows} x {length} tokens, but the current '
-            f"batch holds {shard.local_tokens} tokens on this rank: call the model on the batch the strategy "
-            "passed to the step (batch['input_ids'], already this rank's shard), not on other tensors."
+            f"{name} has {query.shape[1]} query heads and {key.shape[1]} key/value heads: the config's "
+            "num_attention_heads must be a multiple of num_key_value_heads."
         )
-    if batch.positions_checked:
+
+
+def _check_mask(attention_mask: DeferredMask | Tensor | None) -> None:
+    user_mask = attention_mask.padding_mask if isinstance(attention_mask, DeferredMask) else attention_mask
+    if user_mask is not None:
+        raise ValueError(
+            'attn_implementation="lightning_cp" got an attention mask with cp_shard; the shard already '
+            "defines causality and document boundaries. Do not pass attention_mask to the model (pad on the "
+            "right and mark targets with loss_mask, or pack documents with cu_seqlens instead)."
+        )
+
+
+def _check_tokens(cp_shard: CPShard, query: Tensor) -> None:
+    rows, _, length, _ = query.shape
+    if rows * length != cp_shard.local_tokens:
+        raise ValueError(
+            f'attn_implementation="lightning_cp" got queries of {rows} x {length} tokens, but cp_shard holds '
+            f"{cp_shard.local_tokens} tokens on this rank: call the model on the batch the shard belongs to "
+            "(batch['input_ids'], already this rank's shard) with that batch's cp_shard."
+        )
+
+
+def _check_positions(
+    cp_shard: CPShard, position_ids: Tensor | None, attention_mask: DeferredMask | Tensor | None
+) -> None:
+    expected = cp_shard.position_ids
+    # Models without position_ids in their attention keywords, and shards built without a batch, cannot
+    # be checked here.
+    if expected is None or position_ids is None or position_ids is expected:
         return
-    # Models without position_ids in their attention keywords cannot be checked here.
-    if position_ids is not None and position_ids is not batch.position_ids:
-        expected = batch.position_ids
-        same = position_ids.shape[-1] == expected.shape[-1] and torch.equal(
-            position_ids.expand_as(expected), expected
+    forward = attention_mask if isinstance(attention_mask, DeferredMask) else None
+    if forward is not None and forward.verified_positions is position_ids:
+        return
+    same = position_ids.shape[-1] == expected.shape[-1] and torch.equal(
+        position_ids.expand_as(expected), expected
+    )
+    if not same:
+        raise ValueError(
+            "The model was not given the batch's position_ids: under context parallelism each rank holds two "
+            "separate chunks of every sequence (and packed documents restart at 0), so positions counted "
+            "from 0 over the local tokens are wrong. Call the model with position_ids=batch['position_ids']."
         )
-        if not same:
-            raise ValueError(
-                "The model was not given the batch's position_ids: under context parallelism each rank "
-                "holds two separate chunks of every sequence (and packed documents restart at 0), so "
-                "positions counted from 0 over the local tokens are wrong. Call the model with "
-                "position_ids=batch['position_ids']."
-            )
-    batch.positions_checked = True
+    if forward is not None:
+        forward.verified_positions = position_ids

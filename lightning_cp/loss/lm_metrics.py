@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric, MetricCollection
 
-from lightning_cp.constants import CU_SEQLENS, INPUT_MASK, LABELS
+from lightning_cp.constants import CP_SHARD, INPUT_MASK
 from lightning_cp.loss.metrics import (
     InputTokenCount,
     MeanTokenEntropy,
@@ -61,14 +61,29 @@ def default_lm_metrics(stage: str) -> dict[str, Metric]:
 def lm_totals(stats: TokenStats, batch: Mapping[str, Tensor], layout: ParallelLayout) -> dict[str, Tensor]:
     """The keyword totals of the module docstring, from the loss's per-token statistics of this rank.
 
+    ``batch`` is sharded (:func:`~lightning_cp.parallel.shard_batch`): its ``cp_shard`` says which
+    sequence every local token belongs to.
+
     Communication: one all-reduce of ``2 * n`` float64 values over ``layout.cp_group`` (the per-sequence
     totals); every CP rank must call it.
+
+    Raises:
+        ValueError: ``batch`` has no ``cp_shard``.
     """
+    shard = batch.get(CP_SHARD)
+    if shard is None:
+        raise ValueError(
+            f"The loss metrics need a batch sharded by shard_batch, but this one has no {CP_SHARD!r} "
+            f"(keys: {sorted(batch)}). Under MegatronCPStrategy every batch is sharded; without it, call "
+            "lightning_cp.parallel.shard_batch(batch, 1, 0) first."
+        )
     valid = stats.valid
     nll = stats.nll.detach()
-    sequence, num_sequences = _sequence_index(batch)
     per_sequence = sequence_totals(
-        torch.stack([nll.double(), valid.double()], dim=1), sequence, num_sequences, layout.cp_group
+        torch.stack([nll.double(), valid.double()], dim=1),
+        shard.sequence_index,
+        shard.num_sequences,
+        layout.cp_group,
     )
     return {
         "loss_sum": nll.sum(),
@@ -89,15 +104,3 @@ def input_token_count(batch: Mapping[str, Tensor], stats: TokenStats) -> Tensor:
 def as_collection(metrics: Mapping[str, Metric], stage: str) -> MetricCollection:
     """``metrics`` as one collection logged under ``{stage}/``."""
     return MetricCollection(dict(metrics), prefix=f"{stage}/")
-
-
-def _sequence_index(batch: Mapping[str, Tensor]) -> tuple[Tensor, int]:
-    """The sequence of every local token (row for padded batches, document for packed ones)."""
-    labels = batch[LABELS]
-    if batch.get(CU_SEQLENS) is not None:
-        cu = batch[CU_SEQLENS].to(labels.device, torch.int64)
-        lengths = cu[1:] - cu[:-1]
-        index = torch.repeat_interleave(torch.arange(len(lengths), device=labels.device), lengths)
-        return index, len(lengths)
-    rows, local_len = labels.shape
-    return torch.arange(rows, device=labels.device).repeat_interleave(local_len), rows

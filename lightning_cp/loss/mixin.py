@@ -94,7 +94,7 @@ class CPLossMixin:
                 FSDP-sharded weight (a ``DTensor``, as FSDP leaves a unit's parameters after its forward)
                 is all-gathered for the loss and its gradient reduce-scattered back (averaged, as FSDP
                 averages), so one unsharded copy of the head lives only while the loss runs.
-            batch: the sharded batch (``labels`` ``[B, S_local]``; ``cu_seqlens`` when packed).
+            batch: the sharded batch (``labels`` ``[B, S_local]`` and ``cp_shard``, as ``shard_batch`` makes it).
             **loss_kwargs: options of :func:`lightning_cp.ops.linear_cross_entropy` (``label_smoothing``,
                 ``z_loss``, ``softcap``, ``chunk_size``, ``impl``).
 

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_cp.constants import INPUT_IDS, POSITION_IDS
+from lightning_cp.constants import CP_SHARD, INPUT_IDS, POSITION_IDS
 from lightning_cp.hf.attention import ATTN_IMPLEMENTATION
 from lightning_cp.loss import CPLossMixin
 
@@ -21,7 +21,8 @@ class HFCausalLM(CPLossMixin, LightningModule):
     The model is built in ``configure_model`` with ``attn_implementation="lightning_cp"``, so its
     attention reaches across CP ranks (grouped-query attention gathers only the key/value heads) and
     packed documents stay apart. The step runs the decoder (``self.model.model``) on the batch's
-    ``input_ids`` and ``position_ids`` and gives the last hidden states and the LM-head weight to
+    ``input_ids``, ``position_ids`` and ``cp_shard`` (which the attention layers receive as a keyword
+    argument) and gives the last hidden states and the LM-head weight to
     :meth:`~lightning_cp.CPLossMixin.lm_loss`: no ``[tokens, vocab]`` logits are materialized, tied
     embeddings included.
 
@@ -93,9 +94,14 @@ class HFCausalLM(CPLossMixin, LightningModule):
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
         self.model = model
 
-    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+    def forward(self, batch: dict[str, Any]) -> Tensor:
         """Last hidden states ``[B, S_local, hidden_size]`` of this rank's tokens of a sharded batch."""
-        out = self.model.model(input_ids=batch[INPUT_IDS], position_ids=batch[POSITION_IDS], use_cache=False)
+        out = self.model.model(
+            input_ids=batch[INPUT_IDS],
+            position_ids=batch[POSITION_IDS],
+            cp_shard=batch.get(CP_SHARD),
+            use_cache=False,
+        )
         return out.last_hidden_state
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:

@@ -6,8 +6,8 @@
 - :func:`context_parallel_attention`: causal attention over whole sequences from each rank's shard.
 
 The modules the strategy drives are imported from themselves: :mod:`~lightning_cp.parallel.groups`
-(creating and destroying Megatron-core's groups), ``layout.set_current_layout`` and
-:mod:`~lightning_cp.parallel.batch_context` (what the running strategy makes current).
+(creating and destroying Megatron-core's groups) and ``layout.set_current_layout`` (what the running
+strategy makes current).
 """
 
 from lightning_cp.parallel.attention import context_parallel_attention

@@ -95,9 +95,8 @@ def select_keys(
     p = torch.arange(key_total) + (first - piece_starts).repeat_interleave(key_lengths, output_size=key_total)
     c = chunk[key_sequence]
     global_chunk = torch.div(p, c, rounding_mode="floor")
-    owner = torch.where(global_chunk < cp, global_chunk, 2 * cp - 1 - global_chunk)
-    second_half = (global_chunk >= cp).long()
-    key_index = owner * local_total + local_starts[key_sequence] + second_half * c + (p - global_chunk * c)
+    owner, slot = split.owner(global_chunk)
+    key_index = owner * local_total + local_starts[key_sequence] + slot * c + (p - global_chunk * c)
     query_lengths = chunk.repeat_interleave(2)
     cu_queries, cu_keys = _boundaries(query_lengths), _boundaries(key_lengths)
     return KeySelection(

@@ -110,11 +110,6 @@ class ParallelLayout:
         """``dp * cp * tp``."""
         return self.dp * self.cp * self.tp
 
-    @property
-    def seq_len_divisor(self) -> int:
-        """Every sequence is padded to a multiple of this (``2 * cp``) before the CP split."""
-        return 2 * self.cp
-
     def tag(self) -> str:
         """``dp1-cp0-tp0``: this rank's coordinates, for file names and log messages."""
         return f"dp{self.dp_rank}-cp{self.cp_rank}-tp{self.tp_rank}"

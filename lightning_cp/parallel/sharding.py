@@ -7,8 +7,9 @@
    ``loss_mask`` is rolled the same way, ``position_ids`` are taken from the full sequence;
 2. every sequence is padded to a multiple of ``2 * cp`` (padding is never a target) and cut into
    ``2 * cp`` equal chunks; CP rank ``r`` keeps chunks ``r`` and ``2 * cp - 1 - r`` (:class:`CPSplit`);
-3. what attention needs to find every key of every local query (:class:`CPShard`) is computed once
-   and carried in the batch, so no layer recomputes it.
+3. what attention needs to find every key of every local query, and which sequence every local token
+   belongs to (:class:`CPShard`), is computed once and carried in the batch, so no layer or metric
+   recomputes it.
 
 The kept chunks balance the causal-attention work over ranks (an early chunk is cheap, a late one
 expensive). For padded ``[B, S]`` batches the layout is identical to Megatron-core's
@@ -20,7 +21,7 @@ arithmetic is vectorized over sequences.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -42,6 +43,19 @@ from lightning_cp.parallel.layout import check_size
 
 _PACKED_KEYS = (CU_SEQLENS, CU_SEQLENS_PADDED)
 _DERIVED_KEYS = (LABELS, LOSS_MASK, INPUT_MASK, POSITION_IDS, CP_SHARD)
+# An attribute of the position_ids tensor of a batch split over cp > 1 ranks (see sharded_under_cp).
+_SHARDED_UNDER_CP = "_lightning_cp_sharded_under_cp"
+
+
+def sharded_under_cp(position_ids: Any) -> bool:
+    """Whether ``position_ids`` is the ``position_ids`` tensor of a batch :func:`shard_batch` split over
+    ``cp_size > 1`` ranks.
+
+    A model called on such a batch without its ``cp_shard`` would attend within this rank's shard only;
+    attention uses this to refuse. The mark is an attribute of that tensor object: it lives and dies with
+    the batch, and no other tensor (another batch, a copy) carries it. Local, no communication.
+    """
+    return getattr(position_ids, _SHARDED_UNDER_CP, False)
 
 
 @dataclass(frozen=True)
@@ -51,7 +65,7 @@ class CPSplit:
     Every sequence is padded to a multiple of ``2 * cp_size`` and cut into ``2 * cp_size`` equal chunks;
     rank ``r`` keeps chunks ``r`` and ``2 * cp_size - 1 - r`` (a cheap early chunk and an expensive late
     one, which balances causal attention). This is the only place that knows the rule: ``shard_batch``,
-    ``unshard`` and the attention metadata (:class:`CPShard`) all ask it.
+    ``unshard``, the attention metadata (:class:`CPShard`) and the attention kernels all ask it.
 
     Raises:
         TypeError / ValueError: ``cp_size`` is not an integer >= 1, or ``cp_rank`` not in ``[0, cp_size)``.
@@ -71,6 +85,16 @@ class CPSplit:
     def kept_chunks(self) -> tuple[int, int]:
         """The indices (of ``2 * cp_size``) of the two chunks this rank keeps, in local order."""
         return self.cp_rank, 2 * self.cp_size - 1 - self.cp_rank
+
+    def owner(self, chunk: Tensor) -> tuple[Tensor, Tensor]:
+        """Who keeps each of the global chunk indices ``chunk`` (any shape, in ``[0, 2 * cp_size)``).
+
+        Returns:
+            ``(rank, slot)``, both shaped like ``chunk`` (int64): the CP rank that keeps the chunk, and
+            whether it is that rank's first (0) or second (1) kept chunk.
+        """
+        second = chunk >= self.cp_size
+        return torch.where(second, 2 * self.cp_size - 1 - chunk, chunk), second.long()
 
     def chunk_lengths(self, lengths: Tensor) -> Tensor:
         """``[n]`` chunk length of each sequence: ``ceil(length / (2 * cp_size))``."""
@@ -104,15 +128,17 @@ class CPSplit:
 
 @dataclass(frozen=True, eq=False)
 class CPShard:
-    """This rank's shard of a batch's sequences under a :class:`CPSplit`: what CP attention needs.
+    """This rank's shard of a batch's sequences under a :class:`CPSplit`: its tokens and their keys.
 
-    Built once per batch by :func:`shard_batch` (``batch["cp_shard"]``) and read by every attention
-    layer. A *sequence* is a row of a padded ``[B, S]`` batch or a document of a packed ``[1, T]`` one;
-    this rank's ``T_local`` tokens (the batch flattened row-major) hold, sequence after sequence, the two
-    kept chunks of each. Attention splits them into *pieces* (one per kept chunk, ``2 * n`` in all):
-    piece ``(i, h)`` holds the queries of chunk ``g = kept_chunks[h]`` of sequence ``i``, which attend
-    causally (bottom-right aligned) to the first ``(g + 1) * chunk_lengths[i]`` keys of that sequence,
-    or, with a sliding window, to those the window reaches (:meth:`keys`).
+    Built once per batch by :func:`shard_batch` (``batch["cp_shard"]``) and passed to the model as an
+    argument (``cp_shard=batch["cp_shard"]``), which hands it to every attention layer; the loss metrics
+    read its :attr:`sequence_index`, and ``shard_batch`` gathers the tokens it lists. A *sequence* is a
+    row of a padded ``[B, S]`` batch or a document of a packed ``[1, T]`` one; this rank's ``T_local``
+    tokens (the batch flattened row-major) hold, sequence after sequence, the two kept chunks of each.
+    Attention splits them into *pieces* (one per kept chunk, ``2 * n`` in all): piece ``(i, h)`` holds
+    the queries of chunk ``g = kept_chunks[h]`` of sequence ``i``, which attend causally (bottom-right
+    aligned) to the first ``(g + 1) * chunk_lengths[i]`` keys of that sequence, or, with a sliding
+    window, to those the window reaches (:meth:`keys`).
     """
 
     split: CPSplit
@@ -121,16 +147,32 @@ class CPShard:
     """``[n]`` int64 on the CPU: the chunk length of each sequence (its padded length is ``2 * cp`` times it)."""
     cu_seqlens: Tensor
     """``[n + 1]`` int32: boundaries of the sequences in this rank's ``T_local`` tokens."""
+    sequence_index: Tensor
+    """``[T_local]`` int64: the sequence (``0 <= i < n``) of every local token, in the batch's row-major
+    order; the same numbering on every CP rank (per-sequence metrics add up the ranks' pieces by it)."""
+    token_offset: Tensor
+    """``[T_local]`` int64: the index of every local token in its sequence padded to ``2 * cp`` chunks
+    (at least the sequence's length on the padding added by the split)."""
+    position_ids: Tensor | None = None
+    """``[B, S_local]`` int64: the batch's ``position_ids`` (the same tensor), which a model must be given
+    with this shard; ``None`` for a shard built without a batch."""
     _keys: dict[int | None, KeySelection] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, split: CPSplit, lengths: Tensor, device: torch.device | str) -> CPShard:
-        """The layout of sequences of (unpadded) ``lengths`` ``[n]`` for ``split``, index tensors on ``device``.
+        """The shard of sequences of (unpadded) ``lengths`` ``[n]`` for ``split``, tensors on ``device``.
 
-        Computed on the CPU from ``lengths`` (no device synchronization), then copied to ``device``.
+        Computed on the CPU from ``lengths`` (no device synchronization), then copied to ``device``;
+        :attr:`position_ids` is ``None`` (:func:`shard_batch` gives the shard its batch's).
         """
-        chunk = split.chunk_lengths(lengths.to("cpu", torch.int64))
-        return cls(split=split, chunk_lengths=chunk, cu_seqlens=_cumulative(2 * chunk).to(device))
+        sequence, offset, local_lengths = split.positions(lengths.to("cpu", torch.int64))
+        return cls(
+            split=split,
+            chunk_lengths=local_lengths // 2,
+            cu_seqlens=_cumulative(local_lengths).to(device),
+            sequence_index=sequence.to(device),
+            token_offset=offset.to(device),
+        )
 
     def keys(self, window: int | None = None) -> KeySelection:
         """Which gathered keys every piece attends to: causal, or within a sliding ``window`` of tokens.
@@ -175,14 +217,14 @@ def _shift_targets(
 
     ``last`` is a boolean ``[B, S]`` marking the last token of every sequence: it predicts nothing.
     """
-    labels = batch.get("labels", input_ids)
+    labels = batch.get(LABELS, input_ids)
     if labels.shape != input_ids.shape:
         raise ValueError(
             f"batch['labels'] has shape {tuple(labels.shape)}, expected input_ids' {tuple(input_ids.shape)}."
         )
     target = labels != ignore_index
-    if "loss_mask" in batch:
-        loss_mask = batch["loss_mask"]
+    if LOSS_MASK in batch:
+        loss_mask = batch[LOSS_MASK]
         if loss_mask.shape != input_ids.shape:
             raise ValueError(
                 f"batch['loss_mask'] has shape {tuple(loss_mask.shape)}, expected input_ids' {tuple(input_ids.shape)}."
@@ -193,11 +235,14 @@ def _shift_targets(
     return next_labels, next_target
 
 
-def _gather_tokens(value: Tensor, src: Tensor, valid: Tensor, fill: float) -> Tensor:
-    """``value[:, src]`` along dim 1, with ``fill`` where ``valid`` is False (padding)."""
-    picked = value.index_select(1, src.clamp(max=value.shape[1] - 1))
-    mask = valid.view(1, -1, *([1] * (value.dim() - 2)))
-    return torch.where(mask, picked, torch.as_tensor(fill, dtype=value.dtype, device=value.device))
+def _gather_tokens(value: Tensor, src: Tensor, valid: Tensor, rows: int, fill: float) -> Tensor:
+    """``[rows, T_local / rows, ...]``: the tokens ``src`` of ``value`` flattened over its first two dims,
+    with ``fill`` where ``valid`` is False (padding)."""
+    flat = value.flatten(0, 1)
+    picked = flat.index_select(0, src.clamp(max=len(flat) - 1))
+    mask = valid.view(-1, *([1] * (value.dim() - 2)))
+    filled = torch.where(mask, picked, torch.as_tensor(fill, dtype=value.dtype, device=value.device))
+    return filled.view(rows, -1, *value.shape[2:])
 
 
 def shard_batch(
@@ -222,10 +267,11 @@ def shard_batch(
     Returns:
         A new dict with this rank's tokens: ``input_ids``, ``labels`` (next token, ``ignore_index`` where
         not a target), ``loss_mask`` (float32, 1 on targets), ``position_ids`` (position inside the
-        sequence, int64), ``input_mask`` (bool, False on padding, including the padding added here, so
-        token counts need no knowledge of the layout), the other sequence tensors, ``cp_shard`` (the
-        :class:`CPShard` that attention reads), and for packed batches ``cu_seqlens`` (this rank's local
-        boundaries, int32) and ``cu_seqlens_padded`` (boundaries of the padded full sequence, int32).
+        sequence, int64; with ``cp_size > 1`` marked for :func:`sharded_under_cp`), ``input_mask`` (bool,
+        False on padding, including the padding added here, so token counts need no knowledge of the
+        split), the other sequence tensors, ``cp_shard`` (the :class:`CPShard` the model's attention is
+        given), and for packed batches ``cu_seqlens`` (this rank's local boundaries, int32) and
+        ``cu_seqlens_padded`` (boundaries of the padded full sequence, int32).
         Local length is ``S_pad / cp`` (padded) or ``sum(len_pad_i) / cp`` (packed).
 
     Raises:
@@ -250,46 +296,46 @@ def shard_batch(
             raise ValueError(
                 f"A packed batch (with 'cu_seqlens') must have input_ids of shape [1, T], got {tuple(input_ids.shape)}."
             )
-        cu_cpu = _check_cu_seqlens(batch[CU_SEQLENS], seq_len)
-        lengths_cpu = cu_cpu[1:] - cu_cpu[:-1]
-        cu = cu_cpu.to(device)
-        lengths, starts = cu[1:] - cu[:-1], cu[:-1]
+        lengths_cpu = _check_cu_seqlens(batch[CU_SEQLENS], seq_len).diff()
     else:
-        lengths_cpu = torch.tensor([seq_len])
-        lengths = lengths_cpu.to(device)
-        starts = torch.zeros(1, dtype=torch.int64, device=device)
-
+        lengths_cpu = torch.full((rows,), seq_len)
+    # A padded batch is B sequences of one length; a packed one, the documents of its row. Sequences are
+    # addressed in the batch's tokens flattened row-major.
+    shard = CPShard.build(split, lengths_cpu, device)
+    lengths = lengths_cpu.to(device)
+    starts = torch.cumsum(lengths, 0) - lengths
     last = torch.zeros_like(input_ids, dtype=torch.bool)
-    last[0 if packed else slice(None), (starts + lengths - 1)] = True
+    last.view(-1)[starts + lengths - 1] = True
     labels, target = _shift_targets(input_ids, batch, last, ignore_index)
 
-    sequence, offset, local_lengths = split.positions(lengths)
+    sequence, offset = shard.sequence_index, shard.token_offset
     valid = offset < lengths[sequence]
     src = starts[sequence] + offset
 
-    if POSITION_IDS in batch:
-        position_ids = torch.where(valid, _gather_tokens(batch[POSITION_IDS], src, valid, 0), offset)
-    else:
-        position_ids = offset.unsqueeze(0).expand(rows, -1)
+    def gather(value: Tensor, fill: float) -> Tensor:
+        return _gather_tokens(value, src, valid, rows, fill)
 
     out: dict[str, Any] = {}
     for key, value in batch.items():
         if key in _PACKED_KEYS or key in _DERIVED_KEYS:
             continue
         if isinstance(value, Tensor) and value.shape[:2] == input_ids.shape:
-            value = _gather_tokens(value, src, valid, pad_id if key == INPUT_IDS else 0)
+            value = gather(value, pad_id if key == INPUT_IDS else 0)
         out[key] = value
     input_mask = batch.get(INPUT_MASK, torch.ones_like(input_ids, dtype=torch.bool))
-    out[INPUT_MASK] = _gather_tokens(input_mask.bool(), src, valid, False)
-    out[LABELS] = _gather_tokens(labels, src, valid, ignore_index)
-    out[LOSS_MASK] = _gather_tokens(target, src, valid, False).float()
-    out[POSITION_IDS] = position_ids.to(torch.int64).contiguous()
-    # A padded batch is B sequences of one length; a packed one, the documents of its row.
-    layout = CPShard.build(split, lengths_cpu if packed else lengths_cpu.expand(rows), device)
-    out[CP_SHARD] = layout
+    out[INPUT_MASK] = gather(input_mask.bool(), False)
+    out[LABELS] = gather(labels, ignore_index)
+    out[LOSS_MASK] = gather(target, False).float()
+    position_ids = offset.view(rows, -1)
+    if POSITION_IDS in batch:
+        position_ids = torch.where(valid.view(rows, -1), gather(batch[POSITION_IDS], 0), position_ids)
+    out[POSITION_IDS] = position_ids = position_ids.to(torch.int64).contiguous()
+    if cp_size > 1:
+        setattr(position_ids, _SHARDED_UNDER_CP, True)
+    out[CP_SHARD] = replace(shard, position_ids=position_ids)
     if packed:
-        out[CU_SEQLENS] = layout.cu_seqlens
-        out[CU_SEQLENS_PADDED] = _cumulative(local_lengths * cp_size)
+        out[CU_SEQLENS] = shard.cu_seqlens
+        out[CU_SEQLENS_PADDED] = _cumulative(2 * shard.chunk_lengths * cp_size).to(device)
     return out
 
 
@@ -327,7 +373,7 @@ def unshard(
         sequence, offset, _ = CPSplit(cp_size, rank).positions(lengths)
         if shard.shape[1] != len(offset):
             raise ValueError(
-                f"shard {rank} has {shard.shape[1]} tokens, expected {len(offset)} for this layout."
+                f"shard {rank} has {shard.shape[1]} tokens, expected {len(offset)} for this split."
             )
         valid = offset < lengths[sequence]
         out[:, (starts[sequence] + offset)[valid]] = shard[:, valid]

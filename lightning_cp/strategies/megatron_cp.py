@@ -24,6 +24,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -32,7 +33,6 @@ from typing_extensions import override
 
 from lightning_cp.hf.check import check_attention_is_context_parallel
 from lightning_cp.parallel import groups
-from lightning_cp.parallel.batch_context import set_current_batch
 from lightning_cp.parallel.layout import (
     ParallelLayout,
     check_size,
@@ -93,10 +93,9 @@ class MegatronCPStrategy(DDPStrategy):
     - the distributed sampler splits data over DP ranks only, so CP and TP peers see the same samples;
     - every train / val / test / predict batch is sharded for this CP rank by
       :func:`lightning_cp.parallel.shard_batch` after it reaches the device: the step methods receive
-      next-token ``labels``, ``loss_mask``, ``position_ids``, ``cp_shard`` and, for packed batches,
-      local ``cu_seqlens``; the shard is also recorded
-      (:func:`lightning_cp.parallel.batch_context.current_batch`) for attention that cannot receive it,
-      such as Hugging Face models built with ``attn_implementation="lightning_cp"``;
+      next-token ``labels``, ``loss_mask``, ``position_ids``, ``cp_shard`` (which the model passes to its
+      attention) and, for packed batches, local ``cu_seqlens``. Step methods that take a
+      ``dataloader_iter`` (whose batches Lightning never hands to the strategy) are refused at setup;
     - under ``cp > 1``, ``setup`` refuses attention layers that would see only the local shard
       (:func:`lightning_cp.hf.check_attention_is_context_parallel`);
     - gradients are averaged over DP x CP (DDP on ``layout.loss_group``): with the loss normalized as
@@ -137,8 +136,8 @@ class MegatronCPStrategy(DDPStrategy):
         ValueError: ``cp`` or ``tp`` < 1, ``fsdp=True`` with ``tp > 1`` or with DDP options, or the world
             size is not divisible by ``tp * cp`` (raised when the Trainer is built, before any process is
             launched or collective is run). At setup: a ``fsdp_wrap`` / ``activation_checkpointing`` entry
-            that matches no module, a precision FSDP does not support, or (``cp > 1``) a model with
-            attention that is not context-parallel.
+            that matches no module, a precision FSDP does not support, a step method that takes a
+            ``dataloader_iter``, or (``cp > 1``) a model with attention that is not context-parallel.
 
     Example::
 
@@ -255,6 +254,7 @@ class MegatronCPStrategy(DDPStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         assert isinstance(self.model, LightningModule)
+        _check_steps_take_batches(self.model)
         check_attention_is_context_parallel(self.model, self.layout.cp)
         if not any(isinstance(callback, PreemptionCheckpoint) for callback in trainer.callbacks):
             trainer.callbacks.append(PreemptionCheckpoint())
@@ -302,9 +302,7 @@ class MegatronCPStrategy(DDPStrategy):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Move the batch (user transfer hooks see the full batch), then keep this CP rank's shard."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        batch = shard_batch(batch, self.layout.cp, self.layout.cp_rank)
-        set_current_batch(batch)  # for attention that cannot receive it (Hugging Face models)
-        return batch
+        return shard_batch(batch, self.layout.cp, self.layout.cp_rank)
 
     @property
     @override
@@ -443,7 +441,6 @@ class MegatronCPStrategy(DDPStrategy):
         if self.fsdp and self.lightning_module is not None:
             self.model = self.lightning_module  # the sharded module, without the root wrapper
         super().teardown()
-        set_current_batch(None)
         set_current_layout(None)
         self._layout = None
         self._device_mesh = None
@@ -462,6 +459,18 @@ class MegatronCPStrategy(DDPStrategy):
             cls.strategy_name,
             cls,
             description="Megatron-core context parallelism (cp / tp init args) over DDP or FSDP2 (fsdp=True)",
+        )
+
+
+def _check_steps_take_batches(module: LightningModule) -> None:
+    """Refuse step methods that take a ``dataloader_iter``: the strategy never sees their batches."""
+    steps = ("training_step", "validation_step", "test_step", "predict_step")
+    found = [s for s in steps if is_param_in_hook_signature(getattr(module, s), "dataloader_iter", True)]
+    if found:
+        raise ValueError(
+            f"{type(module).__name__}.{found[0]}(self, dataloader_iter) gets batches that Lightning never "
+            "hands to MegatronCPStrategy.batch_to_device, so they would not be sharded (every CP rank would "
+            f"run the whole sequence, labels not shifted). Write {found[0]}(self, batch, batch_idx) instead."
         )
 
 

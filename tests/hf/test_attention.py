@@ -1,7 +1,8 @@
-"""``attn_implementation="lightning_cp"``: SDPA without a strategy, exact packed documents under CP, clear errors.
+"""``attn_implementation="lightning_cp"``: ``"sdpa"`` without ``cp_shard``, the shard's attention with it.
 
 References are ``transformers``' own ``"sdpa"`` models with the same weights, run on whole sequences (or
-on each document alone) in this process.
+on each document alone), and an explicit-mask softmax; everything here runs in one process (a batch
+sharded for CP rank 0 of 2 needs no process group until its attention communicates).
 """
 
 import subprocess
@@ -9,31 +10,15 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_cp.hf import check_attention_is_context_parallel
 from lightning_cp.hf.attention import hf_context_parallel_attention, mask_for_hf
 from lightning_cp.models import GPTConfig, GPTModule, HFCausalLM
-from lightning_cp.parallel import current_layout, groups, shard_batch
-from lightning_cp.parallel.batch_context import current_batch, set_current_batch
-from lightning_cp.parallel.layout import set_current_layout
+from lightning_cp.parallel import shard_batch
 from tests.hf._models import CONFIGS, VOCAB, build
 
 DOC_LENGTHS = [7, 13, 5, 11]  # odd and unequal: every CP split pads, pieces straddle ranks
-
-
-@pytest.fixture
-def sharded_step():
-    """Record a cp=1 sharded batch as a strategy would (``sharded_step(batch)``); forget it afterwards."""
-
-    def record(batch):
-        sharded = shard_batch(batch, 1, 0)
-        set_current_batch(sharded)
-        return sharded
-
-    yield record
-    set_current_batch(None)
 
 
 def _pair(name, **overrides):
@@ -48,13 +33,34 @@ def _grads(model):
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_without_a_strategy_it_is_sdpa_with_masks_and_packing(name):
-    ours, reference = _pair(name)
+def _packed_batch(cp, rank):
+    ids = torch.randint(0, VOCAB, (1, sum(DOC_LENGTHS)), generator=torch.Generator().manual_seed(1))
+    cu = torch.tensor([0, *DOC_LENGTHS]).cumsum(0).to(torch.int32)
+    return shard_batch({"input_ids": ids, "cu_seqlens": cu}, cp, rank)
+
+
+def _decoder(model, batch, **kwargs):
+    return model.model(
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **kwargs
+    )
+
+
+_MODELS = {  # variant: the config of tests/hf/_models.py it starts from, and what it changes
+    **{name: (name, {}) for name in CONFIGS},
+    # Layer 0 full attention, layer 1 a 4-token sliding window: both of transformers' mask builders.
+    "qwen3-sliding": ("qwen3", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    "mistral-sliding": ("llama", {"model_type": "mistral", "sliding_window": 4}),
+}
+
+
+@pytest.mark.parametrize("variant", _MODELS)
+def test_without_cp_shard_it_is_sdpa_with_masks_and_packing(variant):
+    name, overrides = _MODELS[variant]
+    ours, reference = _pair(name, **overrides)
     ids = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(1))
     left_padded = torch.ones(3, 11, dtype=torch.long)
     left_padded[1, :4] = 0
-    packed_positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2]]).expand(3, -1)
+    packed_positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7]]).expand(3, -1)
     # A padding mask and HF-style packing (detected from position_ids) both go through the mask hook.
     for inputs, valid in (
         ({"attention_mask": left_padded}, left_padded.bool()),
@@ -64,7 +70,7 @@ def test_without_a_strategy_it_is_sdpa_with_masks_and_packing(name):
         outputs = []
         for model in (ours, reference):
             model.zero_grad()
-            logits = model(input_ids=ids, **inputs).logits
+            logits = model(input_ids=ids, use_cache=False, **inputs).logits  # no cache: packing detected
             (logits * weights)[valid].sum().backward()
             outputs.append((logits[valid].detach(), _grads(model)))
         (out, grads), (expected, expected_grads) = outputs
@@ -72,7 +78,88 @@ def test_without_a_strategy_it_is_sdpa_with_masks_and_packing(name):
         assert grads.keys() == expected_grads.keys()
         for key, grad in expected_grads.items():
             torch.testing.assert_close(grads[key], grad, rtol=1e-5, atol=1e-6, msg=key)
-    assert current_batch() is None
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generation_is_sdpa(cache):
+    # A static cache makes generate() build the masks ahead of the forward and treat them as tensors.
+    ours, reference = _pair("llama")
+    prompt = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[0, :2] = 0
+    options = {
+        "max_new_tokens": 4,
+        "do_sample": False,
+        "output_scores": True,
+        "return_dict_in_generate": True,
+    }
+    if cache == "static":
+        options["cache_implementation"] = "static"
+    out, expected = (model.generate(prompt, attention_mask=mask, **options) for model in (ours, reference))
+    assert torch.equal(out.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(expected.scores), rtol=1e-5, atol=1e-5)
+
+
+def test_with_cp_shard_no_mask_is_built(monkeypatch):
+    import transformers.masking_utils
+
+    def refuse(**kwargs):
+        raise AssertionError("sdpa_mask was called")
+
+    model, _ = _pair("qwen3")
+    batch = _packed_batch(1, 0)  # positions restart per document: transformers sees a packed row
+    monkeypatch.setattr(transformers.masking_utils, "sdpa_mask", refuse)
+    _decoder(model, batch, cp_shard=batch["cp_shard"])
+    with pytest.raises(AssertionError, match="sdpa_mask was called"):
+        _decoder(model, batch)  # the same model without the shard builds its mask
+
+
+def test_at_cp1_without_cp_shard_a_sharded_batch_is_plain_sdpa():
+    # At cp = 1 every rank holds whole sequences: SDPA with transformers' packed mask is exact.
+    model, _ = _pair("llama")
+    batch = _packed_batch(1, 0)
+    with_shard = _decoder(model, batch, cp_shard=batch["cp_shard"]).last_hidden_state
+    torch.testing.assert_close(_decoder(model, batch).last_hidden_state, with_shard, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cp_batch_without_cp_shard_is_refused_other_tensors_are_not():
+    model, reference = _pair("qwen3")
+    batch = _packed_batch(2, 0)
+    with pytest.raises(ValueError, match=r"without its shard.*cp_shard=batch\['cp_shard'\]"):
+        _decoder(model, batch)
+    other = torch.randint(0, VOCAB, batch["input_ids"].shape)  # same shape, not the batch
+    torch.testing.assert_close(
+        model(input_ids=other).logits, reference(input_ids=other).logits, rtol=1e-5, atol=1e-6
+    )
+
+
+class _Layer(torch.nn.Module):
+    is_causal = True
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_layer_scaling_is_used(packed):
+    # Padded rows take the fused whole-row kernel, packed documents the variable-length one.
+    lengths = [4, 6, 2] if packed else [8, 8]  # even: no CP padding at cp = 1
+    rows, total = (1, sum(lengths)) if packed else (len(lengths), lengths[0])
+    batch = {"input_ids": torch.zeros(rows, total, dtype=torch.long)}
+    if packed:
+        batch["cu_seqlens"] = torch.tensor([0, *lengths]).cumsum(0)
+    shard = shard_batch(batch, 1, 0)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, 4, total, 8, generator=generator)
+    k, v = (torch.randn(rows, 2, total, 8, generator=generator) for _ in range(2))
+    scale = 1.0  # the default would be 8 ** -0.5
+    out, _ = hf_context_parallel_attention(
+        _Layer(), q, k, v, None, scaling=scale, cp_shard=shard["cp_shard"], position_ids=shard["position_ids"]
+    )
+    document = (
+        torch.arange(len(lengths)).repeat_interleave(torch.tensor(lengths)) if packed else torch.zeros(total)
+    )
+    allowed = (document[:, None] == document[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+    scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) * scale
+    expected = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.repeat_interleave(2, dim=1)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-6)
 
 
 def test_import_registers_lazily():
@@ -116,32 +203,39 @@ def test_hf_causal_lm_loads_a_local_pretrained_directory(tmp_path):
         HFCausalLM({"hidden_size": 32})
 
 
-def test_sliding_window_is_rejected(sharded_step):
+def test_sliding_window_is_rejected_with_cp_shard():
     torch.manual_seed(0)
     model = build("qwen3", "lightning_cp", use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    batch = sharded_step({"input_ids": torch.randint(0, VOCAB, (2, 9))})
+    batch = shard_batch({"input_ids": torch.randint(0, VOCAB, (2, 9))}, 1, 0)
     with pytest.raises(ValueError, match=r"sliding_window=4: .*sliding_window=None"):
-        model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+        _decoder(model, batch, cp_shard=batch["cp_shard"])
 
 
 def test_query_heads_not_a_multiple_of_key_value_heads_is_rejected():
     torch.manual_seed(0)
     model = build("llama", "lightning_cp", num_key_value_heads=3)
+    batch = shard_batch({"input_ids": torch.randint(0, VOCAB, (1, 6))}, 1, 0)
     with pytest.raises(
         ValueError, match="4 query heads and 3 key/value heads.*multiple of num_key_value_heads"
     ):
-        model(input_ids=torch.randint(0, VOCAB, (1, 6)))
+        _decoder(model, batch, cp_shard=batch["cp_shard"])
 
 
-def test_a_sharded_step_rejects_other_tensors_and_masks(sharded_step):
+def test_cp_shard_rejects_other_tensors_masks_and_positions():
     torch.manual_seed(0)
     model = build("llama", "lightning_cp")
-    batch = sharded_step({"input_ids": torch.randint(0, VOCAB, (2, 9))})
-    with pytest.raises(ValueError, match="batch holds 20 tokens on this rank"):
-        model.model(input_ids=torch.randint(0, VOCAB, (2, 7)))
-    mask = torch.zeros(2, 1, 10, 10)
-    with pytest.raises(ValueError, match="got an attention mask during a context-parallel step"):
-        model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=mask)
+    batch = shard_batch({"input_ids": torch.randint(0, VOCAB, (2, 9))}, 1, 0)
+    shard = batch["cp_shard"]
+    with pytest.raises(ValueError, match="cp_shard holds 20 tokens on this rank"):
+        model.model(input_ids=torch.randint(0, VOCAB, (2, 7)), cp_shard=shard)
+    for mask in (torch.ones(2, 10, dtype=torch.long), torch.zeros(2, 1, 10, 10)):  # 2-D padding, 4-D
+        with pytest.raises(ValueError, match="got an attention mask with cp_shard"):
+            _decoder(model, batch, cp_shard=shard, attention_mask=mask)
+    shifted = batch["position_ids"] + 1
+    with pytest.raises(ValueError, match=r"position_ids=batch\['position_ids'\]"):
+        model.model(input_ids=batch["input_ids"], position_ids=shifted, cp_shard=shard)
+    same_values = batch["position_ids"].clone()  # another tensor, the same positions: accepted
+    model.model(input_ids=batch["input_ids"], position_ids=same_values, cp_shard=shard)
 
 
 def test_setup_check_flags_local_attention_only():
@@ -159,10 +253,8 @@ def test_setup_check_flags_local_attention_only():
     check_attention_is_context_parallel(GPTModule(GPTConfig(vocab_size=VOCAB, n_layer=1, n_embd=16)), 2)
 
 
-def test_hf_causal_lm_with_gradient_checkpointing_recomputes_the_same_packed_step(sharded_step):
-    ids = torch.randint(0, VOCAB, (1, sum(DOC_LENGTHS)), generator=torch.Generator().manual_seed(1))
-    cu = torch.tensor([0, *DOC_LENGTHS]).cumsum(0).to(torch.int32)
-    batch = sharded_step({"input_ids": ids, "cu_seqlens": cu})
+def test_hf_causal_lm_with_gradient_checkpointing_recomputes_the_same_packed_step():
+    batch = _packed_batch(1, 0)
     grads = []
     for checkpointing in (False, True):
         module = HFCausalLM(CONFIGS["qwen3"], gradient_checkpointing=checkpointing)
@@ -175,74 +267,3 @@ def test_hf_causal_lm_with_gradient_checkpointing_recomputes_the_same_packed_ste
     assert module.model.model.gradient_checkpointing and module.model.training
     for key, grad in grads[0].items():
         torch.testing.assert_close(grads[1][key], grad, rtol=1e-5, atol=1e-7, msg=key)
-
-
-# --- under CP (gloo pools) ------------------------------------------------------------------------------
-
-
-def _packed_documents(name, cp):
-    """Per-document loss sums and gradients of one packed row, summed over the CP group."""
-    layout = groups.initialize(tp=1, cp=cp)
-    set_current_layout(layout)
-    try:
-        torch.manual_seed(0)
-        model = build(name, "lightning_cp")
-        ids = torch.randint(0, VOCAB, (1, sum(DOC_LENGTHS)), generator=torch.Generator().manual_seed(1))
-        cu = torch.tensor([0, *DOC_LENGTHS]).cumsum(0).to(torch.int32)
-        batch = shard_batch({"input_ids": ids, "cu_seqlens": cu}, cp, layout.cp_rank)
-        set_current_batch(batch)
-        hidden = model.model(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"]
-        ).last_hidden_state
-        nll = F.cross_entropy(model.lm_head(hidden)[0], batch["labels"][0], reduction="none")
-        document = torch.repeat_interleave(torch.arange(len(DOC_LENGTHS)), batch["cu_seqlens"].diff())
-        per_document = torch.zeros(len(DOC_LENGTHS)).index_add(0, document, nll)
-        per_document.sum().backward()
-        totals = [per_document.detach(), *(p.grad for p in model.parameters())]
-        for tensor in totals:
-            dist.all_reduce(tensor, group=current_layout().cp_group)
-        return totals[0], {k: p.grad for k, p in model.named_parameters()}
-    finally:
-        set_current_batch(None)
-        set_current_layout(None)
-
-
-@pytest.mark.parametrize("name", CONFIGS)
-def test_packed_documents_equal_each_document_alone(world4, name):
-    torch.manual_seed(0)
-    reference = build(name, "sdpa")
-    ids = torch.randint(0, VOCAB, (1, sum(DOC_LENGTHS)), generator=torch.Generator().manual_seed(1))
-    sums = []
-    for document in ids.split(DOC_LENGTHS, dim=1):
-        sums.append(reference(input_ids=document, labels=document).loss * (document.shape[1] - 1))
-    torch.stack(sums).sum().backward()
-    expected = torch.stack(sums).detach()
-    for cp in (2, 4):
-        losses, grads = world4.run(_packed_documents, name, cp)[0]
-        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-5, msg=f"cp={cp}")
-        for key, param in reference.named_parameters():
-            torch.testing.assert_close(grads[key], param.grad, rtol=1e-4, atol=1e-6, msg=f"cp={cp} {key}")
-
-
-def _without_position_ids(cp):
-    layout = groups.initialize(tp=1, cp=cp)
-    set_current_layout(layout)
-    try:
-        torch.manual_seed(0)
-        model = build("qwen3", "lightning_cp")
-        ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
-        batch = shard_batch({"input_ids": ids}, cp, layout.cp_rank)
-        set_current_batch(batch)
-        try:
-            model.model(input_ids=batch["input_ids"])
-        except ValueError as error:
-            return str(error)
-        return None
-    finally:
-        set_current_batch(None)
-        set_current_layout(None)
-
-
-def test_a_model_called_without_position_ids_under_cp_fails_on_every_rank(world2):
-    for message in world2.run(_without_position_ids, 2):
-        assert message is not None and "position_ids=batch['position_ids']" in message

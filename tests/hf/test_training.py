@@ -1,7 +1,8 @@
 """``HFCausalLM`` under ``MegatronCPStrategy``: the same training as the unsharded ``transformers`` model.
 
 The reference is ``transformers``' own loss, ``model(input_ids, labels=...).loss`` with ``"sdpa"``
-attention, in a plain single-process loop with the same AdamW on the same global batches.
+attention, in a plain single-process loop with the same AdamW on the same global batches. Between
+steps the model is plain ``"sdpa"`` attention again.
 """
 
 import torch
@@ -35,12 +36,12 @@ class _Losses(Callback):
         self.losses.append(trainer.callback_metrics["train/loss_step"].item())
 
 
-def _fit(cps):
+def _fit(cps, gradient_checkpointing=False):
     """For each model and CP size: per-step losses and final weights after STEPS optimizer steps."""
     results = {}
     for name in CONFIGS:
         for cp in cps:
-            module = HFCausalLM(CONFIGS[name], lr=LR)
+            module = HFCausalLM(CONFIGS[name], lr=LR, gradient_checkpointing=gradient_checkpointing)
             seed_everything(0)
             module.configure_model()
             recorder = _Losses()
@@ -94,8 +95,9 @@ def _check(results):
                 )
 
 
-def test_dp1_cp2_matches_the_unsharded_model(world2):
-    _check(world2.run(_fit, (2,))[0])
+def test_dp1_cp2_with_gradient_checkpointing_matches_the_unsharded_model(world2):
+    # The recomputed layers get cp_shard again: without it they would refuse the sharded positions.
+    _check(world2.run(_fit, (2,), gradient_checkpointing=True)[0])
 
 
 def test_dp2_cp2_and_dp1_cp4_match_the_unsharded_model(world4):
@@ -108,8 +110,9 @@ class _SdpaModule(HFCausalLM):
         self.model.set_attn_implementation("sdpa")
 
 
-def _fit_sdpa_model():
-    module = _SdpaModule(CONFIGS["qwen3"])
+def _fit_error(module_class):
+    """The message of the ``ValueError`` that fitting ``module_class`` (Qwen3) at cp=2 raises, if any."""
+    module = module_class(CONFIGS["qwen3"])
     try:
         _trainer(2, max_steps=1).fit(module, DataLoader(_dataset(), batch_size=2, collate_fn=collate_padded))
     except ValueError as error:
@@ -118,8 +121,62 @@ def _fit_sdpa_model():
 
 
 def test_an_sdpa_model_under_cp_fails_at_setup(world2):
-    for message in world2.run(_fit_sdpa_model):
+    for message in world2.run(_fit_error, _SdpaModule):
         assert message is not None and "cp=2" in message and 'attn_implementation="lightning_cp"' in message
+
+
+class _CallsBetweenSteps(Callback):
+    """After each step: the model on a batch of another shape with a padding mask, against ``"sdpa"``;
+    then on the step's own sharded batch without its shard, which must be refused."""
+
+    def __init__(self):
+        self.differences, self.errors = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        reference = build("llama", "sdpa")
+        reference.load_state_dict(pl_module.model.state_dict())
+        ids = torch.randint(0, VOCAB, (3, 7), generator=torch.Generator().manual_seed(batch_idx))
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        with torch.no_grad():
+            logits, expected = (
+                m(input_ids=ids, attention_mask=mask).logits for m in (pl_module.model, reference)
+            )
+        self.differences.append((logits - expected)[mask.bool()].abs().max().item())
+        try:
+            pl_module.model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+        except ValueError as error:
+            self.errors.append(str(error))
+
+
+def _fit_with_calls_between_steps():
+    seed_everything(0)
+    module = HFCausalLM(CONFIGS["llama"])
+    calls = _CallsBetweenSteps()
+    trainer = _trainer(2, max_steps=2, callbacks=[calls])
+    trainer.fit(module, DataLoader(_dataset(), batch_size=2, collate_fn=collate_padded))
+    return calls.differences, calls.errors
+
+
+def test_between_steps_the_model_is_sdpa_and_refuses_the_shard_without_cp_shard(world2):
+    for differences, errors in world2.run(_fit_with_calls_between_steps):
+        assert len(differences) == 2 and max(differences) < 1e-5
+        assert len(errors) == 2 and all("cp_shard=batch['cp_shard']" in error for error in errors)
+
+
+class _DataloaderIterModule(HFCausalLM):
+    def training_step(self, dataloader_iter):
+        batch, batch_idx, _ = next(dataloader_iter)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_dataloader_iter_step_is_refused_at_setup(world2):
+    for message in world2.run(_fit_error, _DataloaderIterModule):
+        assert message is not None
+        assert (
+            "training_step(self, dataloader_iter)" in message
+            and "training_step(self, batch, batch_idx)" in message
+        )
 
 
 def test_predict_step_gives_the_log_probability_of_every_target():

@@ -11,7 +11,7 @@ G = object()  # stands for a process group: the layout never calls into it
 
 def test_single_process_layout():
     layout = ParallelLayout()
-    assert (layout.dp, layout.cp, layout.tp, layout.world_size, layout.seq_len_divisor) == (1, 1, 1, 1, 2)
+    assert (layout.dp, layout.cp, layout.tp, layout.world_size) == (1, 1, 1, 1)
     assert (layout.cp_group, layout.tp_group, layout.dp_group, layout.loss_group) == (None,) * 4
     assert layout.tag() == "dp0-cp0-tp0"
     assert current_layout() == layout  # no strategy, no process group
@@ -32,7 +32,7 @@ def test_a_valid_grid_position():
         dp_group=G,
         loss_group=G,
     )
-    assert layout.world_size == 8 and layout.seq_len_divisor == 4 and layout.tag() == "dp1-cp0-tp1"
+    assert layout.world_size == 8 and layout.tag() == "dp1-cp0-tp1"
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ import torch
 
 from lightning_cp.constants import IGNORE_INDEX
 from lightning_cp.parallel import CPSplit, shard_batch, unshard
+from lightning_cp.parallel.sharding import sharded_under_cp
 
 
 def _reference_targets(input_ids, lengths, loss_mask=None):
@@ -94,7 +95,7 @@ def test_padded_odd_length_is_padded_and_padding_is_never_a_target(cp):
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_packed_layout_per_sequence(cp):
+def test_packed_split_per_sequence(cp):
     lengths = [5, 1, 9, 8, 3]
     cu = torch.tensor([0, 5, 6, 15, 23, 26], dtype=torch.int32)
     input_ids = torch.randint(1, 50, (1, 26))
@@ -192,3 +193,40 @@ def test_a_split_needs_integer_sizes():
         shard_batch({"input_ids": torch.zeros(1, 8, dtype=torch.long)}, 2.0, 0)
     with pytest.raises(TypeError, match="cp_rank=True"):
         CPSplit(2, True)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_cp_shard_knows_the_sequence_of_every_local_token(cp, packed):
+    lengths = [5, 1, 9, 8, 3] if packed else [11, 11, 11]
+    rows, total = (1, sum(lengths)) if packed else (len(lengths), lengths[0])
+    batch = {"input_ids": torch.zeros(rows, total, dtype=torch.long)}
+    # Every token tagged with 1 + its sequence (row, or packed document); CP padding gets 0.
+    if packed:
+        batch["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        batch["tag"] = torch.arange(1, len(lengths) + 1).repeat_interleave(torch.tensor(lengths))[None]
+    else:
+        batch["tag"] = torch.arange(1, rows + 1)[:, None].expand(rows, total)
+    for rank in range(cp):
+        shard = shard_batch(batch, cp, rank)
+        index, tag = shard["cp_shard"].sequence_index, shard["tag"].flatten()
+        assert index.dtype == torch.int64 and index.shape == tag.shape
+        assert torch.equal(index[tag > 0], tag[tag > 0] - 1)
+        assert shard["cp_shard"].num_sequences == len(lengths)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_the_owner_of_a_chunk_keeps_it(cp):
+    chunks = torch.arange(2 * cp)
+    rank, slot = CPSplit(cp, 0).owner(chunks)
+    for chunk, r, s in zip(chunks.tolist(), rank.tolist(), slot.tolist()):
+        assert CPSplit(cp, r).kept_chunks[s] == chunk
+
+
+def test_only_position_ids_split_over_several_ranks_are_marked():
+    batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "position_ids": torch.arange(8).expand(2, 8)}
+    assert not sharded_under_cp(batch["position_ids"])
+    assert not sharded_under_cp(shard_batch(batch, 1, 0)["position_ids"])  # cp = 1: whole sequences
+    shard = shard_batch(batch, 2, 1)
+    assert sharded_under_cp(shard["position_ids"]) and shard["cp_shard"].position_ids is shard["position_ids"]
+    assert not sharded_under_cp(shard["position_ids"].clone()) and not sharded_under_cp(batch["position_ids"])

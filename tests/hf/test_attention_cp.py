@@ -1,0 +1,131 @@
+"""``attn_implementation="lightning_cp"`` under CP (gloo pools): the shard given as ``cp_shard`` is exact.
+
+References are ``transformers``' own ``"sdpa"`` models with the same weights, on whole sequences or on
+each document alone, in the test process.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_cp.parallel import groups, shard_batch
+from lightning_cp.parallel.layout import current_layout, set_current_layout
+from tests.hf._models import CONFIGS, VOCAB, build
+
+DOC_LENGTHS = [7, 13, 5, 11]  # odd and unequal: every CP split pads, pieces straddle ranks
+PADDED_SHAPE = (3, 10)
+
+
+def _inputs():
+    """A packed row of DOC_LENGTHS documents and a padded [3, 10] batch, full (unsharded)."""
+    generator = torch.Generator().manual_seed(1)
+    packed = torch.randint(0, VOCAB, (1, sum(DOC_LENGTHS)), generator=generator)
+    cu = torch.tensor([0, *DOC_LENGTHS]).cumsum(0).to(torch.int32)
+    padded = torch.randint(0, VOCAB, PADDED_SHAPE, generator=generator)
+    return {"input_ids": packed, "cu_seqlens": cu}, {"input_ids": padded}
+
+
+def _nll(model, batch):
+    """Per-sequence NLL sums of this rank's shard ``[n]`` (rows, or packed documents)."""
+    hidden = model.model(
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"], cp_shard=batch["cp_shard"]
+    ).last_hidden_state
+    nll = F.cross_entropy(model.lm_head(hidden).flatten(0, 1), batch["labels"].flatten(), reduction="none")
+    shard = batch["cp_shard"]
+    return torch.zeros(shard.num_sequences).index_add(0, shard.sequence_index, nll)
+
+
+def _summed_over_cp(losses, models):
+    """The per-sequence losses and each model's gradients, added up over the CP group."""
+    losses = [loss.detach() for loss in losses]
+    for tensor in [*losses, *(p.grad for model in models for p in model.parameters())]:
+        dist.all_reduce(tensor, group=current_layout().cp_group)
+    return losses, [{k: p.grad for k, p in model.named_parameters()} for model in models]
+
+
+def _in_cp_group(cp, fn):
+    layout = groups.initialize(tp=1, cp=cp)
+    set_current_layout(layout)
+    try:
+        return fn(layout.cp_rank)
+    finally:
+        set_current_layout(None)
+
+
+def _packed_documents(name, cp):
+    def run(rank):
+        torch.manual_seed(0)
+        model = build(name, "lightning_cp")
+        losses = _nll(model, shard_batch(_inputs()[0], cp, rank))
+        losses.sum().backward()
+        return _summed_over_cp([losses], [model])
+
+    return _in_cp_group(cp, run)
+
+
+def _reference_nll(model, ids):
+    """Per-row NLL sums of ``transformers``' own loss on whole sequences (every next token a target)."""
+    return torch.stack([model(input_ids=row[None], labels=row[None]).loss * (len(row) - 1) for row in ids])
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_packed_documents_equal_each_document_alone(world4, name):
+    torch.manual_seed(0)
+    reference = build(name, "sdpa")
+    documents = _inputs()[0]["input_ids"].split(DOC_LENGTHS, dim=1)
+    expected = torch.cat([_reference_nll(reference, document) for document in documents])
+    expected.sum().backward()
+    for cp in (2, 4):
+        (losses,), (grads,) = world4.run(_packed_documents, name, cp)[0]
+        torch.testing.assert_close(losses, expected.detach(), rtol=1e-5, atol=1e-5, msg=f"cp={cp}")
+        for key, param in reference.named_parameters():
+            torch.testing.assert_close(grads[key], param.grad, rtol=1e-4, atol=1e-6, msg=f"cp={cp} {key}")
+
+
+def _two_models(cp):
+    # Two models, each with its own batch, forward passes interleaved before one backward.
+    def run(rank):
+        torch.manual_seed(0)
+        llama, qwen3 = build("llama", "lightning_cp"), build("qwen3", "lightning_cp")
+        packed, padded = (shard_batch(batch, cp, rank) for batch in _inputs())
+        losses = [_nll(llama, packed), _nll(qwen3, padded)]
+        sum(loss.sum() for loss in losses).backward()
+        return _summed_over_cp(losses, [llama, qwen3])
+
+    return _in_cp_group(cp, run)
+
+
+def test_two_models_with_their_own_batches(world2):
+    torch.manual_seed(0)
+    references = build("llama", "sdpa"), build("qwen3", "sdpa")
+    packed, padded = _inputs()
+    expected = [
+        torch.cat([_reference_nll(references[0], d) for d in packed["input_ids"].split(DOC_LENGTHS, 1)]),
+        _reference_nll(references[1], padded["input_ids"]),
+    ]
+    sum(loss.sum() for loss in expected).backward()
+    losses, grads = world2.run(_two_models, 2)[0]
+    for loss, want, model_grads, reference in zip(losses, expected, grads, references):
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)
+        for key, param in reference.named_parameters():
+            torch.testing.assert_close(model_grads[key], param.grad, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def _without_position_ids(cp):
+    def run(rank):
+        torch.manual_seed(0)
+        model = build("qwen3", "lightning_cp")
+        batch = shard_batch(_inputs()[1], cp, rank)
+        try:
+            model.model(input_ids=batch["input_ids"], cp_shard=batch["cp_shard"])
+        except ValueError as error:
+            return str(error)
+        return None
+
+    return _in_cp_group(cp, run)
+
+
+def test_a_model_called_without_position_ids_under_cp_fails_on_every_rank(world2):
+    for message in world2.run(_without_position_ids, 2):
+        assert message is not None and "position_ids=batch['position_ids']" in message
