@@ -244,8 +244,8 @@ def _flash_peer_builder(name: str) -> Callable[[_Problem], Callable[[], Tensor]]
             keys = gathered.index_select(0, shard.key_index)
             out = varlen(
                 p.q,
-                keys[:, :kv_heads],
-                keys[:, kv_heads:],
+                keys[:, :kv_heads].contiguous(),
+                keys[:, kv_heads:].contiguous(),
                 cu_seqlens_q=shard.cu_queries,
                 cu_seqlens_k=shard.cu_keys,
                 max_seqlen_q=shard.max_queries,
