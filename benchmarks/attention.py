@@ -47,11 +47,9 @@ import torch.nn.functional as F
 from _harness import (
     DTYPES,
     Case,
-    add_common_arguments,
-    finish_common_arguments,
     needs_cuda,
     needs_module,
-    require_positive,
+    parse_arguments,
     run_case,
     run_grid,
     start,
@@ -428,14 +426,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=64, help="default 64 (128 on CUDA is typical)")
     parser.add_argument("--rank", type=int, default=0, help="the simulated CP rank (default 0)")
     parser.add_argument("--quick", action="store_true", help="smoke test: T=1024, cp=2, one run")
-    add_common_arguments(parser)
-    args = parser.parse_args(argv)
-
-    def presets(device: torch.device) -> dict[str, Any]:
-        return {**(_FULL_CUDA if device.type == "cuda" else _FULL_CPU), **(_QUICK if args.quick else {})}
-
-    finish_common_arguments(parser, args, presets)
-    require_positive(parser, args, ("tokens", "cp", "heads", "kv_heads", "head_dim"))
+    positive = ("tokens", "cp", "heads", "kv_heads", "head_dim")
+    args = parse_arguments(parser, argv, cpu=_FULL_CPU, cuda=_FULL_CUDA, quick=_QUICK, positive=positive)
     if args.heads % args.kv_heads:
         parser.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     if any(args.rank >= cp for cp in args.cp):

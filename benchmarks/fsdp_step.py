@@ -24,16 +24,15 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from _harness import (
     Case,
-    add_common_arguments,
-    finish_common_arguments,
-    require_positive,
+    ModelShape,
+    parse_arguments,
     run_case,
     run_grid,
     start,
@@ -49,18 +48,8 @@ _PACKAGES = ("lightning", "megatron-core")
 _RUNTIME_OVERHEAD_BYTES = 2 * GIB
 
 
-@dataclass(frozen=True)
-class Shape:
-    tokens: int
-    """Tokens of the one sequence per step."""
-    quick: bool
-    """The tiny GPT instead of the ~1B one."""
-
-    def label(self) -> str:
-        return f"{'tiny' if self.quick else '1B'} GPT T={self.tokens}"
-
-    def config(self) -> dict[str, int]:
-        return dict(_GPT_TINY if self.quick else _GPT_1B)
+MODELS = {"gpt-1b": _GPT_1B, "tiny": _GPT_TINY}
+"""The configurations a row names (``ModelShape.model``)."""
 
 
 def _strategy_builder(fsdp: bool) -> Callable[[None], Callable[[], Any]]:
@@ -74,14 +63,14 @@ def _strategy_builder(fsdp: bool) -> Callable[[None], Callable[[], Any]]:
     return build
 
 
-def _estimate(shape: Shape) -> int:
+def _estimate(shape: ModelShape) -> int:
     """Weights, gradients and AdamW state (16 B / parameter), the blocks' inputs, one block recomputed."""
-    c = shape.config()
+    c = MODELS[shape.model]
     params = c["n_layer"] * 12 * c["n_embd"] ** 2 + c["vocab_size"] * c["n_embd"]
     return 16 * params + shape.tokens * c["n_embd"] * (2 * c["n_layer"] + 40)
 
 
-_CASES: tuple[Case[None, Shape], ...] = (
+_CASES: tuple[Case[None, ModelShape], ...] = (
     Case(
         "fsdp",
         "MegatronCPStrategy(fsdp=True), activation checkpointing of the blocks",
@@ -135,11 +124,11 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     from lightning_cp.models import GPTConfig, GPTModule
 
     device = torch.device(spec["device"])
-    shape = Shape(**spec["shape"])
+    shape = ModelShape(**spec["shape"])
     seed_everything(0)
     steps = spec["warmup"] + spec["repeat"]
     g = torch.Generator().manual_seed(0)
-    config = shape.config()
+    config = MODELS[shape.model]
     samples = [
         {"input_ids": torch.randint(config["vocab_size"], (shape.tokens,), generator=g)} for _ in range(steps)
     ]
@@ -174,7 +163,7 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
 # The parent
 
 
-def _measure_case(shape: Shape, case: Case, args: argparse.Namespace) -> dict[str, Any]:
+def _measure_case(shape: ModelShape, case: Case, args: argparse.Namespace) -> dict[str, Any]:
     row = {"case": case.name, "shape": shape.label(), **asdict(shape), "dtype": args.dtype}
     spec = {"shape": asdict(shape), "dtype": args.dtype}
     return {
@@ -191,8 +180,8 @@ _COLUMNS = (
     Column("step extra MiB", "peak_extra_bytes", ",.0f", scale=MIB),
     STATUS,
 )
-_FULL_CPU = {"tokens": [1024]}
-_FULL_CUDA = {"tokens": [16384]}
+_FULL_CPU = {"tokens": [1024], "dtype": "bf16"}  # bf16-mixed on every device unless --dtype says otherwise
+_FULL_CUDA = {"tokens": [16384], "dtype": "bf16"}
 _QUICK = {"tokens": [128], "repeat": 1, "warmup": 1}
 
 
@@ -200,16 +189,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", help="sequence lengths (default: 16384 on CUDA)")
     parser.add_argument("--quick", action="store_true", help="smoke test: a tiny GPT, 128 tokens, 2 steps")
-    add_common_arguments(parser)
-    args = parser.parse_args(argv)
-
-    def presets(device: torch.device) -> dict[str, Any]:  # bf16-mixed on every device by default
-        grid = {**(_FULL_CUDA if device.type == "cuda" else _FULL_CPU), **(_QUICK if args.quick else {})}
-        return {"dtype": "bf16", **grid}
-
-    finish_common_arguments(parser, args, presets)
-    require_positive(parser, args, ("tokens",))
-    return args
+    return parse_arguments(parser, argv, cpu=_FULL_CPU, cuda=_FULL_CUDA, quick=_QUICK, positive=("tokens",))
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -219,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if cases is None:
         return []
     started = time.perf_counter()
-    shapes = [Shape(tokens, args.quick) for tokens in args.tokens]
+    shapes = [ModelShape("tiny" if args.quick else "gpt-1b", tokens) for tokens in args.tokens]
     rows = run_grid(shapes, cases, lambda shape, case: _measure_case(shape, case, args))
     publish(
         rows,

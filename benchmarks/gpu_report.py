@@ -33,6 +33,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -104,15 +105,14 @@ def _verdict(value: float | None, limit: float) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Each part: its rows, the figures the report adds, its table
+# Each part: the script that measures it, the figures the report adds to its rows, its table
 
 
-def _loss_section(rows: list[Row]) -> str:
+def _add_loss_figures(rows: list[Row]) -> None:
     """TFLOP/s of every row; ours' time over the faster peer's and its extra memory, against the targets."""
     for row in rows:
-        ok = row["status"].startswith("ok")
         flops = 6 * row["tokens"] * row["vocab"] * row["hidden"]
-        row["tflops"] = flops / (row["time_ms"] * 1e-3) / 1e12 if ok else None
+        row["tflops"] = flops / (row["time_ms"] * 1e-3) / 1e12 if row["status"].startswith("ok") else None
     for shape in {row["shape"] for row in rows}:
         same = [r for r in rows if r["shape"] == shape and r["status"].startswith("ok")]
         peers = [r["time_ms"] for r in same if r["case"] in _LOSS_PEERS]
@@ -121,91 +121,103 @@ def _loss_section(rows: list[Row]) -> str:
             if row["case"] == "ours_lce":
                 row["time_target"] = _verdict(row["x_best_peer"], LOSS_TIME_TARGET)
                 row["memory_target"] = _verdict(row["peak_extra_bytes"] / MIB, LOSS_MEMORY_TARGET_MIB)
-    columns = (
-        shape_column("N x V x H"),
-        CASE,
-        Column("time ms", "time_ms", ",.1f"),
-        Column("TFLOP/s", "tflops", ",.1f"),
-        Column("extra MiB", "peak_extra_bytes", ",.0f", scale=MIB),
-        ratio_column("x_best_peer", "x faster peer"),
-        Column(f"time target (x peer <= {LOSS_TIME_TARGET})", "time_target", align="<"),
-        Column(f"memory target (MiB <= {LOSS_MEMORY_TARGET_MIB})", "memory_target", align="<"),
-        STATUS,
-    )
-    notes = (
-        "Forward + backward of `mean CE(hidden @ weight.T, labels)` (10% of labels ignored) into both "
-        "gradients. TFLOP/s counts the matmul FLOPs of a fused head: 3 x 2NVH (the logits, dL/dhidden, "
-        "dL/dweight); ours computes a bf16 weight's gradient in a second pass over vocabulary blocks "
-        "(5 x 2NVH done), counted as 3. Extra: the peak above the inputs, minus the two gradients."
-    )
-    return _section("Fused LM head + cross-entropy (`loss_memory.py`)", rows, columns, notes)
 
 
-def _attention_section(rows: list[Row]) -> str:
+def _add_attention_targets(rows: list[Row]) -> None:
     for row in rows:
         limit = ATTENTION_TARGETS.get(row["layout"])
         if row["case"] != "ideal" and limit is not None:
             row["target"] = _verdict(row.get("x_ideal"), limit)
-    columns = (
-        shape_column("layout, tokens, cp"),
-        CASE,
-        Column("time ms", "time_ms", ",.1f"),
-        Column("ideal share ms", "ideal_share_ms", ",.1f"),
-        ratio_column("x_ideal", "x ideal"),
-        Column("target (x ideal)", "target", align="<"),
-        Column("peak extra MiB", "peak_extra_bytes", ",.0f", scale=MIB),
-        Column("saved MiB", "saved_bytes", ",.1f", scale=MIB),
-        STATUS,
-    )
-    notes = (
+
+
+@dataclass(frozen=True)
+class _Part:
+    run: Callable[[list[str]], list[Row]]
+    """The script's ``main(argv) -> rows``."""
+    title: str
+    columns: tuple[Column, ...]
+    notes: str
+    add_figures: Callable[[list[Row]], None] | None = None
+
+    def section(self, rows: list[Row]) -> str:
+        if self.add_figures is not None:
+            self.add_figures(rows)
+        return f"## {self.title}\n\n{format_table(rows, self.columns, markdown=True)}\n\n{self.notes}\n"
+
+
+_TIME = Column("time ms", "time_ms", ",.1f")
+_PEAK_EXTRA = Column("step extra MiB", "peak_extra_bytes", ",.0f", scale=MIB)
+_PEAK = Column("peak MiB", "peak_bytes", ",.0f", scale=MIB)
+
+_PARTS = {
+    "loss": _Part(
+        loss_memory.main,
+        "Fused LM head + cross-entropy (`loss_memory.py`)",
+        (
+            shape_column("N x V x H"),
+            CASE,
+            _TIME,
+            Column("TFLOP/s", "tflops", ",.1f"),
+            Column("extra MiB", "peak_extra_bytes", ",.0f", scale=MIB),
+            ratio_column("x_best_peer", "x faster peer"),
+            Column(f"time target (x peer <= {LOSS_TIME_TARGET})", "time_target", align="<"),
+            Column(f"memory target (MiB <= {LOSS_MEMORY_TARGET_MIB})", "memory_target", align="<"),
+            STATUS,
+        ),
+        "Forward + backward of `mean CE(hidden @ weight.T, labels)` (10% of labels ignored) into both "
+        "gradients. TFLOP/s counts the matmul FLOPs of a fused head: 3 x 2NVH (the logits, dL/dhidden, "
+        "dL/dweight); ours computes a bf16 weight's gradient in a second pass over vocabulary blocks "
+        "(5 x 2NVH done), counted as 3. Extra: the peak above the inputs, minus the two gradients.",
+        _add_loss_figures,
+    ),
+    "attention": _Part(
+        attention.main,
+        "CP attention per rank (`attention.py`)",
+        (
+            shape_column("layout, tokens, cp"),
+            CASE,
+            _TIME,
+            Column("ideal share ms", "ideal_share_ms", ",.1f"),
+            ratio_column("x_ideal", "x ideal"),
+            Column("target (x ideal)", "target", align="<"),
+            Column("peak extra MiB", "peak_extra_bytes", ",.0f", scale=MIB),
+            Column("saved MiB", "saved_bytes", ",.1f", scale=MIB),
+            STATUS,
+        ),
         "One simulated CP rank (rank 0), forward + backward. Ideal share: full-sequence SDPA (per document "
         "when packed; flash on CUDA) of all tokens, divided by cp. `mixed`: packed documents of random "
-        f"lengths. Targets: {ATTENTION_TARGETS['padded']}x padded, {ATTENTION_TARGETS['mixed']}x packed."
-    )
-    return _section("CP attention per rank (`attention.py`)", rows, columns, notes)
-
-
-def _hf_section(rows: list[Row]) -> str:
-    columns = (
-        shape_column("model, tokens"),
-        CASE,
-        Column("time ms", "time_ms", ",.1f"),
-        ratio_column("time_x_ours", "x ours"),
-        Column("step extra MiB", "peak_extra_bytes", ",.0f", scale=MIB),
-        Column("peak MiB", "peak_bytes", ",.0f", scale=MIB),
-        Column("loss", "loss", ".4f"),
-        STATUS,
-    )
-    notes = (
+        f"lengths. Targets: {ATTENTION_TARGETS['padded']}x padded, {ATTENTION_TARGETS['mixed']}x packed.",
+        _add_attention_targets,
+    ),
+    "hf": _Part(
+        hf_llama.main,
+        "HF Llama forward + backward (`hf_llama.py`)",
+        (
+            shape_column("model, tokens"),
+            CASE,
+            _TIME,
+            ratio_column("time_x_ours", "x ours"),
+            _PEAK_EXTRA,
+            _PEAK,
+        )
+        + (Column("loss", "loss", ".4f"), STATUS),
         "Llama-3.2-1B's shape, random weights, gradient checkpointing, one sequence, cp = 1. ours: the "
-        '"lightning_cp" attention and the fused loss; hf_liger: HF sdpa with Liger-Kernel\'s Llama patches.'
-    )
-    return _section("HF Llama forward + backward (`hf_llama.py`)", rows, columns, notes)
-
-
-def _fsdp_section(rows: list[Row]) -> str:
-    columns = (
-        shape_column("model, tokens"),
-        CASE,
-        Column("step ms", "time_ms", ",.1f"),
-        Column("peak MiB", "peak_bytes", ",.0f", scale=MIB),
-        Column("step extra MiB", "peak_extra_bytes", ",.0f", scale=MIB),
-        STATUS,
-    )
-    notes = "Forward, backward and AdamW, bf16-mixed, activation checkpointing of the blocks, world size 1."
-    return _section("Training step under FSDP (`fsdp_step.py`)", rows, columns, notes)
-
-
-_PARTS: dict[str, tuple[Callable[[list[str]], list[Row]], Callable[[list[Row]], str]]] = {
-    "loss": (loss_memory.main, _loss_section),
-    "attention": (attention.main, _attention_section),
-    "hf": (hf_llama.main, _hf_section),
-    "fsdp": (fsdp_step.main, _fsdp_section),
+        '"lightning_cp" attention and the fused loss; hf_liger: HF sdpa with Liger-Kernel\'s Llama patches.',
+    ),
+    "fsdp": _Part(
+        fsdp_step.main,
+        "Training step under FSDP (`fsdp_step.py`)",
+        (
+            shape_column("model, tokens"),
+            CASE,
+            Column("step ms", "time_ms", ",.1f"),
+            _PEAK,
+            _PEAK_EXTRA,
+            STATUS,
+        ),
+        "Forward, backward and AdamW, bf16-mixed, activation checkpointing of the blocks, world size 1.",
+    ),
 }
-
-
-def _section(title: str, rows: list[Row], columns: Sequence[Column], notes: str) -> str:
-    return f"## {title}\n\n{format_table(rows, columns, markdown=True)}\n\n{notes}\n"
 
 
 def _value(value: Any) -> str:
@@ -243,11 +255,10 @@ def main(argv: Sequence[str] | None = None) -> str:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     part_arguments = _part_arguments(args.quick, device.type)
     sections = [_header(device, argv)]
-    for part in args.parts:
-        run, render = _PARTS[part]
-        started = time.perf_counter()
-        rows = run(part_arguments[part])
-        sections.append(render(rows) + f"\n_{part}: {time.perf_counter() - started:.0f} s_\n")
+    for name in args.parts:
+        part, started = _PARTS[name], time.perf_counter()
+        rows = part.run(part_arguments[name])
+        sections.append(part.section(rows) + f"\n_{name}: {time.perf_counter() - started:.0f} s_\n")
         args.output.write_text("\n".join(sections))  # what is done so far survives a later crash
     print(f"\ngpu_report: wrote {args.output}")
     return "\n".join(sections)

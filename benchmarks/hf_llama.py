@@ -36,10 +36,9 @@ import torch
 from _harness import (
     DTYPES,
     Case,
-    add_common_arguments,
-    finish_common_arguments,
+    ModelShape,
     needs_module,
-    require_positive,
+    parse_arguments,
     run_case,
     run_grid,
     start,
@@ -61,7 +60,7 @@ LLAMA_1B = {
     "tie_word_embeddings": True,
     "max_position_embeddings": 131072,
 }
-"""Llama-3.2-1B's shape (1.24B parameters); ``--quick`` shrinks it to a few layers of width 64."""
+"""Llama-3.2-1B's shape (1.24B parameters); ``--quick`` takes ``tiny``: 2 layers of width 64."""
 _TINY = {
     **LLAMA_1B,
     "vocab_size": 512,
@@ -77,18 +76,8 @@ _PACKAGES = ("transformers", "liger-kernel", "triton")
 _RUNTIME_OVERHEAD_BYTES = 2 * GIB
 
 
-@dataclass(frozen=True)
-class Shape:
-    tokens: int
-    """Tokens of the one sequence."""
-    quick: bool
-    """The tiny model instead of Llama-1B's shape."""
-
-    def label(self) -> str:
-        return f"{'tiny' if self.quick else '1B'} T={self.tokens}"
-
-    def config(self) -> dict[str, Any]:
-        return dict(_TINY if self.quick else LLAMA_1B)
+MODELS = {"llama-1b": LLAMA_1B, "tiny": _TINY}
+"""The configurations a row names (``ModelShape.model``)."""
 
 
 @dataclass
@@ -99,17 +88,16 @@ class _Problem:
     """``[1, T]`` random token ids."""
 
 
-def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device) -> _Problem:
+def _make_problem(shape: ModelShape, dtype: torch.dtype, device: torch.device) -> _Problem:
     from lightning_cp.models import HFCausalLM
 
     torch.manual_seed(0)  # the same weights in every case's worker, so that their losses compare
-    module = HFCausalLM(shape.config(), dtype=str(dtype).removeprefix("torch."), gradient_checkpointing=True)
+    config = MODELS[shape.model]
+    module = HFCausalLM(config, dtype=str(dtype).removeprefix("torch."), gradient_checkpointing=True)
     with device:  # built and initialized on the device: seconds for 1B parameters, not a minute on the CPU
         module.configure_model()
     model = module.model.train()
-    ids = torch.randint(
-        shape.config()["vocab_size"], (1, shape.tokens), generator=torch.Generator().manual_seed(0)
-    )
+    ids = torch.randint(config["vocab_size"], (1, shape.tokens), generator=torch.Generator().manual_seed(0))
     return _Problem(model, ids.to(device))
 
 
@@ -140,17 +128,17 @@ def _build_hf_liger(p: _Problem) -> Callable[[], Tensor]:
     )
 
 
-def _estimate(sizes: tuple[Shape, int]) -> int:
+def _estimate(sizes: tuple[ModelShape, int]) -> int:
     """Weights and gradients, the checkpointed layer inputs, one layer's recomputed activations."""
     shape, itemsize = sizes
-    c = shape.config()
+    c = MODELS[shape.model]
     layer = 4 * c["hidden_size"] ** 2 + 3 * c["hidden_size"] * c["intermediate_size"]
     params = c["num_hidden_layers"] * layer + c["vocab_size"] * c["hidden_size"]
     width = c["num_hidden_layers"] * c["hidden_size"] + 12 * c["intermediate_size"] + 8 * c["hidden_size"]
     return 2 * params * itemsize + shape.tokens * width * itemsize
 
 
-_CASES: tuple[Case[_Problem, tuple[Shape, int]], ...] = (
+_CASES: tuple[Case[_Problem, tuple[ModelShape, int]], ...] = (
     Case(
         "ours",
         "lightning_cp attention (cp=1 batch recorded) + lightning_cp.ops.linear_cross_entropy",
@@ -176,7 +164,7 @@ _CASES_BY_NAME = {case.name: case for case in _CASES}
 def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     case = _CASES_BY_NAME[spec["case"]]
     device = torch.device(spec["device"])
-    p = _make_problem(Shape(**spec["shape"]), DTYPES[spec["dtype"]], device)
+    p = _make_problem(ModelShape(**spec["shape"]), DTYPES[spec["dtype"]], device)
     step = case.build(p)
     params = [t for t in p.model.parameters() if t.requires_grad]
 
@@ -206,7 +194,7 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
 # The parent
 
 
-def _measure_case(shape: Shape, case: Case, args: argparse.Namespace) -> dict[str, Any]:
+def _measure_case(shape: ModelShape, case: Case, args: argparse.Namespace) -> dict[str, Any]:
     itemsize = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     estimate = case.estimate((shape, itemsize)) + _RUNTIME_OVERHEAD_BYTES
     row = {"case": case.name, "shape": shape.label(), **asdict(shape), "dtype": args.dtype}
@@ -250,15 +238,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--tokens", type=int, nargs="+", help="sequence lengths (default: 32768 131072 on CUDA)"
     )
     parser.add_argument("--quick", action="store_true", help="smoke test: a tiny Llama, 256 tokens, one run")
-    add_common_arguments(parser)
-    args = parser.parse_args(argv)
-
-    def presets(device: torch.device) -> dict[str, Any]:
-        return {**(_FULL_CUDA if device.type == "cuda" else _FULL_CPU), **(_QUICK if args.quick else {})}
-
-    finish_common_arguments(parser, args, presets)
-    require_positive(parser, args, ("tokens",))
-    return args
+    return parse_arguments(parser, argv, cpu=_FULL_CPU, cuda=_FULL_CUDA, quick=_QUICK, positive=("tokens",))
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -267,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     cases = start(args, _CASES, _measure)
     if cases is None:
         return []
-    shapes = [Shape(tokens, args.quick) for tokens in args.tokens]
+    shapes = [ModelShape("tiny" if args.quick else "llama-1b", tokens) for tokens in args.tokens]
     started = time.perf_counter()
     rows = run_grid(shapes, cases, lambda shape, case: _measure_case(shape, case, args))
     _check_against_ours(rows, DTYPES[args.dtype])

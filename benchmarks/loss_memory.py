@@ -49,11 +49,9 @@ import torch.nn.functional as F
 from _harness import (
     DTYPES,
     Case,
-    add_common_arguments,
-    finish_common_arguments,
     needs_cuda,
     needs_module,
-    require_positive,
+    parse_arguments,
     run_case,
     run_grid,
     start,
@@ -623,19 +621,11 @@ _COLUMNS = (
 )
 
 
-def _presets(quick: bool) -> Callable[[torch.device], dict[str, Any]]:
-    def presets(device: torch.device) -> dict[str, Any]:
-        return {**(_FULL_CUDA if device.type == "cuda" else _FULL_CPU), **(_QUICK if quick else {})}
-
-    return presets
-
-
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", help="N values (default: 4096 16384, more on CUDA)")
     parser.add_argument("--vocab", type=int, nargs="+", help="V values (default: 32000 128256 151936)")
     parser.add_argument("--hidden", type=int, nargs="+", help="H values (default: 1024 4096)")
-    add_common_arguments(parser)
     parser.add_argument(
         "--cp", type=int, default=2, help="size of the simulated CP group of cp_allgather (default 2)"
     )
@@ -649,10 +639,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="smoke test: 512 tokens x 4096 vocab x 256 hidden, chunk 128, 1 run (about a minute on 2 cores)",
     )
-    args = parser.parse_args(argv)
-    finish_common_arguments(parser, args, _presets(args.quick))
-    require_positive(parser, args, ("cp", "chunk_size", "tokens", "vocab", "hidden"))
-    return args
+    positive = ("cp", "chunk_size", "tokens", "vocab", "hidden")
+    return parse_arguments(parser, argv, cpu=_FULL_CPU, cuda=_FULL_CUDA, quick=_QUICK, positive=positive)
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:

@@ -416,7 +416,7 @@ def test_hf_llama_cases_compute_the_same_loss_and_gradients(bench, monkeypatch):
     hf = bench.hf_llama
     results = []
     for case in hf._CASES:
-        problem = hf._make_problem(hf.Shape(tokens=64, quick=True), torch.float32, torch.device("cpu"))
+        problem = hf._make_problem(bench._harness.ModelShape("tiny", 64), torch.float32, torch.device("cpu"))
         try:
             loss = case.build(problem)()
             loss.backward()
