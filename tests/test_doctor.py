@@ -72,6 +72,17 @@ def run_doctor(capsys):
     return run
 
 
+@pytest.mark.gpu
+def test_doctor_passes_on_the_gpu_with_flash_attention_and_triton(capsys):
+    status = doctor.main(["--device", "cuda"])
+    lines = _check_lines(capsys.readouterr().out)
+    assert status == 0, lines
+    assert {s for name, s in lines.items() if not name.startswith("collectives")} == {"PASS"}
+    bf16_attention = [name for name in lines if name.startswith("attention") and "bfloat16" in name]
+    assert len(bf16_attention) == 4 and all(name.endswith("[flash-varlen]") for name in bf16_attention)
+    assert sum(name.startswith("loss linear_cross_entropy triton") for name in lines) == 2
+
+
 def test_a_wrong_key_index_in_the_attention_layout_fails_the_attention_checks(run_doctor, monkeypatch):
     build = CPShard.build.__func__
 

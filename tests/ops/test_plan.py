@@ -84,3 +84,9 @@ def test_a_tensor_parallel_vocabulary_gets_a_chunk_from_the_shapes_only(cuda_mem
         tp_group=group,
     )
     assert plan.chunk_size == auto_chunk_size(131_072, V_QWEN // 2, "mps")
+
+
+@pytest.mark.gpu
+def test_cuda_chunk_from_the_real_free_memory():
+    chunk = auto_chunk_size(131_072, V_QWEN, "cuda")
+    assert 512 * MIB - 4 * V_QWEN < _block_bytes(chunk, V_QWEN) <= 4 * GIB
