@@ -34,7 +34,8 @@ def main(args: list[str] | None = None) -> int:
         return 0
     from lightning_cp.cli.lightning_cli import main as lightning_main
 
-    lightning_main(argv)
+    # ``None`` when given ``None``: LightningCLI then reads sys.argv itself (and warns when given both).
+    lightning_main(args)
     return 0
 
 

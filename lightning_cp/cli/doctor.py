@@ -34,22 +34,18 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``lightning-cp doctor [--device auto|cpu|cuda]``; returns the exit status (1: a check failed)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     distributed = collectives.launched_distributed()
-    device_type = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
-    if device_type == "cuda" and not torch.cuda.is_available():
-        print("lightning-cp doctor: --device cuda, but torch sees no CUDA device; use --device cpu.")
-        return 1
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here; use --device cpu")
     created_group = False
     if distributed:
-        device = collectives.local_device(device_type)
+        device = collectives.local_device("cuda" if use_cuda else "cpu")
         created_group = collectives.init_process_group(device)
     else:
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if device_type == "cuda"
-            else torch.device("cpu")
-        )
+        device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     lead = not distributed or dist.get_rank() == 0
     try:
         if lead:
