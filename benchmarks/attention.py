@@ -3,9 +3,9 @@
 Every case computes causal attention for the queries one CP rank holds (``shard_batch``'s head-tail
 split of ``--cp`` ranks) over the keys of the whole sequence (padded: one sequence; packed: documents
 that attend only within themselves), on one device. The other ranks are simulated
-(:class:`lightning_cp.parallel.simulated.SimulatedCPGroup`, recording nothing): the all-gather of K/V
-returns the whole sequence's K/V (this rank's part from its inputs), the reduce-scatter of their
-gradients keeps this rank's slice.
+(:class:`lightning_cp.parallel.simulated.SimulatedCPGroup`, every rank's forward recorded once, untimed):
+the all-gather of K/V returns the whole sequence's K/V (this rank's part from its inputs), the
+reduce-scatter of their gradients keeps this rank's slice.
 
 ============  ======================================================================================
 ``ideal``     full-sequence attention of all tokens (padded: SDPA causal; packed: SDPA per document),
@@ -59,8 +59,8 @@ from _report import CASE, STATUS, Column, publish, ratio_column, shape_column
 from torch import Tensor
 
 from lightning_cp.parallel import CPShard, CPSplit, shard_batch
-from lightning_cp.parallel.attention import GroupExchange, _CPAttention
-from lightning_cp.parallel.simulated import SimulatedCPGroup, exchange_input
+from lightning_cp.parallel.attention import GroupExchange
+from lightning_cp.parallel.simulated import SimulatedCPGroup, rank_attention
 
 LAYOUTS = ("padded", "docs8", "mixed")
 """``padded``: one sequence of ``T`` tokens; ``docs8``: 8 equal documents; ``mixed``: documents of random
@@ -97,15 +97,15 @@ class Shape:
 
 @dataclass
 class _Problem:
-    """One rank's inputs (token-major ``[T_local, H, D]``) and the whole sequence's K/V for its peers."""
+    """One rank's inputs (token-major ``[T_local, H, D]``) and every rank's, which its simulated peers send."""
 
     shape: Shape
     q: Tensor
     k: Tensor
     v: Tensor
     shard: CPShard
-    peers: SimulatedCPGroup
-    """Every rank's local K/V (recording no key gradients: one rank is timed)."""
+    ranks: list[tuple[Tensor, Tensor, Tensor, CPShard]]
+    """Every rank's q, k, v and shard, in rank order (not leaves: only the peers' exchanges use them)."""
     full: tuple[Tensor, Tensor, Tensor]
     """``[1, Hq, T, D]`` q, k, v of all tokens (K/V heads repeated), for the ideal case."""
     lengths: list[int]
@@ -115,9 +115,31 @@ class _Problem:
     tokens: Tensor
     """``[T_local]``: the index in the whole sequence of each of this rank's tokens (-1: padding)."""
 
-    def exchange(self) -> GroupExchange:
-        """This rank's K/V exchange with its simulated peers."""
-        return self.peers.exchange(self.shard.split.cp_rank)
+    @property
+    def scale(self) -> float:
+        return self.shape.head_dim**-0.5
+
+    def attention_exchange(self) -> GroupExchange:
+        """This rank's exchange for ``lightning_cp``'s attention: a simulated group in which every rank's
+        forward was recorded (untimed), whose reduce-scatter keeps this rank's share."""
+        peers = SimulatedCPGroup(self.shape.cp, sum_key_gradients=False)
+        with peers.recording(), torch.no_grad():
+            for rank, (q, k, v, shard) in enumerate(self.ranks):
+                rank_attention(q, k, v, shard, peers.exchange(rank), self.scale)
+        return peers.exchange(self.shard.split.cp_rank)
+
+    def kv_exchange(self) -> GroupExchange:
+        """This rank's exchange of ``_kv(k, v)`` (the previous implementation's and the peers' gather)."""
+        peers = SimulatedCPGroup(self.shape.cp, sum_key_gradients=False)
+        with peers.recording():
+            for rank, (_, k, v, _) in enumerate(self.ranks):
+                peers.exchange(rank).all_gather(_kv(k, v))
+        return peers.exchange(self.shard.split.cp_rank)
+
+
+def _kv(k: Tensor, v: Tensor) -> Tensor:
+    """``[T, 2 * Hkv, D]``: keys and values side by side, what the previous path and the peers gather."""
+    return torch.cat([k, v], dim=1)
 
 
 def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: int) -> _Problem:
@@ -140,9 +162,9 @@ def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: 
     # shard_batch pads every sequence to a multiple of 2 * cp; padding (-1) reads token 0 (never scored).
     tokens = [s["token"][0].to(device) - 1 for s in shards]
     index = [t.clamp(min=0) for t in tokens]
-    peers = SimulatedCPGroup([exchange_input(k[i], v[i]) for i in index], keep_key_gradients=False)
+    layouts = [CPShard.build(CPSplit(shape.cp, r), torch.tensor(lengths), device) for r in range(shape.cp)]
+    ranks = [(q[i], k[i], v[i], layout) for i, layout in zip(index, layouts)]
     mine = index[rank]
-    shard = CPShard.build(CPSplit(shape.cp, rank), torch.tensor(lengths), device)
     document, position = (
         torch.cat([s[key][0] for s in shards]).to(device) for key in ("document", "position_ids")
     )
@@ -160,8 +182,8 @@ def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: 
         leaf(q[mine]),
         leaf(k[mine]),
         leaf(v[mine]),
-        shard,
-        peers,
+        layouts[rank],
+        ranks,
         (whole(q), whole(k), whole(v)),
         lengths,
         coordinates,
@@ -170,18 +192,18 @@ def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: 
 
 
 def _build_ours(p: _Problem) -> Callable[[], Tensor]:
-    exchange, scale = p.exchange(), p.shape.head_dim**-0.5
-    return lambda: _CPAttention.apply(p.q, p.k, p.v, p.shard, exchange, scale)
+    exchange = p.attention_exchange()
+    return lambda: rank_attention(p.q, p.k, p.v, p.shard, exchange, p.scale)
 
 
 def _build_previous(p: _Problem) -> Callable[[], Tensor]:
     """K/V all-gathered (kept for the backward by autograd) and a dense ``[T_local, T]`` mask per call."""
-    exchange = p.exchange()
+    exchange = p.kv_exchange()
     group = p.shape.heads // p.shape.kv_heads
     query_doc, query_pos, key_doc, key_pos = p.coordinates
 
     def step() -> Tensor:
-        kv = _GatherKeepingGraph.apply(torch.cat([p.k, p.v], dim=1), exchange)
+        kv = _GatherKeepingGraph.apply(_kv(p.k, p.v), exchange)
         k, v = kv[:, : p.shape.kv_heads], kv[:, p.shape.kv_heads :]
         mask = (query_doc[:, None] == key_doc[None]) & (key_pos[None] <= query_pos[:, None])
         out = F.scaled_dot_product_attention(
@@ -235,10 +257,10 @@ _FLASH_PEERS = {
 def _flash_peer_builder(name: str) -> Callable[[_Problem], Callable[[], Tensor]]:
     def build(p: _Problem) -> Callable[[], Tensor]:
         varlen = importlib.import_module(_FLASH_PEERS[name][0]).flash_attn_varlen_func
-        exchange, shard, kv_heads = p.exchange(), p.shard, p.shape.kv_heads
+        exchange, shard, kv_heads = p.kv_exchange(), p.shard, p.shape.kv_heads
 
         def step() -> Tensor:
-            gathered = _GatherKeepingGraph.apply(exchange_input(p.k, p.v), exchange)
+            gathered = _GatherKeepingGraph.apply(_kv(p.k, p.v), exchange)
             keys = gathered.index_select(0, shard.key_index)
             out = varlen(
                 p.q,
@@ -248,7 +270,7 @@ def _flash_peer_builder(name: str) -> Callable[[_Problem], Callable[[], Tensor]]
                 cu_seqlens_k=shard.cu_keys,
                 max_seqlen_q=shard.max_queries,
                 max_seqlen_k=shard.max_keys,
-                softmax_scale=p.shape.head_dim**-0.5,
+                softmax_scale=p.scale,
                 causal=True,  # bottom-right aligned, as the pieces need
             )
             return out[0] if isinstance(out, tuple) else out  # some versions also return the lse

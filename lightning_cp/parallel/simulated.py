@@ -1,55 +1,55 @@
 """Every rank of a CP group in one process: CP attention through the ``GroupExchange`` seam, without peers.
 
-:class:`~lightning_cp.parallel.attention.GroupExchange` is the only way CP attention reaches its peers
-(an all-gather of K/V in the forward and the backward, a reduce-scatter of their gradients). A
-:class:`SimulatedCPGroup` stands in for the collectives of a group of ``cp`` ranks whose local K/V it
-holds, so one process can run any rank's attention exactly as that rank would:
+:class:`~lightning_cp.parallel.attention.GroupExchange` is the only way CP attention reaches its peers:
+an all-gather of the local keys and values in the forward and the backward, a reduce-scatter of their
+gradients. A :class:`SimulatedCPGroup` stands in for those collectives for ``cp`` ranks run one after the
+other in this process. It learns what each rank sends by watching it: inside :meth:`SimulatedCPGroup.recording`
+every exchange records its argument and answers with stand-ins of the right size; once every rank has been
+recorded, the exchanges answer exactly as the collectives would (the all-gather: every rank's tensor in
+rank order; the reduce-scatter: the sum over all ranks of their contributions to the calling rank). So the
+simulation never depends on how the attention packs what it exchanges.
 
-- ``all_gather`` returns every rank's K/V in rank order (a new tensor, as the collective allocates), the
-  calling rank's part taken from its own argument;
-- ``reduce_scatter`` keeps what the calling rank's backward sends to itself, and records the whole
-  buffer; once every rank has run its backward, :meth:`SimulatedCPGroup.key_gradients` is each rank's
-  sum over all ranks, which is what the real reduce-scatter returns.
-
-:func:`simulate_cp_attention` runs every rank's forward and backward this way and reassembles the full
-sequence: ``lightning-cp doctor`` checks it against full-sequence SDPA. ``benchmarks/attention.py`` times
-one rank with an exchange that records nothing (``keep_key_gradients=False``).
+:func:`simulate_cp_attention` runs every rank this way (a recording forward and backward, then the exact
+ones) and reassembles the full sequence: ``lightning-cp doctor`` checks it against full-sequence SDPA.
+``benchmarks/attention.py`` times one rank, its peers recorded once (``sum_key_gradients=False``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 from lightning_cp.parallel.attention import GroupExchange, _CPAttention
-from lightning_cp.parallel.sharding import shard_batch, unshard
+from lightning_cp.parallel.sharding import CPShard, shard_batch, unshard
 
 
 class SimulatedCPGroup:
-    """A CP group of ``len(local_kv)`` simulated ranks, for their attention in one process.
+    """The collectives of a CP group of ``cp_size`` ranks that all run in this process, one after the other.
+
+    Use: run every rank's attention once inside :meth:`recording` (which records what each rank
+    all-gathers and, in a backward, reduce-scatters), then again outside it for exact results.
 
     Args:
-        local_kv: every rank's K/V in rank order, each ``[T_local, 2 * Hkv, D]`` (keys then values along
-            dim 1, token-major: what CP attention hands its exchange, see :func:`exchange_input`).
-        keep_key_gradients: record what each rank's backward sends, for :meth:`key_gradients`. ``False``
-            for timing one rank: the buffer is then freed as after a real reduce-scatter.
+        cp_size: the number of simulated ranks.
+        sum_key_gradients: outside :meth:`recording`, a reduce-scatter returns the sum of what every rank
+            sent in the recorded backward (exact). ``False`` keeps the calling rank's own share instead,
+            without recording, when one rank is timed and the others never run a backward.
     """
 
-    def __init__(self, local_kv: Sequence[Tensor], *, keep_key_gradients: bool = True) -> None:
-        if not local_kv or len({tuple(kv.shape) for kv in local_kv}) != 1:
-            shapes = [tuple(kv.shape) for kv in local_kv]
-            raise ValueError(
-                f"SimulatedCPGroup needs one K/V tensor of the same shape per rank, got {shapes}."
-            )
-        self._local_kv = list(local_kv)
-        self._keep = keep_key_gradients
-        self._sent: list[Tensor | None] = [None] * len(local_kv)
+    def __init__(self, cp_size: int, *, sum_key_gradients: bool = True) -> None:
+        if cp_size < 1:
+            raise ValueError(f"cp_size={cp_size} must be >= 1.")
+        self._gathered: list[Tensor | None] = [None] * cp_size
+        self._sent: list[Tensor | None] = [None] * cp_size
+        self._sum = sum_key_gradients
+        self._recording = False
 
     @property
     def cp_size(self) -> int:
-        return len(self._local_kv)
+        return len(self._gathered)
 
     def exchange(self, rank: int) -> GroupExchange:
         """Rank ``rank``'s exchange with the other simulated ranks (no communication)."""
@@ -57,21 +57,23 @@ class SimulatedCPGroup:
             raise ValueError(f"rank={rank} must be in [0, cp_size={self.cp_size}).")
         return _SimulatedExchange(self, rank)
 
-    def key_gradients(self, rank: int) -> Tensor:
-        """``[T_local, 2 * Hkv, D]``: the K/V gradients of rank ``rank``'s tokens, summed over what every
-        rank's backward sent (the real reduce-scatter's result).
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record what every exchange sends. Meanwhile an all-gather has zeros for the ranks not recorded
+        yet, and a reduce-scatter returns the calling rank's own share: results are not exact here."""
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
 
-        Raises:
-            RuntimeError: a rank has not run its backward yet, or the group keeps no gradients.
-        """
-        missing = [r for r, sent in enumerate(self._sent) if sent is None]
+    def _missing(self, recorded: list[Tensor | None], what: str) -> None:
+        missing = [rank for rank, t in enumerate(recorded) if t is None]
         if missing:
             raise RuntimeError(
-                f"key_gradients({rank}): simulated ranks {missing} have not sent their key gradients; run every "
-                "rank's backward first (with keep_key_gradients=True)."
+                f"simulated CP ranks {missing} have not {what} yet: run every rank once inside "
+                "SimulatedCPGroup.recording() first (the forward, and the backward for key gradients)."
             )
-        rows = self._local_kv[0].shape[0]
-        return torch.stack([sent[rank * rows : (rank + 1) * rows] for sent in self._sent]).sum(0)
 
 
 class _SimulatedExchange(GroupExchange):
@@ -83,24 +85,41 @@ class _SimulatedExchange(GroupExchange):
         self._rank = rank
 
     def all_gather(self, local: Tensor) -> Tensor:
-        peers = self._group._local_kv
-        if local.shape != peers[self._rank].shape:
-            raise ValueError(
-                f"simulated rank {self._rank} gathers a {tuple(local.shape)} tensor, but the group holds "
-                f"{tuple(peers[self._rank].shape)} per rank."
-            )
-        return torch.cat([local if r == self._rank else kv for r, kv in enumerate(peers)])
+        group = self._group
+        group._gathered[self._rank] = local.detach()
+        if not group._recording:
+            group._missing(group._gathered, "all-gathered")
+        peers = [t if t is not None else torch.zeros_like(local) for t in group._gathered]
+        return torch.cat([local if r == self._rank else t for r, t in enumerate(peers)])
 
     def reduce_scatter(self, full: Tensor) -> Tensor:
-        if self._group._keep:
-            self._group._sent[self._rank] = full
-        rows = full.shape[0] // self._group.cp_size
-        return full[self._rank * rows : (self._rank + 1) * rows].clone()
+        group, rank = self._group, self._rank
+        rows = full.shape[0] // group.cp_size
+        if group._recording:
+            group._sent[rank] = full.detach()
+        elif group._sum:
+            group._missing(group._sent, "sent their key gradients")
+            return torch.stack([sent[rank * rows : (rank + 1) * rows] for sent in group._sent]).sum(0)
+        return full[rank * rows : (rank + 1) * rows].clone()
 
 
-def exchange_input(k: Tensor, v: Tensor) -> Tensor:
-    """What CP attention all-gathers from token-major ``k``, ``v`` ``[T_local, Hkv, D]``: ``[T_local, 2 * Hkv, D]``."""
-    return torch.cat([k, v], dim=1)
+def rank_attention(
+    q: Tensor, k: Tensor, v: Tensor, shard: CPShard, exchange: GroupExchange, scale: float
+) -> Tensor:
+    """One CP rank's attention with its peers behind ``exchange``, as ``context_parallel_attention`` runs it.
+
+    Args:
+        q: ``[T_local, Hq, D]``, the rank's queries token-major (``[B, Hq, S_local, D]`` with ``B`` and
+            ``S_local`` flattened).
+        k, v: ``[T_local, Hkv, D]``.
+        shard: the rank's ``CPShard`` of the batch.
+        exchange: how it reaches its peers (a :class:`SimulatedCPGroup`'s, or ``GroupExchange(group)``).
+        scale: softmax scale.
+
+    Returns:
+        ``[T_local, Hq, D]``, differentiable w.r.t. ``q``, ``k``, ``v``.
+    """
+    return _CPAttention.apply(q, k, v, shard, exchange, scale)
 
 
 def simulate_cp_attention(
@@ -116,8 +135,8 @@ def simulate_cp_attention(
     """CP attention of every rank of a simulated group of ``cp_size``, forward and backward, reassembled.
 
     The full batch is sharded with :func:`~lightning_cp.parallel.shard_batch` for every rank; each rank's
-    queries attend through :class:`SimulatedCPGroup` exchanges (the K/V of all ranks; key gradients summed
-    over all ranks), then :func:`~lightning_cp.parallel.unshard` puts every result back in sequence order.
+    attention runs through a :class:`SimulatedCPGroup` (recorded first, then exact), and
+    :func:`~lightning_cp.parallel.unshard` puts every result back in sequence order.
 
     Args:
         q: ``[B, Hq, S, D]``: the queries of whole sequences (padded: ``B`` rows; packed: ``B = 1``).
@@ -129,10 +148,10 @@ def simulate_cp_attention(
 
     Returns:
         ``(out, dq, dk, dv)``, each of its input's shape and dtype: what context-parallel attention over a
-        real group of ``cp_size`` ranks computes, gathered in sequence order. No communication.
+        real group of ``cp_size`` ranks computes, gathered in sequence order. No communication; every
+        rank's forward and backward run twice (recording, then exact).
     """
     batch_size, _, seq_len, dim = q.shape
-    kv_heads = k.shape[1]
     scale = dim**-0.5 if scale is None else float(scale)
     batch = {"input_ids": torch.zeros(batch_size, seq_len, dtype=torch.long, device=q.device)}
     batch.update({name: t.transpose(1, 2) for name, t in zip("qkvg", (q, k, v, grad_out))})  # [B, S, H, D]
@@ -143,21 +162,27 @@ def simulate_cp_attention(
     def tokens(shard: dict, name: str) -> Tensor:  # [B, S_local, H, D] -> [B * S_local, H, D]
         return shard[name].flatten(0, 1).contiguous()
 
-    leaves = [[tokens(s, name).requires_grad_() for name in "qkv"] for s in shards]
-    group = SimulatedCPGroup([exchange_input(lk.detach(), lv.detach()) for _, lk, lv in leaves])
-    outs, dqs = [], []
-    for rank, (shard, (lq, lk, lv)) in enumerate(zip(shards, leaves)):
-        out = _CPAttention.apply(lq, lk, lv, shard["cp_shard"], group.exchange(rank), scale)
-        (dq,) = torch.autograd.grad(out, lq, tokens(shard, "g"))
-        outs.append(out.detach())
-        dqs.append(dq)
-    dkvs = [group.key_gradients(rank) for rank in range(cp_size)]
+    leaves = [tuple(tokens(s, name).requires_grad_() for name in "qkv") for s in shards]
+    grads_out = [tokens(s, "g") for s in shards]
+    group = SimulatedCPGroup(cp_size)
+
+    def forward(rank: int) -> Tensor:
+        return rank_attention(*leaves[rank], shards[rank]["cp_shard"], group.exchange(rank), scale)
+
+    with group.recording(), torch.no_grad():
+        for rank in range(cp_size):
+            forward(rank)
+    outs = [forward(rank) for rank in range(cp_size)]
+    with group.recording():
+        for rank in range(cp_size):
+            torch.autograd.grad(outs[rank], leaves[rank], grads_out[rank], retain_graph=True)
+    grads = [torch.autograd.grad(outs[rank], leaves[rank], grads_out[rank]) for rank in range(cp_size)]
     local_len = shards[0]["input_ids"].shape[1]
 
     def full(per_rank: list[Tensor]) -> Tensor:  # every rank's [B * S_local, H, D] -> [B, H, S, D]
-        pieces = [t.unflatten(0, (batch_size, local_len)) for t in per_rank]
+        pieces = [t.detach().unflatten(0, (batch_size, local_len)) for t in per_rank]
         seq = None if cu_seqlens is not None else seq_len
         return unshard(pieces, seq_len=seq, cu_seqlens=cu_seqlens).transpose(1, 2)
 
-    dks, dvs = [kv[:, :kv_heads] for kv in dkvs], [kv[:, kv_heads:] for kv in dkvs]
-    return full(outs), full(dqs), full(dks), full(dvs)
+    dq, dk, dv = (full([g[i] for g in grads]) for i in range(3))
+    return full(outs), dq, dk, dv

@@ -7,9 +7,8 @@ document alone (packed), K/V heads repeated by hand.
 import pytest
 import torch
 
-from lightning_cp.parallel.attention import _CPAttention
 from lightning_cp.parallel.sharding import shard_batch
-from lightning_cp.parallel.simulated import SimulatedCPGroup, exchange_input, simulate_cp_attention
+from lightning_cp.parallel.simulated import SimulatedCPGroup, rank_attention, simulate_cp_attention
 from tests.parallel.test_attention import DIM, HEADS, PACKED_CU, PADDED_SHAPE, _inputs, _reference
 
 
@@ -27,31 +26,41 @@ def test_every_simulated_rank_together_is_full_attention(packed, kv_heads, cp):
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-10, msg=f"cp={cp} {name}")
 
 
-def test_all_gather_returns_every_rank_in_order_with_the_callers_own_tensor():
-    locals_ = [torch.full((3, 4, 2), float(r)) for r in range(3)]
-    group = SimulatedCPGroup(locals_)
-    mine = torch.full((3, 4, 2), 7.0)
-    gathered = group.exchange(1).all_gather(mine)
-    assert gathered.tolist() == torch.cat([locals_[0], mine, locals_[2]]).tolist()
-    with pytest.raises(ValueError, match=r"gathers a \(2, 4, 2\) tensor"):
-        group.exchange(0).all_gather(mine[:2])
+def test_all_gather_answers_exactly_once_every_rank_is_recorded():
+    group = SimulatedCPGroup(3)
+    sent = [torch.full((2, 3), float(r)) for r in range(3)]
+    with group.recording():
+        assert (
+            group.exchange(1).all_gather(sent[1]).tolist()
+            == [[0.0] * 3] * 2 + [[1.0] * 3] * 2 + [[0.0] * 3] * 2
+        )
+    with pytest.raises(RuntimeError, match=r"ranks \[0, 2\] have not all-gathered"):
+        group.exchange(1).all_gather(sent[1])
+    with group.recording():
+        group.exchange(0).all_gather(sent[0])
+        group.exchange(2).all_gather(sent[2])
+    mine = torch.full((2, 3), 7.0)  # the caller's own tensor, not the recorded one, in its slot
+    assert group.exchange(1).all_gather(mine).tolist() == torch.cat([sent[0], mine, sent[2]]).tolist()
+    with pytest.raises(ValueError, match=r"rank=3 must be in \[0, cp_size=3\)"):
+        group.exchange(3)
 
 
-def test_key_gradients_are_the_sum_of_what_every_rank_sent():
-    group = SimulatedCPGroup([torch.zeros(2, 1, 1)] * 2)
-    with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] have not sent"):
-        group.key_gradients(0)
-    own = [group.exchange(r).reduce_scatter(torch.arange(4.0).view(4, 1, 1) * (r + 1)) for r in range(2)]
-    assert [t.flatten().tolist() for t in own] == [[0.0, 1.0], [4.0, 6.0]]  # each rank's own share only
-    assert group.key_gradients(0).flatten().tolist() == [0.0, 3.0]
-    assert group.key_gradients(1).flatten().tolist() == [6.0, 9.0]
-    with pytest.raises(ValueError, match=r"rank=2 must be in \[0, cp_size=2\)"):
-        group.exchange(2)
+def test_reduce_scatter_answers_the_sum_of_what_every_rank_sent():
+    group, timed = SimulatedCPGroup(2), SimulatedCPGroup(2, sum_key_gradients=False)
+    sent = [torch.arange(4.0).view(4, 1) * (r + 1) for r in range(2)]  # rank r sends (r + 1) * [0, 1, 2, 3]
+    with group.recording():
+        own = [group.exchange(r).reduce_scatter(sent[r]) for r in range(2)]
+    assert [t.flatten().tolist() for t in own] == [[0.0, 1.0], [4.0, 6.0]]  # each rank's own share
+    assert group.exchange(0).reduce_scatter(sent[0]).flatten().tolist() == [0.0, 3.0]
+    assert group.exchange(1).reduce_scatter(sent[1]).flatten().tolist() == [6.0, 9.0]
+    with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] have not sent their key gradients"):
+        SimulatedCPGroup(2).exchange(0).reduce_scatter(sent[0])
+    assert timed.exchange(1).reduce_scatter(sent[1]).flatten().tolist() == [4.0, 6.0]
 
 
-def test_a_group_keeping_no_gradients_runs_one_rank_like_a_real_one():
-    """One rank's attention through a group that records nothing (as the benchmark times it): the rank's
-    rows of full attention, and no key gradients kept after its backward."""
+def test_one_rank_timed_like_the_benchmark_computes_its_rows_of_full_attention():
+    """Every rank's forward recorded once, then one rank's attention with its own share of the key
+    gradients (``sum_key_gradients=False``): its output is exactly its rows of full attention."""
     total = 24
     q, k, v, dout = _inputs(1, total)
     full = _reference(q, k, v, dout, None)[0][0].transpose(0, 1)  # [T, H, D]
@@ -59,10 +68,19 @@ def test_a_group_keeping_no_gradients_runs_one_rank_like_a_real_one():
     batch = {"input_ids": torch.zeros(1, total, dtype=torch.long), "token": torch.arange(total)[None]}
     shards = [shard_batch(batch, 2, rank) for rank in range(2)]
     mine = [s["token"][0] for s in shards]
-    group = SimulatedCPGroup([exchange_input(k[m], v[m]) for m in mine], keep_key_gradients=False)
+    group = SimulatedCPGroup(2, sum_key_gradients=False)
+    with group.recording(), torch.no_grad():
+        for rank in range(2):
+            rank_attention(
+                q[mine[rank]],
+                k[mine[rank]],
+                v[mine[rank]],
+                shards[rank]["cp_shard"],
+                group.exchange(rank),
+                DIM**-0.5,
+            )
     lq = q[mine[1]].requires_grad_()
-    out = _CPAttention.apply(lq, k[mine[1]], v[mine[1]], shards[1]["cp_shard"], group.exchange(1), DIM**-0.5)
+    out = rank_attention(lq, k[mine[1]], v[mine[1]], shards[1]["cp_shard"], group.exchange(1), DIM**-0.5)
     torch.testing.assert_close(out, full[mine[1]], rtol=1e-10, atol=1e-10)
     out.sum().backward()
-    with pytest.raises(RuntimeError, match="have not sent"):
-        group.key_gradients(1)
+    assert lq.grad is not None
