@@ -267,8 +267,8 @@ def _flash_peer_builder(name: str) -> Callable[[_Problem], Callable[[], Tensor]]
     def build(p: _Problem) -> Callable[[], Tensor]:
         varlen = importlib.import_module(_FLASH_PEERS[name][0]).flash_attn_varlen_func
         exchange, keys, kv_heads = p.kv_exchange(), p.shard.keys(p.shape.window), p.shape.kv_heads
-        # FlashAttention's window: (left, right) keys beside the query's own; (-1, -1) is no window.
-        window = (-1, -1) if p.shape.window is None else (p.shape.window - 1, 0)
+        # FlashAttention's window: (left, right) keys beside the query's own, passed only with --window.
+        window = {} if p.shape.window is None else {"window_size": (p.shape.window - 1, 0)}
 
         def step() -> Tensor:
             gathered = _GatherKeepingGraph.apply(_kv(p.k, p.v), exchange)
@@ -283,7 +283,7 @@ def _flash_peer_builder(name: str) -> Callable[[_Problem], Callable[[], Tensor]]
                 max_seqlen_k=keys.max_keys,
                 softmax_scale=p.scale,
                 causal=True,  # bottom-right aligned, as the pieces need
-                window_size=window,
+                **window,
             )
             return out[0] if isinstance(out, tuple) else out  # some versions also return the lse
 
