@@ -7,11 +7,11 @@ is matched against the wrong collective and every rank then waits forever. SLURM
 preemptible clouds send SIGTERM, so this turns every preemption into a hung job.
 
 Here the handler only records the signal (and forwards it to the processes the launcher started).
-:meth:`SigtermAgreement.agree` is called by :class:`~lightning_cp.MegatronCPStrategy` on every rank at the
-same place, after each optimizer step and each evaluation step: one all-reduce (MAX) of the flag over the
-world, so a signal seen by any rank stops all of them after the same step. The strategy then sets
-Lightning's ``received_sigterm``, the loops raise ``SIGTERMException`` at the end of that step, and
-:class:`PreemptionCheckpoint` writes the checkpoint ``ckpt_path="last"`` resumes from.
+:class:`StopOnSigterm`, mixed into the package's strategies, has every rank call
+:meth:`SigtermAgreement.agree` at the same place, after each optimizer step and each evaluation step: one
+all-reduce (MAX) of the flag over the world, so a signal seen by any rank stops all of them after the same
+step. The strategy then sets Lightning's ``received_sigterm``, the loops raise ``SIGTERMException`` at the
+end of that step, and :class:`PreemptionCheckpoint` writes the checkpoint ``ckpt_path="last"`` resumes from.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 PREEMPTED_EXIT_STATUS = 128 + signal.SIGTERM
@@ -70,13 +72,76 @@ class SigtermAgreement:
         return self._received
 
 
+class StopOnSigterm(Strategy):
+    """Strategy hooks that stop every rank after the same step when any rank receives SIGTERM.
+
+    Mixed in before Lightning's strategy class (``class S(StopOnSigterm, DDPStrategy)``). Each run gets a
+    :class:`SigtermAgreement` when the processes are set up (:meth:`setup_environment`), its handler when
+    each stage starts (after Lightning has installed its own), and an agreement after every optimizer step,
+    validation step and test step. Once the ranks agree, Lightning's ``received_sigterm`` is set, and the
+    loops raise ``SIGTERMException`` at the end of that step on every rank.
+    """
+
+    _sigterm: SigtermAgreement | None = None
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._sigterm = SigtermAgreement()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._install_sigterm_handler()
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._install_sigterm_handler()
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._install_sigterm_handler()
+
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(*args, **kwargs)
+        self._stop_on_agreed_sigterm()
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        output = super().validation_step(*args, **kwargs)
+        self._stop_on_agreed_sigterm()
+        return output
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        output = super().test_step(*args, **kwargs)
+        self._stop_on_agreed_sigterm()
+        return output
+
+    def _install_sigterm_handler(self) -> None:
+        assert self._sigterm is not None
+        # The handler Lightning replaced when the run started (the user's own, if any) keeps being called.
+        original = self.lightning_module.trainer._signal_connector._original_handlers.get(signal.SIGTERM)
+        self._sigterm.install(self.launcher, previous=original)
+
+    def _stop_on_agreed_sigterm(self) -> None:
+        """Make Lightning's loops stop every rank at the end of this step once the ranks agree on SIGTERM."""
+        assert self._sigterm is not None
+        if self._sigterm.agree(self.root_device):
+            self.lightning_module.trainer._signal_connector.received_sigterm = True
+
+
 class PreemptionCheckpoint(Checkpoint):
     """On a SIGTERM stop of ``fit``, save the last completed step as the ``ModelCheckpoint``'s last checkpoint.
 
     That is the file ``trainer.fit(ckpt_path="last")`` (``--ckpt_path last``) resumes from. Nothing is
     saved when the trainer has no ``ModelCheckpoint`` (checkpointing disabled). Other exceptions save
-    nothing: a rank that fails alone cannot join the collectives a save needs. :class:`MegatronCPStrategy`
-    adds one to the trainer's callbacks when there is none.
+    nothing: a rank that fails alone cannot join the collectives a save needs. The package's strategies
+    add one to the trainer's callbacks when there is none.
 
     Attributes:
         saved_path: the file written on the last preemption, else ``None``.
