@@ -60,7 +60,7 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
     - under ``cp > 1``, refuse at ``setup`` attention layers that would see only the local shard
       (:func:`lightning_cp.hf.check_attention_is_context_parallel`);
     - recompute the ``activation_checkpointing`` modules' activations in backward;
-    - stop every rank after the same step on a SIGTERM, within one step
+    - stop every rank after the same step on a SIGTERM, within two steps
       (:class:`~lightning_cp.strategies.preemption.StopOnSigterm`), and save that step as ``last.ckpt``
       (:class:`~lightning_cp.strategies.preemption.PreemptionCheckpoint`, added to the callbacks);
     - write checkpoint files atomically (:class:`~lightning_cp.strategies.checkpoint_io.AtomicCheckpointIO`
