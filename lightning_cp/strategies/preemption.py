@@ -147,6 +147,10 @@ class StopOnSigterm(Strategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         self._install_sigterm_handler()
+        # Lightning 2.6's training loop also broadcasts rank 0's `received_sigterm` before every batch, a
+        # world collective on the device read with `.item()`: a host sync per step. The agreement sets it
+        # on every rank at the same step, so that broadcast would only repeat it.
+        self.lightning_module.trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _nothing
 
     @override
     def on_validation_start(self) -> None:
@@ -194,6 +198,10 @@ class StopOnSigterm(Strategy):
         assert self._sigterm is not None
         if self._sigterm.agree():
             self.lightning_module.trainer._signal_connector.received_sigterm = True
+
+
+def _nothing() -> None:
+    pass
 
 
 class PreemptionCheckpoint(Checkpoint):

@@ -121,3 +121,27 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(world2):
     # Signal after step 2: check point 3 sends it, check point 4 agrees, every rank stops after step 4;
     # teardown leaves no group behind (the agreement's own included).
     assert world2.run(_fit_until_sigterm, 2) == [(4, 0), (4, 0)]
+
+
+def _broadcasts_while_training(steps):
+    """``torch.distributed.broadcast`` calls during a fit of ``steps`` steps (dp=1 x cp=2, no validation)."""
+    seed_everything(0)
+    calls = []
+    broadcast = dist.broadcast
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("src"))
+        return broadcast(*args, **kwargs)
+
+    dist.broadcast = counted
+    try:
+        _trainer(2, dist.get_world_size(), max_steps=steps).fit(GPTModule(CONFIG), _loader(2, False))
+    finally:
+        dist.broadcast = broadcast
+    return len(calls)
+
+
+def test_no_sigterm_broadcast_before_every_batch(world2):
+    # Lightning 2.6 broadcasts rank 0's SIGTERM flag on the device before every training batch and reads
+    # it with .item() (a host sync per step); the agreement makes it redundant, and the strategy skips it.
+    assert world2.run(_broadcasts_while_training, 3) == [0, 0]
