@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy
 from lightning_cp.models import GPTModule
 from lightning_cp.strategies import consolidate_checkpoint
-from lightning_cp.strategies._fsdp import mixed_precision_policy
+from lightning_cp.strategies._fsdp import default_wrap, mixed_precision_policy
 from tests.strategies.test_megatron_cp import (
     CONFIG,
     GLOBAL_BATCH,
@@ -265,6 +265,16 @@ def test_fsdp_true_builds_the_fsdp_strategy_from_the_other_arguments():
     assert type(MegatronCPStrategy(cp=2, fsdp=False)) is MegatronCPStrategy
     trainer = Trainer(accelerator="cpu", devices=2, strategy="megatron_cp_fsdp", logger=False)
     assert type(trainer.strategy) is MegatronCPFSDPStrategy and trainer.strategy.cp == 1
+
+
+def test_the_default_units_are_the_no_split_modules_the_model_declares():
+    decoder = torch.nn.Module()
+    decoder._no_split_modules = ["LlamaDecoderLayer", "_Block"]  # as a Hugging Face model declares its layers
+    module = GPTModule(CONFIG)
+    assert default_wrap(module) == ("_Block",)  # the package GPT's blocks, without strategies importing it
+    module.extra = decoder
+    assert default_wrap(module) == ("_Block", "LlamaDecoderLayer")  # each name once, in the order found
+    assert default_wrap(torch.nn.Linear(2, 2)) == ()
 
 
 def test_the_device_mesh_is_not_available_before_setup():
