@@ -95,6 +95,12 @@ def test_export_refuses_a_checkpoint_without_a_transformers_config(tmp_path):
         export_hf(tmp_path / "missing.ckpt", tmp_path / "out")
 
 
+def test_cli_reports_a_bad_checkpoint_as_one_line(tmp_path, capsys):
+    assert cli_main(["export-hf", str(tmp_path / "missing.ckpt"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lightning-cp export-hf: error: ") and "missing.ckpt" in err[0]
+
+
 def _fit_with_export(directory, output):
     torch.manual_seed(2)
     data = [{"input_ids": torch.randint(0, VOCAB, (SEQ,))} for _ in range(8)]
