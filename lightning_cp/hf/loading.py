@@ -127,7 +127,7 @@ def _check_model_type(model_type: str, owner: str) -> None:
 def load_pretrained(
     path: str | Path,
     dtype: torch.dtype | None = None,
-    attn_implementation: str = ATTN_IMPLEMENTATION,
+    attn_implementation: str | None = ATTN_IMPLEMENTATION,
 ) -> nn.Module:
     """The ``AutoModelForCausalLM`` saved in the local directory ``path``, for a module's ``configure_model``.
 
@@ -140,7 +140,8 @@ def load_pretrained(
         path: a directory written by ``save_pretrained`` (``config.json``, ``*.safetensors``).
         dtype: the parameters' dtype; ``None``: ``torch.get_default_dtype()`` (inside ``configure_model``:
             the Trainer's precision, see the module docstring).
-        attn_implementation: ``"lightning_cp"`` (context-parallel attention) unless you need another.
+        attn_implementation: ``"lightning_cp"`` (context-parallel attention) unless you need another;
+            ``None``: the model's default.
 
     Example::
 
