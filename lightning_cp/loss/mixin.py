@@ -156,6 +156,20 @@ class CPLossMixin:
         logprobs = token_logprobs(hidden, weight, labels, **head_kwargs)
         return {"logprobs": logprobs.view_as(batch[LABELS]), "labels": batch[LABELS]}
 
+    def global_aux_loss(self, value: Tensor) -> Tensor:
+        """The term to add to :meth:`lm_loss`'s result for an auxiliary loss of the whole global batch.
+
+        ``value`` must already be the loss of every rank's tokens together, the same on every rank, with
+        its gradient reaching this rank's tokens only (e.g. :func:`lightning_cp.hf.load_balancing_loss`
+        over ``current_layout().loss_group``). In training it is weighted so that DDP's gradient average
+        gives its gradient, and with gradient accumulation each micro-batch's value counts with its share
+        of the step's target tokens (:mod:`lightning_cp.loss.objective`); call it after :meth:`lm_loss` in
+        the same step. In evaluation it is ``value``. No communication.
+        """
+        if not self._cp_is_training():
+            return value
+        return self._cp_objective.auxiliary_loss(value, current_layout())
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Turn the first micro-batch's normalizer into the whole step's (see :mod:`lightning_cp.loss.objective`)."""
         self._cp_objective.rescale_gradients(self.parameters(), self.trainer.accumulate_grad_batches)

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_cp.hf.check import check_attention_is_context_parallel
+from lightning_cp.hf.probe import check_models
 from lightning_cp.parallel import groups
 from lightning_cp.parallel.layout import (
     ParallelLayout,
@@ -255,7 +255,7 @@ class MegatronCPStrategy(DDPStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert isinstance(self.model, LightningModule)
         _check_steps_take_batches(self.model)
-        check_attention_is_context_parallel(self.model, self.layout.cp)
+        check_models(self.model, self.layout, self.root_device)
         if not any(isinstance(callback, PreemptionCheckpoint) for callback in trainer.callbacks):
             trainer.callbacks.append(PreemptionCheckpoint())
         if self.activation_checkpointing:
