@@ -7,7 +7,7 @@ into the next. The script brings:
 
 - its cases, as :class:`Case` objects (a name, a ``build`` function, a memory ``estimate``, its
   ``needs``), chosen with :func:`select_cases` and listed with :func:`format_case_list`;
-- its command line: its own options, :func:`add_common_arguments`, then :func:`finish_common_arguments`;
+- its command line: its own options, then :func:`parse_arguments` (the common options, its grids);
 - in the parent, a function making one row for (shape, case), which calls :func:`run_case`, handed to
   :func:`run_grid`;
 - in the worker, a ``measure(spec) -> dict`` built on ``_probes.measure``, handed to :func:`worker_main`.
@@ -124,7 +124,7 @@ def format_case_list(cases: Sequence[Case], device: torch.device) -> str:
     return "\n".join(lines)
 
 
-def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every benchmark has: device, dtype, repetitions, case selection, budget, outputs."""
     parser.add_argument(
         "--dtype",
@@ -152,12 +152,12 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(WORKER_FLAG, metavar="SPEC_JSON", help=argparse.SUPPRESS)
 
 
-def finish_common_arguments(
+def _finish_common_arguments(
     parser: argparse.ArgumentParser,
     args: argparse.Namespace,
     presets: Callable[[torch.device], Mapping[str, Any]],
 ) -> None:
-    """Resolve the defaults of :func:`add_common_arguments`'s options in ``args``, and check them.
+    """Resolve the defaults of :func:`_add_common_arguments`'s options in ``args``, and check them.
 
     ``args.device`` becomes a ``torch.device``; every option still ``None`` whose name is in
     ``presets(device)`` (the benchmark's grid, ``repeat``, ``warmup``, ...) takes the preset's value;
@@ -176,6 +176,43 @@ def finish_common_arguments(
     require_positive(parser, args, ("repeat", "max_mem_gib"))
     if args.warmup < 0:
         parser.error(f"--warmup {args.warmup}: must be >= 0")
+
+
+def parse_arguments(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    *,
+    cpu: Mapping[str, Any],
+    cuda: Mapping[str, Any],
+    quick: Mapping[str, Any],
+    positive: Sequence[str],
+) -> argparse.Namespace:
+    """A script's command line: ``parser`` (its own options, ``--quick`` among them) and the common ones.
+
+    Parses ``argv``; options left unset take the script's grid for the device (``cpu`` or ``cuda``), over
+    which ``quick`` goes when ``--quick`` is given, then the common defaults
+    (:func:`_finish_common_arguments`); the ``positive`` options must be > 0.
+    """
+    _add_common_arguments(parser)
+    args = parser.parse_args(argv)
+
+    def presets(device: torch.device) -> dict[str, Any]:
+        return {**(cuda if device.type == "cuda" else cpu), **(quick if args.quick else {})}
+
+    _finish_common_arguments(parser, args, presets)
+    require_positive(parser, args, positive)
+    return args
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A whole model on one sequence: the model's name (a key of the script's configurations) and length."""
+
+    model: str
+    tokens: int
+
+    def label(self) -> str:
+        return f"{self.model} T={self.tokens}"
 
 
 def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, names: Sequence[str]) -> None:

@@ -2,18 +2,22 @@
 
 Every case computes causal attention (with ``--window``, sliding-window attention) for the queries one
 CP rank holds (``shard_batch``'s head-tail split of ``--cp`` ranks) over the keys of the whole sequence
-(padded: one sequence; packed: documents that attend only within themselves), on one device. The other ranks are simulated: the all-gather of K/V
-returns the whole sequence's K/V (this rank's part from its inputs), the reduce-scatter of their
-gradients keeps this rank's slice.
+(padded: one sequence; packed: documents that attend only within themselves), on one device. The other
+ranks are simulated (:class:`lightning_cp.parallel.simulated.SimulatedCPGroup`, every rank's forward
+recorded once, untimed): the all-gather of K/V returns the whole sequence's K/V (this rank's part from its
+inputs), the reduce-scatter of their gradients keeps this rank's slice.
 
 ============  ======================================================================================
 ``ideal``     full-sequence attention of all tokens (padded: SDPA causal; packed: SDPA per document; with
-              a window, SDPA with the window's mask), run once per shape; a rank's ideal share of it is
-              its time / cp (the ``x ideal`` column)
+              a window, SDPA with the window's mask), K/V heads repeated before the timed step; measured
+              once per layout and length, and a rank's ideal share of it is its time / cp (``x ideal``)
 ``ours``      ``lightning_cp.parallel.attention``: per-piece varlen causal kernels (FlashAttention-2 varlen
               on CUDA, the exact blocked kernel elsewhere), K/V re-gathered in the backward
 ``previous``  the implementation before the layout issue: K/V all-gathered and kept by autograd, SDPA
               over the local queries with a dense ``[T_local, T]`` boolean mask rebuilt per call
+``fa2``,      peers (CUDA, when installed): the same pieces of the gathered K/V through
+``fa3``,      ``flash_attn_varlen_func`` of FlashAttention-2 (``flash_attn``), -3 (``flash_attn_interface``)
+``fa4``       or -4 (``flash_attn.cute.interface``), K/V kept by autograd
 ============  ======================================================================================
 
 Columns: peak extra memory and wall time of forward + backward (``_probes``), the bytes autograd saves
@@ -32,6 +36,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -44,9 +49,9 @@ import torch.nn.functional as F
 from _harness import (
     DTYPES,
     Case,
-    add_common_arguments,
-    finish_common_arguments,
-    require_positive,
+    needs_cuda,
+    needs_module,
+    parse_arguments,
     run_case,
     run_grid,
     start,
@@ -56,7 +61,8 @@ from _report import CASE, STATUS, Column, publish, ratio_column, shape_column
 from torch import Tensor
 
 from lightning_cp.parallel import CPShard, CPSplit, shard_batch
-from lightning_cp.parallel.attention import GroupExchange, _CPAttention
+from lightning_cp.parallel.attention import GroupExchange
+from lightning_cp.parallel.simulated import SimulatedCPGroup, rank_attention
 
 LAYOUTS = ("padded", "docs8", "mixed")
 """``padded``: one sequence of ``T`` tokens; ``docs8``: 8 equal documents; ``mixed``: documents of random
@@ -96,15 +102,17 @@ class Shape:
 
 @dataclass
 class _Problem:
-    """One rank's inputs (token-major ``[T_local, H, D]``) and the whole sequence's K/V for its peers."""
+    """One rank's inputs (token-major ``[T_local, H, D]``) and every rank's, which its simulated peers send."""
 
     shape: Shape
     q: Tensor
     k: Tensor
     v: Tensor
     shard: CPShard
-    peers_kv: Tensor  # [cp * T_local, Hkv * 2 * D]: every rank's local K and V side by side, in rank order
-    full: tuple[Tensor, Tensor, Tensor]  # [1, H, T, D] of all tokens, for the ideal case
+    ranks: list[tuple[Tensor, Tensor, Tensor, CPShard]]
+    """Every rank's q, k, v and shard, in rank order (not leaves: only the peers' exchanges use them)."""
+    full: tuple[Tensor, Tensor, Tensor]
+    """``[1, Hq, T, D]`` q, k, v of all tokens (K/V heads repeated), for the ideal case."""
     lengths: list[int]
     coordinates: tuple[Tensor, Tensor, Tensor, Tensor]
     """Document (0: padding) and position of this rank's queries and of every gathered key, for the
@@ -112,9 +120,31 @@ class _Problem:
     tokens: Tensor
     """``[T_local]``: the index in the whole sequence of each of this rank's tokens (-1: padding)."""
 
-    def exchange(self) -> _SimulatedPeers:
-        """This rank's K/V exchange with its simulated peers."""
-        return _SimulatedPeers(self.peers_kv, self.shape.cp, self.shard.split.cp_rank)
+    @property
+    def scale(self) -> float:
+        return self.shape.head_dim**-0.5
+
+    def attention_exchange(self) -> GroupExchange:
+        """This rank's exchange for ``lightning_cp``'s attention: a simulated group in which every rank's
+        forward was recorded (untimed), whose reduce-scatter keeps this rank's share."""
+        peers = SimulatedCPGroup(self.shape.cp, sum_key_gradients=False)
+        with peers.recording(), torch.no_grad():
+            for rank, (q, k, v, shard) in enumerate(self.ranks):
+                rank_attention(q, k, v, shard, peers.exchange(rank), self.scale)
+        return peers.exchange(self.shard.split.cp_rank)
+
+    def kv_exchange(self) -> GroupExchange:
+        """This rank's exchange of ``_kv(k, v)`` (the previous implementation's and the peers' gather)."""
+        peers = SimulatedCPGroup(self.shape.cp, sum_key_gradients=False)
+        with peers.recording():
+            for rank, (_, k, v, _) in enumerate(self.ranks):
+                peers.exchange(rank).all_gather(_kv(k, v))
+        return peers.exchange(self.shard.split.cp_rank)
+
+
+def _kv(k: Tensor, v: Tensor) -> Tensor:
+    """``[T, 2 * Hkv, D]``: keys and values side by side, what the previous path and the peers gather."""
+    return torch.cat([k, v], dim=1)
 
 
 def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: int) -> _Problem:
@@ -137,9 +167,9 @@ def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: 
     # shard_batch pads every sequence to a multiple of 2 * cp; padding (-1) reads token 0 (never scored).
     tokens = [s["token"][0].to(device) - 1 for s in shards]
     index = [t.clamp(min=0) for t in tokens]
-    peers_kv = torch.cat([torch.cat([k[i].flatten(1), v[i].flatten(1)], dim=1) for i in index])
+    cp_shards = [CPShard.build(CPSplit(shape.cp, r), torch.tensor(lengths), device) for r in range(shape.cp)]
+    ranks = [(q[i], k[i], v[i], cp_shard) for i, cp_shard in zip(index, cp_shards)]
     mine = index[rank]
-    shard = CPShard.build(CPSplit(shape.cp, rank), torch.tensor(lengths), device)
     document, position = (
         torch.cat([s[key][0] for s in shards]).to(device) for key in ("document", "position_ids")
     )
@@ -149,16 +179,16 @@ def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: 
     def leaf(x: Tensor) -> Tensor:
         return x.detach().clone().requires_grad_()
 
-    def whole(x: Tensor) -> Tensor:
-        return leaf(x.transpose(0, 1)[None])
+    def whole(x: Tensor) -> Tensor:  # [T, H, D] -> [1, Hq, T, D], K/V heads repeated for the ideal's SDPA
+        return leaf(x.repeat_interleave(shape.heads // x.shape[1], dim=1).transpose(0, 1)[None])
 
     return _Problem(
         shape,
         leaf(q[mine]),
         leaf(k[mine]),
         leaf(v[mine]),
-        shard,
-        peers_kv,
+        cp_shards[rank],
+        ranks,
         (whole(q), whole(k), whole(v)),
         lengths,
         coordinates,
@@ -166,41 +196,20 @@ def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: 
     )
 
 
-class _SimulatedPeers(GroupExchange):
-    """CP rank ``rank``'s exchange with simulated peers: fresh tensors of the sizes a real all-gather and
-    reduce-scatter return, without communication."""
-
-    def __init__(self, peers_kv: Tensor, cp: int, rank: int) -> None:
-        super().__init__(None)
-        self._peers_kv = peers_kv
-        self._cp = cp
-        self._rank = rank
-
-    def all_gather(self, local: Tensor) -> Tensor:
-        gathered = self._peers_kv.clone()
-        rows = local.shape[0]
-        gathered[self._rank * rows : (self._rank + 1) * rows] = local
-        return gathered
-
-    def reduce_scatter(self, full: Tensor) -> Tensor:
-        rows = full.shape[0] // self._cp
-        return full[self._rank * rows : (self._rank + 1) * rows].clone()
-
-
 def _build_ours(p: _Problem) -> Callable[[], Tensor]:
-    exchange, scale, keys = p.exchange(), p.shape.head_dim**-0.5, p.shard.keys(p.shape.window)
-    return lambda: _CPAttention.apply(p.q, p.k, p.v, None, keys, exchange, scale, None)
+    exchange = p.attention_exchange()
+    return lambda: rank_attention(p.q, p.k, p.v, p.shard, exchange, p.scale, window=p.shape.window)
 
 
 def _build_previous(p: _Problem) -> Callable[[], Tensor]:
     """K/V all-gathered (kept for the backward by autograd) and a dense ``[T_local, T]`` mask per call."""
-    exchange = p.exchange()
+    exchange = p.kv_exchange()
     group = p.shape.heads // p.shape.kv_heads
     query_doc, query_pos, key_doc, key_pos = p.coordinates
 
     def step() -> Tensor:
-        kv = _GatherKeepingGraph.apply(torch.cat([p.k.flatten(1), p.v.flatten(1)], dim=1), exchange)
-        k, v = kv.unflatten(1, (2, p.shape.kv_heads, p.shape.head_dim)).unbind(1)
+        kv = _GatherKeepingGraph.apply(_kv(p.k, p.v), exchange)
+        k, v = kv[:, : p.shape.kv_heads], kv[:, p.shape.kv_heads :]
         mask = (query_doc[:, None] == key_doc[None]) & (key_pos[None] <= query_pos[:, None])
         if p.shape.window is not None:
             mask &= key_pos[None] > query_pos[:, None] - p.shape.window
@@ -219,7 +228,7 @@ class _GatherKeepingGraph(torch.autograd.Function):
     """The previous all-gather: its output is an autograd tensor that the attention below saves."""
 
     @staticmethod
-    def forward(ctx: Any, local: Tensor, exchange: _SimulatedPeers) -> Tensor:
+    def forward(ctx: Any, local: Tensor, exchange: GroupExchange) -> Tensor:
         ctx.exchange = exchange
         return exchange.all_gather(local)
 
@@ -230,7 +239,6 @@ class _GatherKeepingGraph(torch.autograd.Function):
 
 def _build_ideal(p: _Problem) -> Callable[[], Tensor]:
     q, k, v = p.full
-    group = p.shape.heads // p.shape.kv_heads
     bounds = torch.tensor([0, *p.lengths]).cumsum(0).tolist()
 
     def attend(a: int, b: int, kk: Tensor, vv: Tensor) -> Tensor:
@@ -242,41 +250,104 @@ def _build_ideal(p: _Problem) -> Callable[[], Tensor]:
         return F.scaled_dot_product_attention(q[:, :, a:b], kk[:, :, a:b], vv[:, :, a:b], attn_mask=mask)
 
     def step() -> Tensor:
-        kk, vv = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return torch.cat([attend(a, b, kk, vv) for a, b in itertools.pairwise(bounds)], dim=2)
+        return torch.cat([attend(a, b, k, v) for a, b in itertools.pairwise(bounds)], dim=2)
 
     return step
 
 
-def _attention_bytes(s: Shape, dtype_bytes: int) -> int:
-    """Inputs and outputs of one rank, with their gradients, and the whole sequence's K/V twice."""
-    local = s.tokens // s.cp + 2 * s.cp
-    return (4 * local * s.heads + 4 * s.tokens * s.kv_heads) * s.head_dim * dtype_bytes
+_FLASH_PEERS = {
+    "fa2": ("flash_attn", "flash-attn (FlashAttention-2)"),
+    "fa3": ("flash_attn_interface", "flash-attn-3 (flash_attn_interface)"),
+    "fa4": ("flash_attn.cute.interface", "flash-attn-4 (flash_attn.cute)"),
+}
+"""Peer kernels: case name -> (module with ``flash_attn_varlen_func``, what to install)."""
 
 
-_CASES: tuple[Case[_Problem, tuple[Shape, int]], ...] = (
+def _flash_peer_builder(name: str) -> Callable[[_Problem], Callable[[], Tensor]]:
+    def build(p: _Problem) -> Callable[[], Tensor]:
+        varlen = importlib.import_module(_FLASH_PEERS[name][0]).flash_attn_varlen_func
+        exchange, keys, kv_heads = p.kv_exchange(), p.shard.keys(p.shape.window), p.shape.kv_heads
+        # FlashAttention's window: (left, right) keys beside the query's own, passed only with --window.
+        window = {} if p.shape.window is None else {"window_size": (p.shape.window - 1, 0)}
+
+        def step() -> Tensor:
+            gathered = _GatherKeepingGraph.apply(_kv(p.k, p.v), exchange)
+            selected = gathered.index_select(0, keys.key_index)
+            out = varlen(
+                p.q,
+                selected[:, :kv_heads].contiguous(),
+                selected[:, kv_heads:].contiguous(),
+                cu_seqlens_q=keys.cu_queries,
+                cu_seqlens_k=keys.cu_keys,
+                max_seqlen_q=keys.max_queries,
+                max_seqlen_k=keys.max_keys,
+                softmax_scale=p.scale,
+                causal=True,  # bottom-right aligned, as the pieces need
+                **window,
+            )
+            return out[0] if isinstance(out, tuple) else out  # some versions also return the lse
+
+        return step
+
+    return build
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """What the memory estimates are written in."""
+
+    shape: Shape
+    itemsize: int
+    """Bytes of one element of ``--dtype``."""
+    fused: bool
+    """Whether SDPA holds no ``[T, T]`` scores here (flash kernels: CUDA, bf16 / fp16)."""
+
+    def rank_bytes(self) -> int:
+        """Inputs and outputs of one rank, with their gradients, and the whole sequence's K/V twice."""
+        s = self.shape
+        local = s.tokens // s.cp + 2 * s.cp
+        return (4 * local * s.heads + 4 * s.tokens * s.kv_heads) * s.head_dim * self.itemsize
+
+    def kept_keys_bytes(self) -> int:
+        """The gathered K/V and the pieces' selection of them, kept by autograd (previous path, peers)."""
+        s = self.shape
+        return 4 * s.tokens * s.kv_heads * s.head_dim * self.itemsize
+
+
+def _ideal_bytes(z: _Sizes) -> int:
+    s = z.shape
+    scores = 0 if z.fused else 4 * s.heads * s.tokens**2
+    return 8 * s.tokens * s.heads * s.head_dim * z.itemsize + scores
+
+
+_CASES: tuple[Case[_Problem, _Sizes], ...] = (
     Case(
         "ideal",
         "full-sequence SDPA of all tokens (per document when packed); a rank's ideal share is time / cp",
         _build_ideal,
-        lambda sizes: (
-            6 * sizes[0].tokens * sizes[0].heads * sizes[0].head_dim * sizes[1]
-            + 4 * sizes[0].heads * sizes[0].tokens ** 2
-        ),
+        _ideal_bytes,
     ),
     Case(
         "ours",
         "lightning_cp.parallel.attention: varlen pieces, K/V re-gathered in the backward",
         _build_ours,
-        lambda sizes: _attention_bytes(*sizes) + 64 * MIB * 4,
+        lambda z: z.rank_bytes() + 64 * MIB * 4,
     ),
     Case(
         "previous",
         "K/V all-gathered and kept, dense [T_local, T] mask, SDPA (before the layout issue)",
         _build_previous,
-        lambda sizes: (
-            _attention_bytes(*sizes) + 9 * sizes[0].heads * (sizes[0].tokens // sizes[0].cp) * sizes[0].tokens
-        ),
+        lambda z: z.rank_bytes() + 9 * z.shape.heads * (z.shape.tokens // z.shape.cp) * z.shape.tokens,
+    ),
+    *(
+        Case(
+            name,
+            f"flash_attn_varlen_func of {package} on the same pieces, gathered K/V kept by autograd",
+            _flash_peer_builder(name),
+            lambda z: z.rank_bytes() + z.kept_keys_bytes(),
+            needs=(needs_cuda, needs_module(module, package)),
+        )
+        for name, (module, package) in _FLASH_PEERS.items()
     ),
 )
 _CASES_BY_NAME = {case.name: case for case in _CASES}
@@ -335,14 +406,16 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _measure_case(shape: Shape, case: Case, args: argparse.Namespace) -> dict[str, Any]:
-    itemsize = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
-    estimate = case.estimate((shape, itemsize)) + _RUNTIME_OVERHEAD_BYTES
+    dtype = DTYPES[args.dtype]
+    fused = args.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    sizes = _Sizes(shape, torch.empty((), dtype=dtype).element_size(), fused)
+    estimate = case.estimate(sizes) + _RUNTIME_OVERHEAD_BYTES
     row = {
         "case": case.name,
         "shape": shape.label(),
         **asdict(shape),
         "dtype": args.dtype,
-        "selected_kv_bytes": _selected_kv_bytes(shape, args.rank, itemsize),
+        "selected_kv_bytes": _selected_kv_bytes(shape, args.rank, sizes.itemsize),
     }
     spec = {"shape": asdict(shape), "dtype": args.dtype, "rank": args.rank}
     return {**row, **run_case(Path(__file__), case, args, spec, estimate)}
@@ -417,14 +490,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="sliding windows in tokens, 'none' for full causal attention (default: none)",
     )
     parser.add_argument("--quick", action="store_true", help="smoke test: T=1024, cp=2, one run")
-    add_common_arguments(parser)
-    args = parser.parse_args(argv)
-
-    def presets(device: torch.device) -> dict[str, Any]:
-        return {**(_FULL_CUDA if device.type == "cuda" else _FULL_CPU), **(_QUICK if args.quick else {})}
-
-    finish_common_arguments(parser, args, presets)
-    require_positive(parser, args, ("tokens", "cp", "heads", "kv_heads", "head_dim"))
+    positive = ("tokens", "cp", "heads", "kv_heads", "head_dim")
+    args = parse_arguments(parser, argv, cpu=_FULL_CPU, cuda=_FULL_CUDA, quick=_QUICK, positive=positive)
     if args.heads % args.kv_heads:
         parser.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     if any(args.rank >= cp for cp in args.cp):
@@ -446,7 +513,18 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         for window in args.window
     ]
     started = time.perf_counter()
-    rows = run_grid(shapes, cases, lambda shape, case: _measure_case(shape, case, args))
+    ideal: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def row(shape: Shape, case: Case) -> dict[str, Any]:
+        if case.name != "ideal":
+            return _measure_case(shape, case, args)
+        # The ideal does not depend on cp: measured once per layout and length, shown on every cp's rows.
+        key = (shape.layout, shape.tokens)
+        if key not in ideal:
+            ideal[key] = _measure_case(shape, case, args)
+        return {**ideal[key], "shape": shape.label(), "cp": shape.cp}
+
+    rows = run_grid(shapes, cases, row)
     _add_ratios(rows)
     wall_s = time.perf_counter() - started
     publish(

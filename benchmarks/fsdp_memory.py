@@ -56,17 +56,21 @@ def _measure(config: Any, cp: int, fsdp: bool) -> dict[str, int]:
     from lightning_cp.models import GPT
     from lightning_cp.parallel import groups
     from lightning_cp.strategies import _fsdp
+    from lightning_cp.strategies._modules import resolve_classes
 
     layout = groups.initialize(tp=1, cp=cp)
     torch.manual_seed(0)
     model = GPT(config)
     if fsdp:
-        units = _fsdp.resolve_classes("fsdp_wrap", _fsdp.default_wrap(model), model)
+        units = resolve_classes("MegatronCPFSDPStrategy", "fsdp_wrap", _fsdp.default_wrap(model), model)
         wrapped = _fsdp.shard(
-            model, _fsdp.sharding_mesh("cpu"), units, _fsdp.mixed_precision_policy("32-true")
+            model,
+            _fsdp.sharding_mesh(layout.loss_group, "cpu"),
+            units,
+            _fsdp.mixed_precision_policy("32-true"),
         )
     else:
-        wrapped = DistributedDataParallel(model, process_group=groups.replica_group())
+        wrapped = DistributedDataParallel(model, process_group=layout.loss_group)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(layout.rank))
     hidden = wrapped(ids, torch.arange(64)[None])

@@ -12,7 +12,8 @@ and ``weight.grad``. The cases differ only in how they get there, which is what 
 ``megatron_vocab_ce``  Megatron-core ``vocab_parallel_cross_entropy`` with TP = 1 on [S, B, V] logits
 ``liger_flce``         Liger-Kernel ``LigerFusedLinearCrossEntropyLoss`` (CUDA only)
 ``cce``                cut-cross-entropy ``linear_cross_entropy`` (Apple's CCE; CUDA only)
-``ours_*``             ``lightning_cp.ops``: fused head + loss (torch / Triton), loss from logits,
+``ours_*``             ``lightning_cp.ops``: fused head + loss (``ours_lce``: the backend ``impl="auto"``
+                       picks, Triton on CUDA; or torch / Triton forced), loss from logits,
                        per-token log-probabilities
 =====================  ======================================================================
 
@@ -48,11 +49,9 @@ import torch.nn.functional as F
 from _harness import (
     DTYPES,
     Case,
-    add_common_arguments,
-    finish_common_arguments,
     needs_cuda,
     needs_module,
-    require_positive,
+    parse_arguments,
     run_case,
     run_grid,
     start,
@@ -440,6 +439,14 @@ _CASES: tuple[_LossCase, ...] = (
         needs=(needs_cuda, needs_module("cut_cross_entropy", "cut-cross-entropy")),
     ),
     _LossCase(
+        "ours_lce",
+        "lightning_cp.ops.linear_cross_entropy, impl='auto' (Triton on CUDA, torch elsewhere)",
+        _ours_lce_builder("auto"),
+        lambda s: 3 * s.chunk32 + s.weight32,
+        needs=(_needs_ours,),
+        chunk_ref=True,
+    ),
+    _LossCase(
         "ours_lce_torch",
         "lightning_cp.ops.linear_cross_entropy, impl='torch'",
         _ours_lce_builder("torch"),
@@ -516,7 +523,13 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
         )
     if p.hidden.grad is None or p.weight.grad is None:
         raise RuntimeError(f"case {case.name} left no gradient for hidden or weight")
-    return {"status": "ok", **measurement.summary(), "loss": loss.item()}
+    result = {"status": "ok", **measurement.summary(), "loss": loss.item()}
+    if case.chunk_ref and spec["chunk_size"] is None:
+        # The automatic chunk may depend on the device's free memory: the one ours used, asked here.
+        from lightning_cp.ops._plan import auto_chunk_size
+
+        result["chunk_rows"] = auto_chunk_size(p.hidden.shape[0], p.weight.shape[0], device)
+    return result
 
 
 # --------------------------------------------------------------------------------------------------
@@ -535,12 +548,13 @@ def _chunk_reference_bytes(shape: Shape, chunk_rows: int) -> int:
     return chunk_rows * shape.vocab * 4 + 4 * 4 * shape.tokens
 
 
-def _chunk_rows(shape: Shape, chunk_size: int | None) -> tuple[int, bool]:
-    """Rows per chunk of ours for ``shape``, and whether that is known to be ours' chunk.
+def _chunk_rows(shape: Shape, chunk_size: int | None, device: torch.device) -> tuple[int, bool]:
+    """Rows per chunk of the baselines that take an explicit chunk, and whether that is ours' chunk.
 
-    ``--chunk-size`` when given; else the chunk ``lightning_cp.ops`` picks itself, which its public
-    functions resolve internally (``chunk_size=None``), so it is asked through the engine's helper.
-    Without ``lightning_cp.ops`` the baselines fall back to ``DEFAULT_CHUNK_ROWS``.
+    ``--chunk-size`` when given. Else ours' automatic chunk, which its public functions resolve
+    internally (``chunk_size=None``), asked through the engine's helper: on the CPU here; on CUDA it
+    depends on the free memory of the worker, which reports the one ours used (the baselines take the
+    CPU's). Without ``lightning_cp.ops`` the baselines fall back to ``DEFAULT_CHUNK_ROWS``.
     """
     if chunk_size is not None:
         return min(chunk_size, shape.tokens), True
@@ -548,13 +562,13 @@ def _chunk_rows(shape: Shape, chunk_size: int | None) -> tuple[int, bool]:
         from lightning_cp.ops._plan import auto_chunk_size
     except ImportError:
         return min(DEFAULT_CHUNK_ROWS, shape.tokens), False
-    return auto_chunk_size(shape.tokens, shape.vocab), True
+    return auto_chunk_size(shape.tokens, shape.vocab), device.type == "cpu"
 
 
 def _measure_case(shape: Shape, case: _LossCase, args: argparse.Namespace) -> dict[str, Any]:
     """One row of the table: ``case`` on ``shape`` in a worker, or why it did not run."""
     dtype = DTYPES[args.dtype]
-    chunk_rows, chunk_is_ours = _chunk_rows(shape, args.chunk_size)
+    chunk_rows, chunk_is_ours = _chunk_rows(shape, args.chunk_size, args.device)
     sizes = _Sizes.of(shape, dtype, args.cp, chunk_rows)
     estimate = _input_bytes(shape, dtype) + case.estimate(sizes) + _RUNTIME_OVERHEAD_BYTES
     row: dict[str, Any] = {
@@ -577,7 +591,10 @@ def _measure_case(shape: Shape, case: _LossCase, args: argparse.Namespace) -> di
         "chunk_size": args.chunk_size,
         "chunk_rows": chunk_rows,
     }
-    return {**row, **run_case(Path(__file__), case, args, spec, estimate)}
+    result = run_case(Path(__file__), case, args, spec, estimate)
+    if "chunk_rows" in result:
+        row["chunk_ref_bytes"] = _chunk_reference_bytes(shape, result["chunk_rows"])
+    return {**row, **result}
 
 
 def _check_against_plain(rows: list[dict[str, Any]], dtype: torch.dtype) -> None:
@@ -604,19 +621,11 @@ _COLUMNS = (
 )
 
 
-def _presets(quick: bool) -> Callable[[torch.device], dict[str, Any]]:
-    def presets(device: torch.device) -> dict[str, Any]:
-        return {**(_FULL_CUDA if device.type == "cuda" else _FULL_CPU), **(_QUICK if quick else {})}
-
-    return presets
-
-
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", help="N values (default: 4096 16384, more on CUDA)")
     parser.add_argument("--vocab", type=int, nargs="+", help="V values (default: 32000 128256 151936)")
     parser.add_argument("--hidden", type=int, nargs="+", help="H values (default: 1024 4096)")
-    add_common_arguments(parser)
     parser.add_argument(
         "--cp", type=int, default=2, help="size of the simulated CP group of cp_allgather (default 2)"
     )
@@ -630,10 +639,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="smoke test: 512 tokens x 4096 vocab x 256 hidden, chunk 128, 1 run (about a minute on 2 cores)",
     )
-    args = parser.parse_args(argv)
-    finish_common_arguments(parser, args, _presets(args.quick))
-    require_positive(parser, args, ("cp", "chunk_size", "tokens", "vocab", "hidden"))
-    return args
+    positive = ("cp", "chunk_size", "tokens", "vocab", "hidden")
+    return parse_arguments(parser, argv, cpu=_FULL_CPU, cuda=_FULL_CUDA, quick=_QUICK, positive=positive)
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:

@@ -2,7 +2,8 @@
 
 Public API:
 
-- :class:`MegatronCPStrategy` (also ``strategy="megatron_cp"``): DP x CP (x TP) training with Megatron-core groups.
+- :class:`MegatronCPStrategy` (also ``strategy="megatron_cp"``): DP x CP (x TP) training with Megatron-core groups,
+  gradients averaged by DDP; :class:`MegatronCPFSDPStrategy` (``strategy="megatron_cp_fsdp"``) shards with FSDP2.
 - :class:`CPLossMixin`: the CP-local fused LM loss for a ``LightningModule``, normalized over the global batch.
 - :class:`MemoryProfilerCallback`: CUDA memory snapshots with offline reports on chosen steps and ranks.
 - :mod:`lightning_cp.ops`: ``linear_cross_entropy``, ``cross_entropy``, ``token_logprobs``.
@@ -15,9 +16,9 @@ Public API:
 from lightning_cp.callbacks import MemoryProfilerCallback
 from lightning_cp.hf import registration as _hf_registration
 from lightning_cp.loss import CPLossMixin
-from lightning_cp.strategies import MegatronCPStrategy
+from lightning_cp.strategies import MegatronCPFSDPStrategy, MegatronCPStrategy
 
-__all__ = ["CPLossMixin", "MegatronCPStrategy", "MemoryProfilerCallback"]
+__all__ = ["CPLossMixin", "MegatronCPFSDPStrategy", "MegatronCPStrategy", "MemoryProfilerCallback"]
 __version__ = "0.1.0"
 
 _hf_registration.install()

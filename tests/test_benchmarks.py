@@ -7,8 +7,10 @@ puts ``benchmarks/`` first on ``sys.path``; the ``bench`` fixture imports them t
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -27,12 +29,33 @@ MIB = 2**20
 
 @pytest.fixture(scope="module")
 def bench() -> types.SimpleNamespace:
-    """``_probes``, ``_harness``, ``_report``, ``loss_memory`` and ``attention``, imported as the scripts
-    import them."""
+    """``_probes``, ``_harness``, ``_report`` and the benchmark scripts, imported as the scripts import them."""
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(BENCHMARKS))
-        names = ("_probes", "_harness", "_report", "loss_memory", "attention")
+        names = (
+            "_probes",
+            "_harness",
+            "_report",
+            "loss_memory",
+            "attention",
+            "hf_llama",
+            "fsdp_step",
+            "gpu_report",
+        )
         yield types.SimpleNamespace(**{name: importlib.import_module(name) for name in names})
+
+
+def _run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    """``python benchmarks/<name> ARGS`` as a user runs it, the package importable, one thread per process."""
+    pythonpath = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), *args],
+        env={**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -253,15 +276,17 @@ def test_quick_run_of_loss_memory_measures_each_case_with_plains_loss(bench, tmp
     cases = ["plain", "cce", "ours_lce_torch"]  # in the order of loss_memory._CASES
     measured = ["plain", "ours_lce_torch"]
     report = tmp_path / "loss_memory.json"
-    pythonpath = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "loss_memory.py"), "--quick", "--device", "cpu"]
-        + ["--max-mem-gib", "8", "--json", str(report), "--cases", *cases],
-        env={**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
+    result = _run_script(
+        "loss_memory.py",
+        "--quick",
+        "--device",
+        "cpu",
+        "--max-mem-gib",
+        "8",
+        "--json",
+        str(report),
+        "--cases",
+        *cases,
     )
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -309,3 +334,147 @@ def test_attention_cases_compute_the_rank_s_rows_of_full_attention(bench, layout
     for build in (attention._build_ours, attention._build_previous):
         out = build(problem)()
         torch.testing.assert_close(out[valid], full[mine[valid]], rtol=1e-9, atol=1e-9)
+
+
+def _fake_flash_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False
+):
+    """flash_attn_varlen_func as FlashAttention documents it: token-major pieces, K/V heads shared by groups
+    of query heads, the causal mask aligned to the bottom right of every piece; an explicit-mask softmax."""
+    assert causal and q.dim() == k.dim() == 3 and q.shape[1] % k.shape[1] == 0
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    assert max(b - a for a, b in itertools.pairwise(bounds_q)) == max_seqlen_q
+    assert max(b - a for a, b in itertools.pairwise(bounds_k)) == max_seqlen_k
+    group, scale = q.shape[1] // k.shape[1], softmax_scale or q.shape[-1] ** -0.5
+    out = []
+    for (q0, q1), (k0, k1) in zip(itertools.pairwise(bounds_q), itertools.pairwise(bounds_k)):
+        keys, values = (t[k0:k1].repeat_interleave(group, dim=1) for t in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1], keys) * scale
+        visible = torch.arange(k1 - k0)[None] <= torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out.append(torch.einsum("hqk,khd->qhd", probs, values))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("name", ["fa2", "fa3", "fa4"])
+def test_flash_peers_get_the_pieces_of_the_gathered_keys_in_their_apis_order(bench, monkeypatch, name):
+    """The peers' builders, against a stand-in of ``flash_attn_varlen_func`` (they need CUDA): the rank's
+    rows of full attention. FlashAttention-3 returns ``(out, lse)`` in some versions."""
+    attention = bench.attention
+    module = attention._FLASH_PEERS[name][0]
+    fake = types.ModuleType(module)
+    fake.flash_attn_varlen_func = (
+        (lambda *a, **kw: (_fake_flash_varlen(*a, **kw), None)) if name == "fa3" else _fake_flash_varlen
+    )
+    monkeypatch.setitem(sys.modules, module, fake)
+    shape = attention.Shape(tokens=66, layout="mixed", cp=2, heads=4, kv_heads=2, head_dim=8)
+    problem = attention._make_problem(shape, torch.float64, torch.device("cpu"), 1)
+    full = attention._build_ideal(problem)()[0].transpose(0, 1)
+    out = next(c for c in attention._CASES if c.name == name).build(problem)()
+    valid = problem.tokens >= 0
+    torch.testing.assert_close(out[valid], full[problem.tokens[valid]], rtol=1e-9, atol=1e-9)
+
+
+def test_the_ideal_is_measured_once_per_layout_and_length_and_shared_by_every_cp(tmp_path):
+    report = tmp_path / "attention.json"
+    result = _run_script(
+        "attention.py",
+        "--device",
+        "cpu",
+        "--tokens",
+        "256",
+        "--cp",
+        "2",
+        "4",
+        "--layouts",
+        "padded",
+        "--cases",
+        "ideal",
+        "--repeat",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+        str(report),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(report.read_text())["results"]
+    assert [(r["shape"], r["cp"]) for r in rows] == [("padded T=256 cp=2", 2), ("padded T=256 cp=4", 4)]
+    assert rows[0]["times_ms"] == rows[1]["times_ms"]
+    assert rows[1]["ideal_share_ms"] == pytest.approx(rows[0]["ideal_share_ms"] / 2)
+
+
+def test_hf_llama_cases_compute_the_same_loss_and_gradients(bench, monkeypatch):
+    """ours (lightning_cp attention + fused loss) and HF's own labels= loss on sdpa attention, the second
+    with a no-op stand-in of Liger's patch (Liger needs CUDA): one model, one loss, the same gradients."""
+    patched = []
+    liger = types.ModuleType("liger_kernel.transformers")
+    liger.apply_liger_kernel_to_llama = lambda model=None, **options: patched.append(model)
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", liger)
+    hf = bench.hf_llama
+    results = []
+    for case in hf._CASES:
+        problem = hf._make_problem(bench._harness.ModelShape("tiny", 64), torch.float32, torch.device("cpu"))
+        loss = case.build(problem)()
+        loss.backward()
+        results.append((loss.detach(), problem.model.get_input_embeddings().weight.grad))
+        assert problem.model.config._attn_implementation == (
+            "lightning_cp" if case.name == "ours" else "sdpa"
+        )
+    assert [type(m).__name__ for m in patched] == ["LlamaForCausalLM"]
+    (ours_loss, ours_grad), (hf_loss, hf_grad) = results
+    torch.testing.assert_close(hf_loss, ours_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(hf_grad, ours_grad, rtol=1e-4, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------------------
+# gpu_report.py
+
+
+def _markdown_tables(text: str) -> dict[str, list[dict[str, str]]]:
+    """``{section title: rows as {header: cell}}`` of the report's Markdown tables."""
+    tables, title = {}, None
+    for block in text.split("\n\n"):
+        if block.startswith("## "):
+            title = block[3:].split(" (")[0]
+        elif block.startswith("| ") and title:
+            lines = [[cell.strip() for cell in line.strip("|").split("|")] for line in block.splitlines()]
+            tables[title] = [dict(zip(lines[0], cells)) for cells in lines[2:]]
+    return tables
+
+
+def test_gpu_report_quick_runs_every_part_on_the_cpu_with_targets_and_skipped_peers(tmp_path):
+    output = tmp_path / "report.md"
+    result = _run_script("gpu_report.py", "--quick", "--device", "cpu", "--output", str(output))
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = output.read_text()
+    assert text.startswith("# lightning-cp GPU report") and f"- torch: {torch.__version__}" in text
+    tables = _markdown_tables(text)
+    assert list(tables) == [
+        "Fused LM head + cross-entropy",
+        "CP attention per rank",
+        "HF Llama forward + backward",
+        "Training step under FSDP",
+    ]
+
+    loss = {row["case"]: row for row in tables["Fused LM head + cross-entropy"]}
+    assert loss["ours_lce"]["status"] == "ok" and loss["ours_lce"]["time target (x peer <= 0.95)"] == "-"
+    assert re.fullmatch(r"PASS [\d.]+ <= 256", loss["ours_lce"]["memory target (MiB <= 256)"])
+    assert loss["liger_flce"]["status"] == "needs CUDA; liger-kernel not installed"
+    assert loss["cce"]["status"] == "needs CUDA; cut-cross-entropy not installed"
+
+    rows = tables["CP attention per rank"]
+    for layout, limit in (("padded", 1.25), ("mixed", 1.5)):
+        by_case = {row["case"]: row for row in rows if row["layout, tokens, cp"] == f"{layout} T=1024 cp=4"}
+        ideal, ours = by_case["ideal"], by_case["ours"]
+        assert float(ours["ideal share ms"]) == pytest.approx(float(ideal["time ms"]) / 4, abs=0.06)
+        x_ideal = float(ours["time ms"]) / float(ours["ideal share ms"])
+        assert float(ours["x ideal"]) == pytest.approx(x_ideal, abs=0.02)
+        verdict = "PASS" if float(ours["x ideal"]) <= limit else "FAIL"
+        assert ours["target (x ideal)"] == f"{verdict} {ours['x ideal']} <= {limit:g}"
+        assert by_case["fa2"]["status"] == "needs CUDA; flash-attn (FlashAttention-2) not installed"
+
+    hf = {row["case"]: row for row in tables["HF Llama forward + backward"]}
+    assert hf["ours"]["status"] == "ok" and hf["hf_liger"]["status"] == "liger-kernel not installed"
+    assert [row["status"] for row in tables["Training step under FSDP"]] == ["ok"]

@@ -136,6 +136,22 @@ def test_help_documents_model_config_fields_and_data_arguments(cli):
     assert "Stop training after this number of steps" in options["--trainer.max_steps"]
 
 
+def test_top_level_help_lists_lightnings_subcommands_and_the_packages_commands(cli):
+    status, out, _ = cli("--help")
+    assert status == 0
+    assert out.splitlines()[0] == "usage: lightning-cp {fit,validate,test,predict,doctor} ..."
+    commands = dict(re.findall(r"^  (\w+) +(.+)$", out, re.MULTILINE))
+    assert set(commands) == {"fit", "validate", "test", "predict", "doctor"}
+    assert commands["fit"] == "Runs the full optimization routine."
+    assert commands["doctor"].startswith("Check that lightning-cp computes exactly on this machine")
+
+
+def test_a_package_command_gets_the_rest_of_the_command_line(cli):
+    status, out, _ = cli("doctor", "--help")
+    assert status == 0
+    assert out.startswith("usage: lightning-cp doctor [-h] [--device {auto,cpu,cuda}]")
+
+
 # --- complete, reusable configs -----------------------------------------------------------------------------
 
 

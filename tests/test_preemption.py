@@ -20,6 +20,7 @@ import torch
 from tests.test_cli import CONSOLE_SCRIPT, MAIN_JOB, REPO
 
 _STOP_WITHIN_S = 30
+_EXIT_WITHIN_S = 10
 
 
 def _command(tmp_path: Path, max_steps: int) -> list[str]:
@@ -70,6 +71,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _still_alive(pids: list[int], within_s: float) -> list[int]:
+    """The ``pids`` still running after ``within_s`` seconds.
+
+    The launcher exits without waiting for the ranks it started, and a rank's end of the output pipes closes
+    while the kernel is still tearing the process down: end of output is not yet exit. Observed: a rank in
+    state R with its parent already init and its memory released just after the launcher's pipes closed,
+    gone half a second later.
+    """
+    deadline = time.monotonic() + within_s
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [pid for pid in pids if _alive(pid)]
+
+
 def test_sigterm_stops_every_rank_saves_last_step_and_the_same_command_resumes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.Popen(
@@ -98,7 +113,7 @@ def test_sigterm_stops_every_rank_saves_last_step_and_the_same_command_resumes(t
             run.wait()
     assert run.returncode == 143, stderr[-3000:]
     assert stopped_after < _STOP_WITHIN_S
-    assert ranks and not any(_alive(pid) for pid in ranks), "a rank outlived the launcher"
+    assert ranks and not _still_alive(ranks, _EXIT_WITHIN_S), "a rank outlived the launcher"
 
     last = tmp_path / "csv" / "version_0" / "checkpoints" / "last.ckpt"
     assert "training preempted by SIGTERM" in stdout

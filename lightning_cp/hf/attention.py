@@ -5,7 +5,7 @@ the ``position_ids`` it was given) and hands them, with the keyword arguments of
 function registered under its config's ``_attn_implementation``. The batch's
 :class:`~lightning_cp.parallel.CPShard` reaches it that way, as ``position_ids`` does::
 
-    out = model.model(
+    out = decoder(model)(  # lightning_cp.hf.decoder: the model's get_decoder()
         input_ids=batch["input_ids"], position_ids=batch["position_ids"], cp_shard=batch["cp_shard"]
     )
 

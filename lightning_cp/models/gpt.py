@@ -97,6 +97,9 @@ class GPT(nn.Module):
         config: sizes, see :class:`GPTConfig`.
     """
 
+    _no_split_modules = ("_Block",)
+    """Module classes kept whole by sharding wrappers (as Hugging Face models declare): the default FSDP units."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config

@@ -55,7 +55,8 @@ class HeadOptions(TypedDict, total=False):
     softcap: float | None
     """If set, logits become ``softcap * tanh(logits / softcap)`` (after ``logit_scale``) [``None``]."""
     chunk_size: int | None
-    """Tokens per chunk [``None``: one fp32 ``[chunk, V_local]`` block of ~256 MiB on CPU, ~512 MiB on GPUs].
+    """Tokens per chunk [``None``: one fp32 ``[chunk, V_local]`` block of 256 MiB on CPU; on CUDA sized from
+    the free memory (``lightning_cp.ops._plan.auto_chunk_size``), 512 MiB with ``tp_group``].
     Larger chunks feed the matmuls better, smaller ones lower the peak memory."""
     tp_group: dist.ProcessGroup | None
     """Tensor-parallel group over which the vocabulary is sharded (see the module docstring) [``None``]."""

@@ -208,7 +208,7 @@ class GroupExchange:
         if self.group is None:
             return local
         gathered = local.new_empty((dist.get_world_size(self.group) * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(gathered, local.contiguous(), group=self.group)
+        dist.all_gather_single(gathered, local.contiguous(), group=self.group)
         return gathered
 
     def reduce_scatter(self, full: Tensor) -> Tensor:
@@ -219,7 +219,7 @@ class GroupExchange:
         local = full.shape[0] // size
         if dist.get_backend(self.group) == "nccl":
             out = full.new_empty((local, *full.shape[1:]))
-            dist.reduce_scatter_tensor(out, full, group=self.group)
+            dist.reduce_scatter_single(out, full, group=self.group)
             return out
         # gloo has no reduce-scatter: all-reduce, then keep this rank's slice (twice the traffic).
         dist.all_reduce(full, group=self.group)

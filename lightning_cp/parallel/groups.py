@@ -92,16 +92,12 @@ def destroy() -> None:
             dist.destroy_process_group(group)
 
 
-def replica_group() -> ProcessGroup:
-    """Megatron's DP x CP group, also when it has a single rank: the group DDP / FSDP replicate over.
-
-    (The layout's ``loss_group`` is ``None`` for a single rank, but DDP needs a group object.)
-    """
-    return _parallel_state().get_data_parallel_group(with_context_parallel=True)
-
-
 def mesh_groups() -> tuple[ProcessGroup, ProcessGroup, ProcessGroup]:
-    """Megatron's DP, CP and TP groups of this rank, also of size 1: the dimensions of a ``DeviceMesh``."""
+    """Megatron's DP, CP and TP groups of this rank, also of size 1: the dimensions of a ``DeviceMesh``.
+
+    Only a ``DeviceMesh`` needs group objects for dimensions of size 1; everything that communicates uses
+    the layout's groups, which are ``None`` there.
+    """
     parallel_state = _parallel_state()
     return (
         parallel_state.get_data_parallel_group(),

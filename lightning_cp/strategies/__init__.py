@@ -1,5 +1,28 @@
-from lightning_cp.strategies.checkpoint_io import AtomicCheckpointIO
-from lightning_cp.strategies.megatron_cp import MegatronCPStrategy, consolidate_checkpoint
+"""The package's Lightning strategies, one per way of wrapping the model, and what they share.
+
+- :class:`MegatronCPStrategy` (``strategy="megatron_cp"``): DDP over the DP x CP ranks.
+- :class:`MegatronCPFSDPStrategy` (``strategy="megatron_cp_fsdp"``): FSDP2 over the DP x CP ranks.
+- :class:`MegatronCPBase`: what both do (Megatron-core groups, layout, sampling, batch sharding, SIGTERM).
+- :class:`AtomicCheckpointIO`, :func:`consolidate_checkpoint`, :class:`PreemptionCheckpoint`: checkpoints.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_cp.strategies.base import MegatronCPBase
+from lightning_cp.strategies.checkpoint_io import AtomicCheckpointIO, consolidate_checkpoint
+from lightning_cp.strategies.megatron_cp import MegatronCPStrategy
+from lightning_cp.strategies.megatron_cp_fsdp import MegatronCPFSDPStrategy
 from lightning_cp.strategies.preemption import PreemptionCheckpoint
 
-__all__ = ["AtomicCheckpointIO", "MegatronCPStrategy", "PreemptionCheckpoint", "consolidate_checkpoint"]
+__all__ = [
+    "AtomicCheckpointIO",
+    "MegatronCPBase",
+    "MegatronCPFSDPStrategy",
+    "MegatronCPStrategy",
+    "PreemptionCheckpoint",
+    "consolidate_checkpoint",
+]
+
+for _strategy in (MegatronCPStrategy, MegatronCPFSDPStrategy):
+    if _strategy.strategy_name not in StrategyRegistry:
+        _strategy.register_strategies(StrategyRegistry)

@@ -208,7 +208,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma3n_text": {"num_kv_shared_layers": 0},
     # Its layer pattern is [[types], repeats]: one global and one local layer.
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
-    # Its default config has no layer types, which the model reads: one attention and one convolution layer.
+    # Their default configs have no convolution layer (lfm2: all attention; lfm2_moe: no layer types, which
+    # the model reads), while every released LFM2 mixes both: one attention and one convolution layer.
+    "lfm2": {"layer_types": ["full_attention", "conv"]},
     "lfm2_moe": {"layer_types": ["full_attention", "conv"]},
     # hidden_size * expand must equal num_heads * head_dim.
     "mamba2": {"num_heads": 8},

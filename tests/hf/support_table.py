@@ -172,7 +172,7 @@ EXPECTED: dict[str, Outcome] = {
     "kimi_linear": refused(LINEAR_ATTENTION),
     "kolibri1": EXACT,
     "laguna": EXACT,
-    "lfm2": EXACT,
+    "lfm2": refused(CONVOLUTION),
     "lfm2_moe": refused(CONVOLUTION),
     "lfm3": refused(CONVOLUTION),
     "llama": EXACT,

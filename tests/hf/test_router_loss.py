@@ -13,7 +13,7 @@ from lightning_cp.parallel import groups, shard_batch
 from lightning_cp.parallel.layout import set_current_layout
 
 transformers = pytest.importorskip("transformers")
-from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 ROWS, SEQ, EXPERTS, TOP_K, LAYERS = 4, 11, 6, 2, 3
 

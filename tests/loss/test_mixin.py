@@ -66,7 +66,7 @@ def _sharded_grads(cp, from_logits, **options):
         loss = module.lm_loss(hidden, module.head, batch, **options)
     loss.backward()
     for param in (module.embed, module.head):
-        dist.all_reduce(param.grad, group=groups.replica_group())
+        dist.all_reduce(param.grad, group=layout.loss_group)
         param.grad /= dp * cp
     return module.embed.grad, module.head.grad
 
@@ -129,7 +129,7 @@ def _tensor_parallel_grads(vocab_parallel):
     loss = module.lm_loss(module.embed[batch["input_ids"]], head, batch)
     loss.backward()
     for param in (module.embed, head):
-        dist.all_reduce(param.grad, group=groups.replica_group())
+        dist.all_reduce(param.grad, group=layout.loss_group)
         param.grad /= layout.dp * layout.cp
     return layout.tp_rank, module.embed.grad, head.grad
 

@@ -510,7 +510,7 @@ def test_extra_peak_memory_grows_with_the_chunk_not_the_tokens(path):
 
 def test_auto_chunk_size_fits_the_budget():
     vocab = 152_064
-    for device, budget in (("cpu", 256 * 2**20), ("cuda", 512 * 2**20)):
+    for device, budget in (("cpu", 256 * 2**20), ("mps", 512 * 2**20)):
         chunk = auto_chunk_size(131_072, vocab, device)
         assert 128 <= chunk < 131_072 and budget / 2 < chunk * vocab * 4 <= budget
     assert auto_chunk_size(37, vocab) == 37

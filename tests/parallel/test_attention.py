@@ -7,9 +7,11 @@ grouped-query attention.
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_cp.parallel import (
@@ -222,3 +224,35 @@ def test_flash_and_torch_kernels_agree_on_cuda_for_every_piece_shape():
     torch.testing.assert_close(flash_lse, lse, rtol=0, atol=2e-2)
     for got, want in zip((flash_out, *flash_grads), (out, *grads), strict=True):
         assert ((got.float() - want).norm() / want.norm()).item() < 2e-2
+
+
+def _grads_and_future_warnings(reduce_scatter):
+    """CP attention forward and backward (cp=2), recording every warning; ``reduce_scatter``: take the
+    NCCL branch of the gradient exchange (gloo implements reduce-scatter too in torch 2.13)."""
+    layout = groups.initialize(tp=1, cp=2)
+    q, k, v, dout = _inputs(*PADDED_SHAPE)
+    lq, shard = _shard_heads(q, 2, layout.cp_rank, None)
+    lk, lv, ldout = (_shard_heads(t, 2, layout.cp_rank, None)[0] for t in (k, v, dout))
+    lq, lk, lv = (t.requires_grad_() for t in (lq, lk, lv))
+    get_backend = dist.get_backend
+    if reduce_scatter:
+        dist.get_backend = lambda group=None: "nccl"
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = context_parallel_attention(lq, lk, lv, cp_shard=shard, cp_group=layout.cp_group)
+            out.backward(ldout)
+    finally:
+        dist.get_backend = get_backend
+    future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    return future, lk.grad, lv.grad
+
+
+def test_cp_attention_uses_no_deprecated_collective(world2):
+    # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor with a FutureWarning per call.
+    gathered = world2.run(_grads_and_future_warnings, False)
+    scattered = world2.run(_grads_and_future_warnings, True)
+    for (future_ar, dk_ar, dv_ar), (future_rs, dk_rs, dv_rs) in zip(gathered, scattered):
+        assert future_ar == [] and future_rs == []
+        torch.testing.assert_close(dk_rs, dk_ar, rtol=1e-12, atol=1e-12)  # the same sums, either exchange
+        torch.testing.assert_close(dv_rs, dv_ar, rtol=1e-12, atol=1e-12)

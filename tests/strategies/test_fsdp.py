@@ -1,4 +1,4 @@
-"""MegatronCPStrategy(fsdp=True): FSDP2 over DP x CP trains exactly as a plain single-process loop.
+"""MegatronCPFSDPStrategy: FSDP2 over DP x CP trains exactly as a plain single-process loop.
 
 The reference is ``test_megatron_cp``'s hand-written loop (``F.cross_entropy`` on materialized logits, the
 token mean over the global batch, the same AdamW). Each case runs on the shared pool of 4 gloo ranks.
@@ -9,15 +9,15 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, seed_everything
+from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_cp import MegatronCPStrategy
+from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy
 from lightning_cp.models import GPTModule
 from lightning_cp.strategies import consolidate_checkpoint
-from lightning_cp.strategies._fsdp import mixed_precision_policy
+from lightning_cp.strategies._fsdp import default_wrap, mixed_precision_policy
 from tests._trainer import cp_trainer as _trainer
 from tests.strategies.test_megatron_cp import (
     CONFIG,
@@ -39,7 +39,7 @@ class _Probe(Callback):
         self.mesh = (mesh.mesh_dim_names, tuple(mesh.shape), tuple(mesh.get_coordinate()))
         self.shards = (
             {}
-            if not trainer.strategy.fsdp
+            if not isinstance(trainer.strategy, MegatronCPFSDPStrategy)
             else {
                 name: (param.to_local().numel(), param.numel(), param.device_mesh.size(), param.placements)
                 for name, param in pl_module.model.named_parameters()
@@ -67,7 +67,7 @@ def _full_weights(pl_module):
     }
 
 
-def _fit(cp, packed, accumulate=1, clip=None, precision="32-true", steps=STEPS, fsdp=True, **strategy_kwargs):
+def _fit(cp, packed, accumulate=1, clip=None, precision="32-true", steps=STEPS, **strategy_kwargs):
     dp = dist.get_world_size() // cp
     seed_everything(0)
     module = GPTModule(CONFIG, lr=LR)
@@ -75,7 +75,7 @@ def _fit(cp, packed, accumulate=1, clip=None, precision="32-true", steps=STEPS, 
     trainer = _trainer(
         cp,
         dist.get_world_size(),
-        strategy=MegatronCPStrategy(cp=cp, fsdp=fsdp, **strategy_kwargs),
+        strategy=MegatronCPFSDPStrategy(cp=cp, **strategy_kwargs),
         max_steps=steps,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=clip,
@@ -176,7 +176,7 @@ def _fit_epochs(cp, dirpath, epochs, resume_from=None):
     trainer = _trainer(
         cp,
         dist.get_world_size(),
-        strategy=MegatronCPStrategy(cp=cp, fsdp=True),
+        strategy=MegatronCPFSDPStrategy(cp=cp),
         max_epochs=epochs,
         callbacks=[recorder, weights, ModelCheckpoint(dirpath=dirpath, save_top_k=-1)],
         enable_checkpointing=True,
@@ -224,7 +224,7 @@ def test_a_wrap_name_matching_no_module_is_a_clear_error_at_setup(world4):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"fsdp": True, "tp": 2}, ValueError, r"fsdp=True, tp=2.*tensor parallelism"),
+        ({"fsdp": True, "tp": 2}, ValueError, r"MegatronCPFSDPStrategy\(tp=2\).*tensor parallelism"),
         (
             {"fsdp": True, "find_unused_parameters": True},
             ValueError,
@@ -235,7 +235,16 @@ def test_a_wrap_name_matching_no_module_is_a_clear_error_at_setup(world4):
             TypeError,
             r"unexpected keyword argument\(s\) \['fsdp_wrapper'\]",
         ),
-        ({"fsdp_wrap": [3]}, TypeError, r"fsdp_wrap=\[3\]\): 3 is neither a module class nor a class name"),
+        (
+            {"fsdp": True, "fsdp_wrap": [3]},
+            TypeError,
+            r"fsdp_wrap=\[3\]\): 3 is neither a module class nor a class name",
+        ),
+        (
+            {"fsdp_wrap": ["_Block"]},
+            ValueError,
+            r"fsdp_wrap=\['_Block'\]\) names FSDP units, but fsdp is False",
+        ),
         ({"activation_checkpointing": [torch.Tensor]}, TypeError, "activation_checkpointing="),
     ],
 )
@@ -244,6 +253,30 @@ def test_bad_fsdp_arguments_fail_at_construction(kwargs, error, match):
         MegatronCPStrategy(**kwargs)
 
 
+def test_fsdp_true_builds_the_fsdp_strategy_from_the_other_arguments():
+    switched = MegatronCPStrategy(2, fsdp=True, fsdp_wrap="_Block", activation_checkpointing=["_Block"])
+    assert type(switched) is MegatronCPFSDPStrategy
+    assert (switched.cp, switched.tp, switched.fsdp_wrap, switched.activation_checkpointing) == (
+        2,
+        1,
+        ("_Block",),
+        ("_Block",),
+    )
+    assert type(MegatronCPStrategy(cp=2, fsdp=False)) is MegatronCPStrategy
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="megatron_cp_fsdp", logger=False)
+    assert type(trainer.strategy) is MegatronCPFSDPStrategy and trainer.strategy.cp == 1
+
+
+def test_the_default_units_are_the_no_split_modules_the_model_declares():
+    decoder = torch.nn.Module()
+    decoder._no_split_modules = ["LlamaDecoderLayer", "_Block"]  # as a Hugging Face model declares its layers
+    module = GPTModule(CONFIG)
+    assert default_wrap(module) == ("_Block",)  # the package GPT's blocks, without strategies importing it
+    module.extra = decoder
+    assert default_wrap(module) == ("_Block", "LlamaDecoderLayer")  # each name once, in the order found
+    assert default_wrap(torch.nn.Linear(2, 2)) == ()
+
+
 def test_the_device_mesh_is_not_available_before_setup():
     with pytest.raises(RuntimeError, match="device_mesh before the processes have initialized"):
-        _ = MegatronCPStrategy(cp=2, fsdp=True).device_mesh
+        _ = MegatronCPFSDPStrategy(cp=2).device_mesh

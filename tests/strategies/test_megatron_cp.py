@@ -414,3 +414,34 @@ def test_strategy_builds_ddp_over_dp_x_cp_and_splits_each_batch_once(world4):
         assert info["layout"] == (2, 2, rank % 2) and info["current"]
         assert info["sampler"] == {"num_replicas": 2, "rank": rank // 2}
         assert restored  # teardown hands the current layout back
+
+
+class _Wrapper(Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.wrapped = trainer.strategy.model is not pl_module
+
+
+def _fit_one_replica():
+    """tp = 2 on 2 ranks: a single replica (dp * cp == 1) of a GPT whose weights TP replicates."""
+    seed_everything(0)
+    module = GPTModule(CONFIG, lr=LR)
+    recorder, wrapper = _Recorder(), _Wrapper()
+    trainer = _trainer(
+        1,
+        dist.get_world_size(),
+        strategy=MegatronCPStrategy(tp=2),
+        max_steps=STEPS,
+        callbacks=[recorder, wrapper],
+    )
+    trainer.fit(module, _loader(GLOBAL_BATCH, False))
+    return recorder.losses, module.model.state_dict(), wrapper.wrapped
+
+
+def test_a_single_replica_is_trained_unwrapped_and_matches_single_process(world2):
+    # layout.loss_group is None: no other replica to average with, so no DDP (and no group of one rank).
+    ref_losses, ref_weights = _reference(False)
+    for losses, weights, wrapped in world2.run(_fit_one_replica):
+        assert not wrapped
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for name, value in ref_weights.items():
+            torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)

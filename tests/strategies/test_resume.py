@@ -5,21 +5,18 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_cp.data import LongRangeDataModule
 from lightning_cp.models import GPTConfig, GPTModule
 from lightning_cp.strategies.checkpoint_io import AtomicCheckpointIO
-from lightning_cp.strategies.preemption import SigtermAgreement
 from tests._trainer import cp_trainer
 
 STEPS, RESUME_AT = 6, 3  # an epoch of 12 batches: the checkpoint is mid-epoch
@@ -114,21 +111,3 @@ def test_a_full_disk_never_leaves_a_truncated_checkpoint():
     finally:
         subprocess.run(["umount", str(directory)], check=False)
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def test_sigterm_is_recorded_and_the_handler_before_lightning_s_still_runs(monkeypatch):
-    # No collective in the handler (that is the hang); the user's own handler is chained.
-    calls = []
-    previous = signal.getsignal(signal.SIGTERM)
-    agreement = SigtermAgreement()
-    try:
-        agreement.install(None, previous=lambda signum, frame: calls.append(signum))
-        monkeypatch.setattr(
-            dist, "all_reduce", lambda *args, **kwargs: pytest.fail("a collective in the handler")
-        )
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert calls == [signal.SIGTERM]
-        monkeypatch.undo()
-        assert agreement.agree(torch.device("cpu"))  # single process: no group, the local flag
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -1,6 +1,6 @@
-"""The ``lightning-cp`` command: a ``LightningCLI`` over the package's model and data (or any by ``class_path``).
+"""``lightning-cp fit | validate | test | predict``: a ``LightningCLI`` over the package's model and data.
 
-Run ``lightning-cp fit --config examples/configs/cpu_long_range.yaml``. The subcommands are Lightning's
+Any model and data module are taken by ``class_path``. Run ``lightning-cp fit --config examples/configs/cpu_long_range.yaml``. The subcommands are Lightning's
 ``fit``, ``validate``, ``test`` and ``predict``; ``lightning-cp fit --help`` lists every argument,
 ``--model.help lightning_cp.models.GPTModule`` (or any class path) documents one class's arguments, down to
 the fields of dataclasses such as ``GPTConfig``, and ``--print_config`` writes a complete YAML that
@@ -275,7 +275,7 @@ def _one_line(message: str) -> str:
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point of the ``lightning-cp`` console script.
+    """Run a Lightning subcommand (``lightning-cp fit ...``; :func:`lightning_cp.cli.main` dispatches here).
 
     Args:
         args: the command line after the program name; ``None`` reads ``sys.argv``.
@@ -304,7 +304,3 @@ def main(args: list[str] | None = None) -> None:
             raise
         print(f"lightning-cp: error: {_one_line(str(error))}", file=sys.stderr, flush=True)
         raise SystemExit(_EXIT_STATUS) from None
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,66 @@
+"""Module classes a strategy argument names (``fsdp_wrap``, ``activation_checkpointing``), and checkpointing them.
+
+Both arguments take classes or class names, so that a YAML config can name a Hugging Face decoder layer
+(``"LlamaDecoderLayer"``) without importing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+ModuleSpec = str | type[nn.Module]
+"""A module class, or its class name (``type(module).__name__``), e.g. ``"LlamaDecoderLayer"``."""
+
+
+def check_module_specs(
+    owner: str, argument: str, value: Sequence[ModuleSpec] | None
+) -> tuple[ModuleSpec, ...] | None:
+    """``value`` as a tuple of class names / classes, or a ``TypeError`` naming ``owner(argument=...)``."""
+    if value is None:
+        return None
+    if isinstance(value, (str, type)):
+        value = [value]
+    specs = tuple(value)
+    for spec in specs:
+        if not (isinstance(spec, str) or (isinstance(spec, type) and issubclass(spec, nn.Module))):
+            raise TypeError(
+                f"{owner}({argument}={value!r}): {spec!r} is neither a module class nor a class name; pass "
+                'e.g. ["LlamaDecoderLayer"] or [torch.nn.TransformerEncoderLayer].'
+            )
+    return specs
+
+
+def resolve_classes(
+    owner: str, argument: str, specs: Sequence[ModuleSpec], model: nn.Module
+) -> tuple[type[nn.Module], ...]:
+    """The module classes ``specs`` names in ``model``; a ``ValueError`` for a spec that matches no module."""
+    present = {type(module).__name__: type(module) for module in model.modules()}
+    classes: list[type[nn.Module]] = []
+    for spec in specs:
+        if isinstance(spec, str):
+            found = present.get(spec)
+        else:
+            found = spec if any(isinstance(module, spec) for module in model.modules()) else None
+        if found is None:
+            name = spec if isinstance(spec, str) else spec.__qualname__
+            raise ValueError(
+                f"{owner}({argument}=...): {name!r} matches no module of {type(model).__name__}. Its module "
+                f"classes are: {', '.join(sorted(present))}."
+            )
+        classes.append(found)
+    return tuple(classes)
+
+
+def apply_checkpointing(module: nn.Module, classes: Sequence[type[nn.Module]]) -> None:
+    """Recompute the activations of every submodule of one of ``classes`` in backward, in place.
+
+    Non-reentrant (``torch.distributed._composable.checkpoint``): parameter names do not change, and it
+    composes with ``fully_shard`` and DDP.
+    """
+    from torch.distributed._composable import checkpoint
+
+    for submodule in module.modules():
+        if isinstance(submodule, tuple(classes)):
+            checkpoint(submodule)

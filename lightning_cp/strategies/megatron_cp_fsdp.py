@@ -1,0 +1,208 @@
+"""``MegatronCPFSDPStrategy``: FSDP2 over the DP x CP ranks, with Megatron-core's groups and sharded checkpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_cp.strategies import _fsdp
+from lightning_cp.strategies._modules import ModuleSpec, check_module_specs, resolve_classes
+from lightning_cp.strategies.base import MegatronCPBase, broadcast_from_first
+from lightning_cp.strategies.checkpoint_io import load_sharded, save_sharded
+
+
+class MegatronCPFSDPStrategy(MegatronCPBase):
+    """Context-parallel training with parameters, gradients and optimizer state sharded by FSDP2 over DP x CP.
+
+    ``Trainer(strategy=MegatronCPFSDPStrategy(cp=4))`` (also ``strategy="megatron_cp_fsdp"``, or
+    ``MegatronCPStrategy(cp=4, fsdp=True)``) trains exactly as :class:`~lightning_cp.MegatronCPStrategy`
+    does, with ``fully_shard`` in the place of DDP. What the two share (Megatron-core groups,
+    :attr:`layout`, :attr:`device_mesh`, sampling over DP, batch sharding, the attention check, SIGTERM) is
+    described in :class:`~lightning_cp.strategies.base.MegatronCPBase`. Here:
+
+    - every ``fsdp_wrap`` module becomes an FSDP unit, all-gathered before its forward and backward; the
+      rest of the ``LightningModule`` is the root unit. Each rank holds ``1 / (dp * cp)`` of the parameters,
+      gradients and optimizer state (ZeRO-3), sharded over ``layout.loss_group``; FSDP averages the
+      gradients over the same ranks as DDP would, so the training is the same;
+    - mixed precision follows ``Trainer(precision=...)``: ``bf16-mixed`` keeps fp32 master weights and
+      optimizer state, computes in bf16 and reduce-scatters gradients in fp32;
+    - checkpoints are ``torch.distributed.checkpoint`` folders that every rank writes its part of
+      (:func:`~lightning_cp.strategies.checkpoint_io.save_sharded`), resharded on load for any (dp, cp);
+      :func:`~lightning_cp.strategies.consolidate_checkpoint` turns one into an ordinary file.
+
+    Args:
+        cp: context-parallel size (ranks that share one sequence).
+        tp: tensor-parallel size; only 1 (the TP shards are not ``DTensor``\\ s): use
+            :class:`~lightning_cp.MegatronCPStrategy` for ``tp > 1``.
+        fsdp_wrap: the modules that become FSDP units (gathered one at a time), as classes or class names.
+            Default: the ``_no_split_modules`` the model declares (Hugging Face models, the package GPT),
+            else none (the whole model is one unit).
+        activation_checkpointing: modules (classes or class names) whose activations are recomputed in
+            backward (non-reentrant). Default: none.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+        process_group_backend, timeout, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
+
+    Raises:
+        TypeError: ``cp`` or ``tp`` is not an integer, or ``fsdp_wrap`` / ``activation_checkpointing`` holds
+            something that is neither a module class nor a name.
+        ValueError: ``cp`` < 1, ``tp != 1``, or the world size is not divisible by ``cp`` (raised when the
+            Trainer is built). At setup: a ``fsdp_wrap`` / ``activation_checkpointing`` entry that matches no
+            module, a precision FSDP does not support, or (``cp > 1``) attention that is not context-parallel.
+
+    Example::
+
+        trainer = Trainer(devices=8, precision="bf16-mixed", strategy=MegatronCPFSDPStrategy(cp=4))
+    """
+
+    strategy_name = "megatron_cp_fsdp"
+
+    def __init__(
+        self,
+        cp: int = 1,
+        tp: int = 1,
+        fsdp_wrap: Sequence[ModuleSpec] | None = None,
+        activation_checkpointing: Sequence[ModuleSpec] | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            cp=cp,
+            tp=tp,
+            activation_checkpointing=activation_checkpointing,
+            checkpoint_io=checkpoint_io,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        if self.tp > 1:
+            raise ValueError(
+                f"MegatronCPFSDPStrategy(tp={tp}): FSDP does not support tensor parallelism here (the TP shards "
+                "are not DTensors): use tp=1, or MegatronCPStrategy (DDP) for tp > 1."
+            )
+        self.fsdp_wrap = check_module_specs(type(self).__name__, "fsdp_wrap", fsdp_wrap)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        """Shard the model (also to evaluate, so that sharded checkpoints load into it), then the optimizers.
+
+        Replaces ``DDPStrategy.setup``: no DDP wrapper, and no broadcast of the module's states over the world.
+
+        Communication: a broadcast of every parameter over DP x CP (every replica starts from the weights of
+        its group's first rank, as DDP's construction does).
+        """
+        self._prepare_module(trainer)
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        wrap = self.fsdp_wrap if self.fsdp_wrap is not None else _fsdp.default_wrap(self.model)
+        units = resolve_classes(type(self).__name__, "fsdp_wrap", wrap, self.model)
+        policy = _fsdp.mixed_precision_policy(str(self.precision_plugin.precision))
+        group = self.layout.loss_group
+        broadcast_from_first(self.model.parameters(), group)
+        # FSDP needs a group object also for a single replica, which (tp = 1) is a world of one process.
+        mesh = _fsdp.sharding_mesh(group or dist.group.WORLD, self.root_device.type)
+        self.model = _fsdp.shard(self.model, mesh, units, policy)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # sharded states load into the sharded model and optimizers
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint has loaded them
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state: this rank's shards (``DTensor``), nothing gathered."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state: this rank's shards, keyed by parameter name."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return get_optimizer_state_dict(self.lightning_module, optimizer)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """A folder written by ``torch.distributed.checkpoint``, each rank its own shards (see ``save_sharded``)."""
+        if storage_options is not None:
+            raise TypeError(
+                "MegatronCPFSDPStrategy.save_checkpoint(..., storage_options=...) is not supported: sharded "
+                "checkpoints are written by torch.distributed.checkpoint, not the CheckpointIO."
+            )
+        save_sharded(checkpoint, Path(self.broadcast(filepath)), self.global_rank)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded folder (resharded by DCP if the layout differs) or a consolidated file.
+
+        The model and optimizer states go straight into the sharded model and optimizers; the rest of the
+        checkpoint is returned for Lightning to restore.
+        """
+        return load_sharded(
+            Path(self.broadcast(checkpoint_path)),
+            self.lightning_module,
+            self.optimizers,
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+        )
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # load_checkpoint has loaded it
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # load_checkpoint has loaded it
+
+    @override
+    def teardown(self) -> None:
+        if self.lightning_module is not None:
+            self.model = self.lightning_module  # the sharded module, without the root wrapper
+        super().teardown()
+        # DTensor caches sharding decisions by mesh *layout*, which a later setup's new mesh (new groups, same
+        # ranks) would compare equal to: forget the ones of the destroyed groups.
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
