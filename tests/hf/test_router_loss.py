@@ -19,10 +19,11 @@ ROWS, SEQ, EXPERTS, TOP_K, LAYERS = 4, 11, 6, 2, 3
 
 
 def _full():
-    """Router logits ``[B, S, E]`` per layer, peaked enough that the top-k choices are uneven, and a
-    padding mask with rows of very different lengths."""
+    """Router logits ``[B, S, E]`` per layer, biased towards the last experts so that the top-k choices are
+    uneven, and a padding mask with rows of very different lengths."""
     g = torch.Generator().manual_seed(0)
-    logits = [3 * torch.randn(ROWS, SEQ, EXPERTS, generator=g) for _ in range(LAYERS)]
+    bias = torch.linspace(0.0, 2.0, EXPERTS)
+    logits = [3 * torch.randn(ROWS, SEQ, EXPERTS, generator=g) + bias for _ in range(LAYERS)]
     lengths = torch.tensor([11, 3, 8, 6])
     mask = torch.arange(SEQ)[None] < lengths[:, None]
     return logits, mask
