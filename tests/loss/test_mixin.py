@@ -199,7 +199,7 @@ def _output_head_grads(cp, sharding):
         grads += [weight.grad, bias.grad]
     for i, grad in enumerate(grads):
         if i == 0 or sharding != "fsdp":
-            dist.all_reduce(grad, group=groups.replica_group())
+            dist.all_reduce(grad, group=layout.loss_group)
             grad /= layout.dp * layout.cp
     return grads
 
@@ -227,7 +227,7 @@ def _vocab_parallel_output_head_grads():
         module.embed[batch["input_ids"]], OutputHead(weight, bias, **HEAD_TRANSFORMS), batch
     ).backward()
     for param in (module.embed, weight, bias):
-        dist.all_reduce(param.grad, group=groups.replica_group())
+        dist.all_reduce(param.grad, group=layout.loss_group)
         param.grad /= layout.dp * layout.cp
     return layout.tp_rank, module.embed.grad, weight.grad, bias.grad
 
