@@ -4,9 +4,11 @@
 when it is installed (never importing it early: the registration happens when ``transformers`` loads
 its attention and mask modules). A model built with it and called with the batch's shard
 (``cp_shard=batch["cp_shard"]``, next to ``position_ids``) attends over whole sequences while each rank
-holds its shard, and is plain ``"sdpa"`` attention otherwise (:mod:`lightning_cp.hf.attention`);
-:func:`check_attention_is_context_parallel` is the strategy's guard against models that would attend
-only within a shard.
+holds its shard, and is plain ``"sdpa"`` attention otherwise (:mod:`lightning_cp.hf.attention`).
+:func:`decoder` and :func:`output_head` are the two halves a training step uses (the body that gives the
+hidden states, the head the loss applies); :func:`check_models` is the strategy's setup guard (static
+checks, then a behavioural probe) against models that would train differently under CP;
+:func:`load_balancing_loss` is a mixture-of-experts router loss of the whole global batch.
 
 :mod:`lightning_cp.hf.loading` builds pretrained models (shard by shard under FSDP) and
 :mod:`lightning_cp.hf.export` writes trained ones back (:class:`ExportHFOnFitEnd` at the end of ``fit``).
@@ -16,15 +18,22 @@ No module here imports ``transformers`` when it is imported; it is an optional d
 """
 
 from lightning_cp.hf.attention import ATTN_IMPLEMENTATION, hf_context_parallel_attention
+from lightning_cp.hf.causal_lm import decoder, output_head
 from lightning_cp.hf.check import check_attention_is_context_parallel
 from lightning_cp.hf.export import ExportHFOnFitEnd, export_hf
 from lightning_cp.hf.loading import load_pretrained
+from lightning_cp.hf.probe import check_models
+from lightning_cp.hf.router_loss import load_balancing_loss
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "ExportHFOnFitEnd",
     "check_attention_is_context_parallel",
+    "check_models",
+    "decoder",
     "export_hf",
     "hf_context_parallel_attention",
+    "load_balancing_loss",
     "load_pretrained",
+    "output_head",
 ]
