@@ -11,14 +11,26 @@ Public API:
 - :mod:`lightning_cp.loss`: the mixin, the global-token normalization and torchmetrics over DP x CP.
 - :mod:`lightning_cp.hf`: ``attn_implementation="lightning_cp"`` for Hugging Face ``transformers`` models,
   registered by this import when ``transformers`` is installed (without importing it).
+- :func:`load_pretrained`: a pretrained ``transformers`` causal LM in ``configure_model``, read shard by shard
+  under :class:`MegatronCPFSDPStrategy`; :func:`export_hf`: a trained checkpoint back to a ``save_pretrained``
+  directory (``lightning-cp export-hf``).
 """
 
 from lightning_cp.callbacks import MemoryProfilerCallback
 from lightning_cp.hf import registration as _hf_registration
+from lightning_cp.hf.export import export_hf
+from lightning_cp.hf.loading import load_pretrained
 from lightning_cp.loss import CPLossMixin
 from lightning_cp.strategies import MegatronCPFSDPStrategy, MegatronCPStrategy
 
-__all__ = ["CPLossMixin", "MegatronCPFSDPStrategy", "MegatronCPStrategy", "MemoryProfilerCallback"]
+__all__ = [
+    "CPLossMixin",
+    "MegatronCPFSDPStrategy",
+    "MegatronCPStrategy",
+    "MemoryProfilerCallback",
+    "export_hf",
+    "load_pretrained",
+]
 __version__ = "0.1.0"
 
 _hf_registration.install()

@@ -478,3 +478,14 @@ def test_gpu_report_quick_runs_every_part_on_the_cpu_with_targets_and_skipped_pe
     hf = {row["case"]: row for row in tables["HF Llama forward + backward"]}
     assert hf["ours"]["status"] == "ok" and hf["hf_liger"]["status"] == "liger-kernel not installed"
     assert [row["status"] for row in tables["Training step under FSDP"]] == ["ok"]
+
+
+def test_load_memory_reports_both_methods_for_a_tiny_model():
+    """The script runs end to end (2 spawned ranks per method) and prints one Markdown row per method; the
+    figures themselves are the benchmark's, not asserted here."""
+    result = _run_script(
+        "load_memory.py", "--hidden", "64", "--layers", "2", "--vocab", "512", "--world", "2"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == ["from_pretrained", "load_pretrained + FSDP"]

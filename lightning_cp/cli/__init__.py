@@ -11,7 +11,7 @@ import importlib
 import inspect
 import sys
 
-COMMANDS = {"doctor": "lightning_cp.cli.doctor"}
+COMMANDS = {"doctor": "lightning_cp.cli.doctor", "export-hf": "lightning_cp.cli.export_hf"}
 """The package's own commands: name -> module with ``main(argv: list[str]) -> int`` (the exit status) and a
 module docstring whose first line describes the command."""
 

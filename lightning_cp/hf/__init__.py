@@ -10,6 +10,9 @@ hidden states, the head the loss applies); :func:`check_models` is the strategy'
 checks, then a behavioural probe) against models that would train differently under CP;
 :func:`load_balancing_loss` is a mixture-of-experts router loss of the whole global batch.
 
+:mod:`lightning_cp.hf.loading` builds pretrained models (shard by shard under FSDP) and
+:mod:`lightning_cp.hf.export` writes trained ones back (:class:`ExportHFOnFitEnd` at the end of ``fit``).
+
 No module here imports ``transformers`` when it is imported; it is an optional dependency
 (``pip install lightning-cp[hf]``).
 """
@@ -17,15 +20,20 @@ No module here imports ``transformers`` when it is imported; it is an optional d
 from lightning_cp.hf.attention import ATTN_IMPLEMENTATION, hf_context_parallel_attention
 from lightning_cp.hf.causal_lm import decoder, output_head
 from lightning_cp.hf.check import check_attention_is_context_parallel
+from lightning_cp.hf.export import ExportHFOnFitEnd, export_hf
+from lightning_cp.hf.loading import load_pretrained
 from lightning_cp.hf.probe import check_models
 from lightning_cp.hf.router_loss import load_balancing_loss
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "ExportHFOnFitEnd",
     "check_attention_is_context_parallel",
     "check_models",
     "decoder",
+    "export_hf",
     "hf_context_parallel_attention",
     "load_balancing_loss",
+    "load_pretrained",
     "output_head",
 ]

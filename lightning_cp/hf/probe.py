@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_cp.constants import CP_SHARD, CU_SEQLENS, INPUT_IDS, POSITION_IDS
@@ -76,6 +77,13 @@ def check_models(module: nn.Module, layout: ParallelLayout, device: torch.device
     check_attention_is_context_parallel(module, layout.cp)
     for where, model in _transformers_models(module):
         check_config_is_context_parallel(model, where, layout.cp)
+        if any(p.is_meta for p in model.parameters()):
+            rank_zero_warn(
+                f"{where} ({type(model).__name__}) is loaded shard by shard (lightning_cp.load_pretrained under "
+                "MegatronCPFSDPStrategy): the static checks ran, the behavioural probe did not (no rank holds "
+                "the weights). A family outside README's support table: probe it once with MegatronCPStrategy."
+            )
+            continue
         model.to(device)
         _probe(model, where, layout, device)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import Any, Literal
 
 import torch
@@ -13,6 +12,7 @@ from torch import Tensor
 from lightning_cp.constants import CP_SHARD, INPUT_IDS, INPUT_MASK, POSITION_IDS
 from lightning_cp.hf.attention import ATTN_IMPLEMENTATION
 from lightning_cp.hf.causal_lm import decoder, output_head
+from lightning_cp.hf.loading import check_causal_lm_config, load_pretrained
 from lightning_cp.hf.router_loss import load_balancing_loss
 from lightning_cp.loss import CPLossMixin
 from lightning_cp.parallel.layout import current_layout
@@ -36,8 +36,12 @@ class HFCausalLM(CPLossMixin, LightningModule):
     Args:
         config: either a ``transformers`` config as a dict with its ``model_type`` (``{"model_type":
             "qwen3", "hidden_size": 1024, ...}``: a randomly initialized model), or the path of a local
-            directory written by ``save_pretrained`` (config and weights; nothing is downloaded).
-        dtype: parameter dtype of the model (``precision`` of the Trainer sets the compute dtype).
+            directory written by ``save_pretrained`` (``config.json`` and safetensors weights; nothing is
+            downloaded), loaded by :func:`~lightning_cp.load_pretrained`: under
+            :class:`~lightning_cp.MegatronCPFSDPStrategy` each rank reads only its own shards.
+        dtype: parameter dtype of the model; ``None``: the one ``Trainer(precision=...)`` sets while
+            ``configure_model`` runs (``bfloat16`` for ``"bf16-true"``, ``float32`` for ``"32-true"`` and
+            the fp32 master weights of ``"bf16-mixed"``). Pretrained weights are cast tensor by tensor.
         gradient_checkpointing: recompute every decoder layer in the backward (``transformers``' own,
             non-reentrant), trading compute for activation memory.
         lr: peak AdamW learning rate.
@@ -51,13 +55,16 @@ class HFCausalLM(CPLossMixin, LightningModule):
 
     Raises:
         ImportError: ``transformers`` is not installed (``pip install 'lightning-cp[hf]'``).
-        ValueError: a config dict without ``model_type``, or a path that is not a local directory.
+        ValueError: a config ``transformers`` cannot build a causal LM from (see
+            :func:`~lightning_cp.hf.loading.check_causal_lm_config`): a dict without ``model_type``, an
+            unknown ``model_type`` or one without a causal-LM class, a path that is not a directory or lacks
+            ``config.json`` or safetensors weights. The CLI reports it as one line, before any process starts.
     """
 
     def __init__(
         self,
         config: dict[str, Any] | str,
-        dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+        dtype: Literal["float32", "bfloat16", "float16"] | None = None,
         gradient_checkpointing: bool = False,
         lr: float = 3e-4,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -68,33 +75,27 @@ class HFCausalLM(CPLossMixin, LightningModule):
     ) -> None:
         if importlib.util.find_spec("transformers") is None:
             raise ImportError("HFCausalLM needs transformers: pip install 'lightning-cp[hf]'.")
-        if isinstance(config, str) and not os.path.isdir(config):
-            raise ValueError(
-                f"HFCausalLM(config={config!r}): not a local directory. Give the directory of a model saved "
-                "with save_pretrained (nothing is downloaded), or a config dict with a model_type."
-            )
-        if isinstance(config, dict) and "model_type" not in config:
-            raise ValueError(
-                f"HFCausalLM(config=...): the dict has no 'model_type' (keys: {sorted(config)}); add the "
-                "transformers model type, e.g. model_type: qwen3 or model_type: llama."
-            )
+        check_causal_lm_config(config)
         super().__init__()
         self.save_hyperparameters()
         self.model: torch.nn.Module | None = None
 
     def configure_model(self) -> None:
-        """Build the ``transformers`` model (once; Lightning calls this after the processes are set up)."""
+        """Build the ``transformers`` model (once; Lightning calls this after the processes are set up).
+
+        A directory is loaded by :func:`~lightning_cp.load_pretrained` (on the meta device under the FSDP
+        strategy, which then reads each rank's shards); a config dict is a random initialization.
+        """
         if self.model is not None:
             return
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config, dtype = self.hparams.config, getattr(torch, self.hparams.dtype)
+        config = self.hparams.config
+        dtype = getattr(torch, self.hparams.dtype) if self.hparams.dtype else torch.get_default_dtype()
         if isinstance(config, str):
 
             def build(**kwargs: Any) -> torch.nn.Module:
-                return AutoModelForCausalLM.from_pretrained(
-                    config, dtype=dtype, local_files_only=True, **kwargs
-                )
+                return load_pretrained(config, dtype=dtype, **kwargs)
         else:
 
             def build(**kwargs: Any) -> torch.nn.Module:
@@ -106,7 +107,7 @@ class HFCausalLM(CPLossMixin, LightningModule):
             # Families that pick their attention class from a dict keyed by the implementation name.
             if error.args != (ATTN_IMPLEMENTATION,):
                 raise
-            model = build()
+            model = build(attn_implementation=None)
         if self.hparams.gradient_checkpointing:
             options = {"use_reentrant": False}
             if hasattr(model, "activation_checkpointing_enable"):  # the newer name of the same switch

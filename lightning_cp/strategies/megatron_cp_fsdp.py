@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_cp.hf.loading import deferred_loading, materialize_pretrained
 from lightning_cp.strategies import _fsdp
 from lightning_cp.strategies._modules import ModuleSpec, check_module_specs, resolve_classes
 from lightning_cp.strategies.base import MegatronCPBase, broadcast_from_first
@@ -42,6 +44,10 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
       gradients over the same ranks as DDP would, so the training is the same;
     - mixed precision follows ``Trainer(precision=...)``: ``bf16-mixed`` keeps fp32 master weights and
       optimizer state, computes in bf16 and reduce-scatters gradients in fp32;
+    - a pretrained model built with :func:`~lightning_cp.load_pretrained` in ``configure_model`` (as
+      :class:`~lightning_cp.models.HFCausalLM` does for a directory) is built on the ``meta`` device,
+      sharded, and each rank allocates and reads only its own shards of the checkpoint's safetensors
+      (:func:`~lightning_cp.hf.loading.materialize_pretrained`): no process holds the whole model;
     - checkpoints are ``torch.distributed.checkpoint`` folders that every rank writes its part of
       (:func:`~lightning_cp.strategies.checkpoint_io.save_sharded`), resharded on load for any (dp, cp);
       :func:`~lightning_cp.strategies.consolidate_checkpoint` turns one into an ordinary file.
@@ -112,28 +118,43 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         """Shard the model (also to evaluate, so that sharded checkpoints load into it), then the optimizers.
 
         Replaces ``DDPStrategy.setup``: no DDP wrapper, and no broadcast of the module's states over the world.
+        Parameters built on the meta device by :func:`~lightning_cp.load_pretrained` are allocated after
+        sharding, each rank its own shards, and read from their checkpoint.
 
-        Communication: a broadcast of every parameter over DP x CP (every replica starts from the weights of
-        its group's first rank, as DDP's construction does).
+        Communication: a broadcast of every parameter not on the meta device over DP x CP (every replica
+        starts from the weights of its group's first rank, as DDP's construction does); the planning
+        collectives of ``torch.distributed.checkpoint.load`` for pretrained weights.
         """
         self._prepare_module(trainer)
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        on_meta = any(p.is_meta for p in self.model.parameters())
+        if not on_meta:
+            self.model_to_device()
         wrap = self.fsdp_wrap if self.fsdp_wrap is not None else _fsdp.default_wrap(self.model)
         units = resolve_classes(type(self).__name__, "fsdp_wrap", wrap, self.model)
         policy = _fsdp.mixed_precision_policy(str(self.precision_plugin.precision))
         group = self.layout.loss_group
-        broadcast_from_first(self.model.parameters(), group)
+        broadcast_from_first([p for p in self.model.parameters() if not p.is_meta], group)
         # FSDP needs a group object also for a single replica, which (tp = 1) is a world of one process.
         mesh = _fsdp.sharding_mesh(group or dist.group.WORLD, self.root_device.type)
         self.model = _fsdp.shard(self.model, mesh, units, policy)
+        if on_meta:
+            materialize_pretrained(self.model, self.root_device)
+            self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Around ``configure_model``: :func:`~lightning_cp.load_pretrained` builds on the meta device."""
+        with deferred_loading():
+            yield
 
     @property
     @override

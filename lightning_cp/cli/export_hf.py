@@ -1,0 +1,46 @@
+"""Write a trained checkpoint as a transformers directory that from_pretrained loads.
+
+Run::
+
+    lightning-cp export-hf CHECKPOINT OUTPUT_DIR [--dtype bfloat16] [--tokenizer DIR] [--max-shard-mb 5120]
+
+``CHECKPOINT`` is a ``.ckpt`` file (``MegatronCPStrategy``) or a ``MegatronCPFSDPStrategy`` checkpoint folder
+of :class:`~lightning_cp.models.HFCausalLM`; see :func:`lightning_cp.export_hf`. One process, no GPU, one
+safetensors shard in memory at a time. A bad checkpoint is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from lightning_cp.hf.export import export_hf
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``lightning-cp export-hf CHECKPOINT OUTPUT_DIR ...``; returns the exit status (2: a bad checkpoint)."""
+    parser = argparse.ArgumentParser(prog="lightning-cp export-hf", description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", help="a .ckpt file or a sharded (FSDP) checkpoint folder")
+    parser.add_argument("output_dir", help="the save_pretrained directory to write")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights")
+    parser.add_argument("--tokenizer", help="a tokenizer directory to copy (default: the pretrained one's)")
+    parser.add_argument(
+        "--max-shard-mb", type=float, default=5120.0, help="the most MiB per safetensors file"
+    )
+    args = parser.parse_args(argv)
+    try:
+        output = export_hf(
+            args.checkpoint,
+            args.output_dir,
+            dtype=getattr(torch, args.dtype) if args.dtype else None,
+            tokenizer=args.tokenizer,
+            max_shard_bytes=int(args.max_shard_mb * 2**20),
+        )
+    except ValueError as error:
+        print(f"lightning-cp export-hf: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {output}: AutoModelForCausalLM.from_pretrained({str(output)!r})")
+    return 0

@@ -1,0 +1,259 @@
+"""Pretrained ``transformers`` causal LMs from a local directory: checked early, loaded whole or shard by shard.
+
+:func:`load_pretrained` is the one way to build a pretrained model in ``configure_model``
+(:class:`~lightning_cp.models.HFCausalLM` uses it, and so can a user's own module). What it does depends
+on the strategy that calls ``configure_model``:
+
+- under :class:`~lightning_cp.MegatronCPFSDPStrategy` (which enters :func:`deferred_loading`), the model is
+  built with its parameters on the ``meta`` device (no memory) and its buffers computed as usual (rotary
+  ``inv_freq`` and the like, which no checkpoint holds); the strategy shards it with ``fully_shard``, then
+  :func:`materialize_pretrained` allocates each rank's local shards only and fills them from the
+  checkpoint's safetensors with ``torch.distributed.checkpoint``'s ``HuggingFaceStorageReader``, which
+  reads just the slices a rank owns. Each process's peak host memory is its shard plus one slice;
+- otherwise (DDP, one device, no strategy) ``transformers``' ``from_pretrained`` loads the whole model once
+  per process, in the target dtype.
+
+The dtype is the one asked for, else ``torch.get_default_dtype()`` inside ``configure_model``, which
+Lightning sets from ``Trainer(precision=...)``: ``bfloat16`` for ``"bf16-true"``, ``float32`` for
+``"32-true"`` and the ``-mixed`` precisions (their fp32 master weights). A checkpoint in another dtype is
+cast tensor by tensor as it is read; no copy of the whole model in another dtype is made.
+
+:func:`check_causal_lm_config` is the check ``HFCausalLM`` runs at construction, before any process starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_cp.hf.attention import ATTN_IMPLEMENTATION
+
+_PRETRAINED_SOURCE = "_lightning_cp_pretrained"
+"""Attribute of a model built on the meta device: the directory whose weights fill it after sharding."""
+
+_deferring: ContextVar[bool] = ContextVar("lightning_cp_deferred_loading", default=False)
+
+
+@contextmanager
+def deferred_loading() -> Iterator[None]:
+    """Inside: :func:`load_pretrained` builds on the meta device and leaves the weights to
+    :func:`materialize_pretrained` (the FSDP strategy enters this around ``configure_model``)."""
+    token = _deferring.set(True)
+    try:
+        yield
+    finally:
+        _deferring.reset(token)
+
+
+def check_causal_lm_config(config: Mapping[str, Any] | str, owner: str = "HFCausalLM") -> None:
+    """Raise a one-line ``ValueError`` for a config no ``AutoModelForCausalLM`` can be built from.
+
+    Args:
+        config: a ``transformers`` config as a dict with its ``model_type``, or a local directory written by
+            ``save_pretrained`` (``config.json`` and ``*.safetensors`` weights).
+        owner: the name that starts the message (``HFCausalLM(config=...)``).
+
+    Raises:
+        ValueError: a path that is not a directory, a directory without ``config.json`` or without
+            safetensors weights, a dict without ``model_type``, a ``model_type`` ``transformers`` does not
+            know (with the closest known names), or one without a causal-LM class.
+    """
+    if isinstance(config, str):
+        config = _read_directory_config(config, owner)
+    elif "model_type" not in config:
+        raise ValueError(
+            f"{owner}(config=...): the dict has no 'model_type' (keys: {sorted(config)}); add the "
+            "transformers model type, e.g. model_type: qwen3 or model_type: llama."
+        )
+    _check_model_type(config["model_type"], owner)
+
+
+def _read_directory_config(path: str, owner: str) -> dict[str, Any]:
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(
+            f"{owner}(config={path!r}): not a local directory. Give the directory of a model saved with "
+            "save_pretrained (nothing is downloaded), or a config dict with a model_type."
+        )
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ValueError(
+            f"{owner}(config={path!r}): the directory has no config.json; give a directory written by "
+            "save_pretrained (config.json and *.safetensors)."
+        )
+    if not any(directory.glob("*.safetensors")):
+        found = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        hint = (
+            f" It has {', '.join(found)}: rewrite it as safetensors with "
+            f"AutoModelForCausalLM.from_pretrained({path!r}).save_pretrained(<new directory>)."
+            if found
+            else ""
+        )
+        raise ValueError(f"{owner}(config={path!r}): the directory has no *.safetensors weights.{hint}")
+    config = json.loads(config_file.read_text())
+    if "model_type" not in config:
+        raise ValueError(f"{owner}(config={path!r}): {config_file} has no 'model_type'.")
+    return config
+
+
+def _check_model_type(model_type: str, owner: str) -> None:
+    from transformers import __version__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING_NAMES), n=3)
+        hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+        raise ValueError(
+            f"{owner}(config=...): model_type {model_type!r} is not a model type of transformers "
+            f"{__version__}.{hint}"
+        )
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"{owner}(config=...): model_type {model_type!r} has no causal-LM class in transformers "
+            f"{__version__} (AutoModelForCausalLM does not build it); use a decoder model such as llama, "
+            "qwen3 or mistral."
+        )
+
+
+def load_pretrained(
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    attn_implementation: str | None = ATTN_IMPLEMENTATION,
+) -> nn.Module:
+    """The ``AutoModelForCausalLM`` saved in the local directory ``path``, for a module's ``configure_model``.
+
+    Under :func:`deferred_loading` (``MegatronCPFSDPStrategy``), the parameters are on the ``meta`` device
+    and the strategy fills each rank's shards after sharding (:func:`materialize_pretrained`); buffers
+    (rotary frequencies) are computed here, and tied embeddings are one parameter. Elsewhere the model is
+    loaded whole by ``from_pretrained``. Nothing is downloaded.
+
+    Args:
+        path: a directory written by ``save_pretrained`` (``config.json``, ``*.safetensors``).
+        dtype: the parameters' dtype; ``None``: ``torch.get_default_dtype()`` (inside ``configure_model``:
+            the Trainer's precision, see the module docstring).
+        attn_implementation: ``"lightning_cp"`` (context-parallel attention) unless you need another;
+            ``None``: the model's default.
+
+    Example::
+
+        def configure_model(self):
+            if self.model is None:
+                self.model = lightning_cp.load_pretrained("checkpoints/llama-8b")
+
+    Raises:
+        ValueError: as :func:`check_causal_lm_config`.
+    """
+    check_causal_lm_config(str(path), owner="load_pretrained")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = dtype or torch.get_default_dtype()
+    if not _deferring.get():
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+        )
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    setattr(model, _PRETRAINED_SOURCE, Path(path))
+    return model
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside register their parameters on the ``meta`` device; buffers stay real.
+
+    Buffers are computed at construction from the config (rotary ``inv_freq``, attention biases) and are
+    usually not in a checkpoint: built on ``meta`` and allocated empty, they would hold garbage and the
+    model would run without an error but wrong.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def materialize_pretrained(module: nn.Module, device: torch.device) -> None:
+    """Allocate the meta parameters of every :func:`load_pretrained` model in ``module`` and load them.
+
+    Call after ``fully_shard``: each parameter is then a ``DTensor`` and only its local shard is allocated
+    (on ``device``) and read, from the model's safetensors through ``HuggingFaceStorageReader`` (cast to
+    the parameter's dtype). Buffers keep the values computed at construction; tied parameters stay one
+    parameter. A no-op for a module without meta tensors.
+
+    Communication: ``torch.distributed.checkpoint.load``'s planning collectives over the default group
+    (every rank calls this with the same modules); no weights are exchanged.
+
+    Raises:
+        ValueError: a parameter on the meta device that no checkpoint fills, or a checkpoint that lacks a
+            parameter or holds it in another shape.
+    """
+    sources = [m for m in module.modules() if hasattr(m, _PRETRAINED_SOURCE)]
+    for model in sources:
+        buffers = {name: buffer.clone() for name, buffer in model.named_buffers() if not buffer.is_meta}
+        model.to_empty(device=device)
+        with torch.no_grad():
+            for name, value in buffers.items():
+                model.get_buffer(name).copy_(value)
+        _load_safetensors(model, getattr(model, _PRETRAINED_SOURCE))
+        delattr(model, _PRETRAINED_SOURCE)
+    left = [name for name, p in module.named_parameters() if p.is_meta]
+    left += [name for name, b in module.named_buffers() if b.is_meta]
+    if left:
+        raise ValueError(
+            f"{type(module).__name__}: {', '.join(left[:5])}{' ...' if len(left) > 5 else ''} are on the meta "
+            "device and no checkpoint fills them: build pretrained models with lightning_cp.load_pretrained, "
+            "other modules on a real device."
+        )
+
+
+def _load_safetensors(model: nn.Module, directory: Path) -> None:
+    """Fill ``model``'s parameters (and persistent buffers the checkpoint has) from ``directory``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    reader = HuggingFaceStorageReader(str(directory))
+    stored = reader.read_metadata().state_dict_metadata
+    targets: dict[str, torch.Tensor] = {}
+    for names in _tied_names(model):  # one entry per parameter: tied ones are stored once
+        name = next((n for n in names if n in stored), names[0])
+        targets[name] = model.get_parameter(name)
+    persistent = set(model.state_dict())
+    targets.update({n: b for n, b in model.named_buffers() if n in persistent and n in stored})
+    missing = [name for name in targets if name not in stored]
+    wrong = [
+        f"{name} {tuple(stored[name].size)} (model: {tuple(tensor.shape)})"
+        for name, tensor in targets.items()
+        if name in stored and tuple(stored[name].size) != tuple(tensor.shape)
+    ]
+    if missing or wrong:
+        problem = f"lacks {', '.join(missing[:5])}" if missing else f"holds {'; '.join(wrong[:5])}"
+        raise ValueError(
+            f"The checkpoint in {directory} {problem}: it was not saved from this model's class and config "
+            "(load it with transformers' from_pretrained and save_pretrained it again)."
+        )
+    dcp.load(targets, storage_reader=reader)
+
+
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter, tied ones (the input and output embeddings) grouped together."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return list(names.values())

@@ -1,0 +1,124 @@
+"""``export_hf``: a fine-tuned checkpoint back to a ``transformers`` directory with the trained logits.
+
+A tiny pretrained model is fine-tuned (DDP or FSDP over DP x CP) and saved; the trained module's logits
+come from ``Trainer.predict(ckpt_path=...)`` through the package (CP shards reassembled), the reference
+from ``AutoModelForCausalLM.from_pretrained(export)`` with ``"sdpa"`` on the whole sequence, which knows
+nothing of the package. The fine-tuning moves the weights far enough that the pretrained model's logits
+fail the same comparison.
+"""
+
+import json
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_cp import MegatronCPFSDPStrategy, export_hf
+from lightning_cp.cli import main as cli_main
+from lightning_cp.data import collate_padded
+from lightning_cp.hf import ExportHFOnFitEnd
+from lightning_cp.models import HFCausalLM
+from tests._trainer import quiet_trainer
+from tests.hf._models import VOCAB
+from tests.hf._pretrained import SEQ, assert_logits_of, fit_and_save, save_pretrained, sharded_logits
+
+transformers = pytest.importorskip("transformers")
+
+
+def _trained_rows(pool, directory, checkpoint, cp, fsdp):
+    return pool.run(sharded_logits, directory, cp, "32-true", checkpoint, fsdp)[0][0]
+
+
+def _check_export(directory, checkpoint, rows, output):
+    export_hf(checkpoint, output)
+    model = assert_logits_of(output, rows)
+    with pytest.raises(AssertionError):  # the export holds the trained weights, not the pretrained ones
+        assert_logits_of(directory, rows)
+    return model
+
+
+def test_export_from_ddp_checkpoint_gives_trained_logits(world2, tmp_path):
+    directory = save_pretrained("llama", tmp_path / "llama")
+    (directory / "tokenizer.json").write_text("{}")
+    checkpoint = tmp_path / "ddp.ckpt"
+    world2.run(fit_and_save, directory, 2, False, checkpoint)
+    rows = _trained_rows(world2, directory, checkpoint, cp=2, fsdp=False)
+    model = _check_export(directory, checkpoint, rows, tmp_path / "export")
+    assert model.dtype == torch.float32 and not model.config.tie_word_embeddings
+    assert (tmp_path / "export" / "tokenizer.json").read_text() == "{}"
+    assert (tmp_path / "export" / "generation_config.json").is_file()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"], ids=["untied", "tied"])
+def test_export_from_fsdp_folder_gives_trained_logits(name, world2, tmp_path):
+    directory = save_pretrained(name, tmp_path / name)
+    checkpoint = tmp_path / "fsdp.ckpt"
+    world2.run(fit_and_save, directory, 2, True, checkpoint)
+    assert checkpoint.is_dir()
+    rows = _trained_rows(world2, directory, checkpoint, cp=2, fsdp=True)
+    model = _check_export(directory, checkpoint, rows, tmp_path / "export")
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight or name == "llama"
+    index = json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())
+    assert ("lm_head.weight" in index["weight_map"]) == (name == "llama")  # a tied head is stored once
+
+
+def test_export_of_a_folder_written_at_dp2_cp2_matches_its_reshard_at_cp2(world2, world4, tmp_path):
+    """Trained on 4 ranks, the trained module's logits read back on 2 (resharded), the export in 1 process."""
+    directory = save_pretrained("qwen3", tmp_path / "qwen3")
+    checkpoint = tmp_path / "fsdp.ckpt"
+    world4.run(fit_and_save, directory, 2, True, checkpoint)
+    rows = _trained_rows(world2, directory, checkpoint, cp=2, fsdp=True)
+    _check_export(directory, checkpoint, rows, tmp_path / "export")
+
+
+def test_export_in_bf16_with_small_shards_and_the_cli(world2, tmp_path, capsys):
+    directory = save_pretrained("llama", tmp_path / "llama")
+    checkpoint = tmp_path / "fsdp.ckpt"
+    world2.run(fit_and_save, directory, 2, True, checkpoint, 1)
+    rows = _trained_rows(world2, directory, checkpoint, cp=2, fsdp=True)
+    output = tmp_path / "export"
+    status = cli_main(
+        ["export-hf", str(checkpoint), str(output), "--dtype", "bfloat16", "--max-shard-mb", "0.01"]
+    )
+    assert status == 0 and str(output) in capsys.readouterr().out
+    index = json.loads((output / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    model = assert_logits_of(output, rows, torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+
+
+def test_export_refuses_a_checkpoint_without_a_transformers_config(tmp_path):
+    torch.save({"state_dict": {}, "hyper_parameters": {"lr": 1.0}}, tmp_path / "gpt.ckpt")
+    with pytest.raises(ValueError, match="hyper_parameters have no 'config'"):
+        export_hf(tmp_path / "gpt.ckpt", tmp_path / "out")
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        export_hf(tmp_path / "missing.ckpt", tmp_path / "out")
+
+
+def test_cli_reports_a_bad_checkpoint_as_one_line(tmp_path, capsys):
+    assert cli_main(["export-hf", str(tmp_path / "missing.ckpt"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lightning-cp export-hf: error: ") and "missing.ckpt" in err[0]
+
+
+def _fit_with_export(directory, output):
+    torch.manual_seed(2)
+    data = [{"input_ids": torch.randint(0, VOCAB, (SEQ,))} for _ in range(8)]
+    trainer = quiet_trainer(
+        devices=2,
+        strategy=MegatronCPFSDPStrategy(cp=2),
+        max_steps=2,
+        callbacks=[ExportHFOnFitEnd(str(output))],
+    )
+    loader = DataLoader(data, batch_size=2, collate_fn=collate_padded)
+    trainer.fit(HFCausalLM(str(directory), lr=3e-2), loader)
+
+
+def test_export_at_the_end_of_fit(world2, tmp_path):
+    directory = save_pretrained("qwen3", tmp_path / "qwen3")
+    output = tmp_path / "export"
+    world2.run(_fit_with_export, directory, output)
+    checkpoint = tmp_path / "export.ckpt"
+    assert checkpoint.is_dir()  # the FSDP checkpoint the export was read from, beside it
+    rows = _trained_rows(world2, directory, checkpoint, cp=2, fsdp=True)
+    assert_logits_of(output, rows)
