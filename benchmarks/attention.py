@@ -22,7 +22,7 @@ inputs), the reduce-scatter of their gradients keeps this rank's slice.
 
 Columns: peak extra memory and wall time of forward + backward (``_probes``), the bytes autograd saves
 between the forward and the backward (what one layer holds per rank until its backward), the keys and
-values the rank's pieces attend to (``selected K/V``: ``ours`` selects them out of the gathered
+values the rank's pieces attend to (``selected K/V``: ``ours`` puts them in sequence order, once, out of the gathered
 ``cp * T_local`` tokens; a window shrinks them), and the time against the ideal share. Each case runs in a fresh worker process (``_harness``).
 
 Run from the repository root::
@@ -272,20 +272,24 @@ def _flash_peer_builder(name: str) -> Callable[[_Problem], Callable[[], Tensor]]
 
         def step() -> Tensor:
             gathered = _GatherKeepingGraph.apply(_kv(p.k, p.v), exchange)
-            selected = gathered.index_select(0, keys.key_index)
-            out = varlen(
-                p.q,
-                selected[:, :kv_heads].contiguous(),
-                selected[:, kv_heads:].contiguous(),
-                cu_seqlens_q=keys.cu_queries,
-                cu_seqlens_k=keys.cu_keys,
-                max_seqlen_q=keys.max_queries,
-                max_seqlen_k=keys.max_keys,
-                softmax_scale=p.scale,
-                causal=True,  # bottom-right aligned, as the pieces need
-                **window,
-            )
-            return out[0] if isinstance(out, tuple) else out  # some versions also return the lse
+            ordered = gathered if keys.order is None else gathered.index_select(0, keys.order)
+            out = p.q.new_empty((*p.q.shape[:2], p.v.shape[-1]))
+            for call in keys.calls:  # the calls and key order of ours, through the peer's kernel
+                call_kv = ordered[call.keys]
+                call_out = varlen(
+                    p.q[call.queries],
+                    call_kv[:, :kv_heads].contiguous(),
+                    call_kv[:, kv_heads:].contiguous(),
+                    cu_seqlens_q=call.cu_queries,
+                    cu_seqlens_k=call.cu_keys,
+                    max_seqlen_q=call.max_queries,
+                    max_seqlen_k=call.max_keys,
+                    softmax_scale=p.scale,
+                    causal=True,  # bottom-right aligned, as the pieces need
+                    **window,
+                )
+                out[call.queries] = call_out[0] if isinstance(call_out, tuple) else call_out
+            return out
 
         return step
 

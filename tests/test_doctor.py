@@ -84,14 +84,14 @@ def test_doctor_passes_on_the_gpu_with_flash_attention_and_triton(capsys):
     assert sum(name.startswith("loss linear_cross_entropy triton") for name in lines) == 2
 
 
-def test_a_wrong_key_index_in_the_attention_layout_fails_the_attention_checks(run_doctor, monkeypatch):
-    build = CPShard.build.__func__
+def test_a_wrong_key_order_in_the_attention_layout_fails_the_attention_checks(run_doctor, monkeypatch):
+    keys = CPShard.keys
 
-    def shifted_keys(cls, *args, **kwargs):  # every piece reads its keys one position late
-        shard = build(cls, *args, **kwargs)
-        return dataclasses.replace(shard, key_index=shard.key_index.roll(1))
+    def shifted_keys(shard, window=None):  # every piece reads its keys one position late
+        selection = keys(shard, window)
+        return dataclasses.replace(selection, order=selection.order.roll(1))
 
-    monkeypatch.setattr(CPShard, "build", classmethod(shifted_keys))
+    monkeypatch.setattr(CPShard, "keys", shifted_keys)
     status, lines = run_doctor()
 
     assert status == 1

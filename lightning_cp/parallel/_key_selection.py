@@ -1,4 +1,4 @@
-"""Which keys every query piece of CP attention attends to, for full causal or sliding-window attention.
+"""Which keys every query piece of CP attention attends to, and where the kernels read them in place.
 
 CP attention (:mod:`lightning_cp.parallel.attention`) cuts this rank's queries into *pieces*, one per
 kept chunk of every sequence (:class:`~lightning_cp.parallel.CPShard`): piece ``(i, h)`` holds the ``c``
@@ -8,6 +8,19 @@ sliding window of ``w`` tokens (query ``p`` sees key ``j`` iff ``p - w < j <= p`
 ``sliding_window_overlay``) the piece's first query sees nothing before ``g * c - w + 1``, so its keys
 start there. In both cases a piece's queries are the last keys of its range (bottom-right alignment),
 which is what the kernels of :mod:`lightning_cp.parallel._varlen` expect.
+
+The all-gathered keys arrive rank-major (every rank's two chunks of every sequence). They are put in
+*sequence order* once (:attr:`KeySelection.order`): for every sequence, the keys its two pieces read (with
+full causal attention, chunks ``0 .. 2 * cp - 1 - r`` of rank ``r``: the later chunks are read by no piece
+of this rank), in position order. A piece's keys are then one contiguous range of that buffer, and the two
+pieces of a sequence share theirs (the early chunk's keys are a prefix of the late chunk's, the Llama 3
+all-gather layout): the blocked kernel reads every piece in place, and FlashAttention-2 runs one varlen call
+per kept chunk (:class:`VarlenCall`), reading keys in place wherever the pieces' ranges lie back to back.
+No per-piece copy of the keys exists (before, each rank selected ``(2 cp + 1) / (2 cp)`` of the sequence's
+K/V besides the gathered buffer, and the backward summed the pieces' gradients into a zero-filled
+full-sequence buffer).
+
+Without CP (``cp = 1``, or no shard) each sequence is one piece of local keys and nothing is gathered.
 
 The selection is computed on the CPU from the chunk lengths (no device synchronization) and cached on the
 shard per window size: a model whose layers alternate windowed and global attention builds two, once per
@@ -27,40 +40,61 @@ from lightning_cp.parallel._varlen import Pieces
 if TYPE_CHECKING:
     from lightning_cp.parallel.sharding import CPSplit
 
+Rows = slice | Tensor
+"""Rows of a token-major tensor: a contiguous range, or an int64 index ``[n]`` on the tensors' device."""
+
+
+@dataclass(frozen=True, eq=False)
+class VarlenCall:
+    """One call of a variable-length kernel: some query pieces and their keys, each piece contiguous.
+
+    The call's queries are ``q[queries]`` (its pieces back to back, ``cu_queries`` their boundaries) and its
+    keys ``keys_in_sequence_order[keys]`` (``cu_keys``): the layout ``flash_attn_varlen_func`` takes.
+    A slice is read in place; an index is a copy of only this call's rows.
+    """
+
+    queries: Rows
+    """Rows of this rank's ``[T_local]`` queries, piece after piece."""
+    keys: Rows
+    """Rows of the keys in sequence order (:attr:`KeySelection.order`), piece after piece."""
+    cu_queries: Tensor
+    """``[p + 1]`` int32: boundaries of the call's query pieces."""
+    cu_keys: Tensor
+    """``[p + 1]`` int32: boundaries of the call's key pieces."""
+    max_queries: int
+    """Longest query piece."""
+    max_keys: int
+    """Longest key piece."""
+
 
 @dataclass(frozen=True, eq=False)
 class KeySelection:
     """The variable-length problem of one rank: its query pieces and, for each, the keys it attends to.
 
-    The pieces' keys form one packed ``[K]`` sequence described by ``cu_keys``; the queries are this
-    rank's ``[T_local]`` tokens described by ``cu_queries``: the layout ``flash_attn_varlen_func`` takes,
-    with no ``[T_local, T_total]`` mask.
+    Keys are addressed in *sequence order*: the ``[K]`` rows ``order`` picks from the all-gathered keys.
+    Pieces may share keys (their ranges overlap); no ``[T_local, T_total]`` mask exists.
     """
 
     window: int | None
     """The sliding window the kernels apply (``None``: full causal; a window at least as long as every
     sequence is ``None`` here)."""
     pieces: Pieces
-    """``(q_start, q_stop, k_start, k_stop)`` of every piece on the host, for the blocked kernel."""
-    cu_queries: Tensor
-    """``[P + 1]`` int32: boundaries of the query pieces in the ``T_local`` tokens."""
-    cu_keys: Tensor
-    """``[P + 1]`` int32: boundaries of the pieces' keys in the ``[K]`` selection."""
-    key_index: Tensor | None
-    """``[K]`` int64: position of every selected key in the all-gathered ``[gathered_tokens]`` keys of
-    the CP group (rank-major). ``None``: the selected keys are this rank's own tokens, in order (no CP:
-    each piece is a whole row), and nothing is gathered."""
+    """``(q_start, q_stop, k_start, k_stop)`` of every piece on the host, for the blocked kernel: query rows
+    of this rank's ``[T_local]`` tokens, key rows of the ``[K]`` keys in sequence order."""
+    calls: tuple[VarlenCall, ...]
+    """The same pieces as calls of FlashAttention-2's varlen kernels (one per kept chunk under CP; the one
+    that reads every key first, so that its key gradients can take the others')."""
+    order: Tensor | None
+    """``[K]`` int64: the row of the all-gathered ``[gathered_tokens]`` keys (rank-major) of every key in
+    sequence order, each row at most once. ``None``: the keys are this rank's own tokens, already in
+    sequence order (no CP), and nothing is gathered."""
     gathered_tokens: int
-    """Length of the gathered key order ``key_index`` points into (``cp * T_local``)."""
-    max_queries: int
-    """Longest query piece."""
-    max_keys: int
-    """Longest key piece."""
+    """Length of the gathered key order ``order`` points into (``cp * T_local``)."""
 
     @property
     def num_keys(self) -> int:
-        """``K``: the selected keys of all pieces (what one layer's gathered K/V are reduced to)."""
-        return self.gathered_tokens if self.key_index is None else self.key_index.numel()
+        """``K``: the keys in sequence order (what one layer's gathered K/V are reduced to)."""
+        return self.gathered_tokens if self.order is None else self.order.numel()
 
 
 def effective_window(window: int | None, longest: int) -> int | None:
@@ -76,55 +110,107 @@ def select_keys(
     ``window`` as :func:`effective_window` returns it. Computed on the CPU from ``chunk_lengths`` (int64,
     CPU); the index tensors are then copied to ``device`` without waiting for it.
     """
-    chunk = chunk_lengths
-    n, cp = len(chunk), split.cp_size
-    kept = torch.tensor(split.kept_chunks)
-    local_lengths = 2 * chunk
-    local_starts = torch.cumsum(local_lengths, 0) - local_lengths
+    if split.cp_size == 1:  # chunks 0 and 1 of every sequence: the whole sequence, local and in order
+        return _local_selection(2 * chunk_lengths, window, device)
+    c, n = chunk_lengths, len(chunk_lengths)
+    local_lengths = 2 * c
+    local_starts = _starts(local_lengths)
     local_total = int(local_lengths.sum())
-    # Piece (i, h): keys at positions [first, stop) of sequence i (padded positions, chunk-major).
-    stop = ((kept + 1).unsqueeze(0) * chunk.unsqueeze(1)).flatten()
-    first = torch.zeros_like(stop)
-    if window is not None:
-        first = (stop - chunk.repeat_interleave(2) - (window - 1)).clamp(min=0)
+    # Piece (i, h) reads the keys at positions [first[i, h], stop[i, h]) of sequence i (padded positions).
+    stop = (torch.tensor(split.kept_chunks) + 1) * c.unsqueeze(1)
+    first = torch.zeros_like(stop) if window is None else (stop - c.unsqueeze(1) - (window - 1)).clamp(min=0)
+    # Each sequence keeps the union of its pieces' ranges: one interval when they meet, else two.
+    merged = first[:, 1] <= stop[:, 0]
+    lower_stop = torch.where(merged, stop[:, 1], stop[:, 0])
+    upper_first = torch.where(merged, stop[:, 1], first[:, 1])
+    intervals = torch.stack([first[:, 0], lower_stop, upper_first, stop[:, 1]], 1).view(n, 2, 2)
+    kept = intervals[..., 1] - intervals[..., 0]  # [n, 2] keys of each interval (the second may be empty)
+    key_starts = _starts(kept.sum(1))
+    # Where each piece's range starts in its sequence's kept keys.
+    offset = torch.stack([torch.zeros_like(c), torch.where(merged, first[:, 1] - first[:, 0], kept[:, 0])], 1)
+    key_first = key_starts.unsqueeze(1) + offset
     key_lengths = stop - first
-    key_total = int(key_lengths.sum())
-    # For every selected key: its sequence, and its position p in that (padded) sequence.
-    key_sequence = torch.arange(n).repeat_interleave(2).repeat_interleave(key_lengths, output_size=key_total)
-    piece_starts = torch.cumsum(key_lengths, 0) - key_lengths
-    p = torch.arange(key_total) + (first - piece_starts).repeat_interleave(key_lengths, output_size=key_total)
-    c = chunk[key_sequence]
-    global_chunk = torch.div(p, c, rounding_mode="floor")
-    owner, slot = split.owner(global_chunk)
-    key_index = owner * local_total + local_starts[key_sequence] + slot * c + (p - global_chunk * c)
-    query_lengths = chunk.repeat_interleave(2)
-    cu_queries, cu_keys = _boundaries(query_lengths), _boundaries(key_lengths)
+    query_first = local_starts.unsqueeze(1) + torch.tensor([0, 1]) * c.unsqueeze(1)
+    order = _gathered_rows(split, c, intervals, local_starts, local_total)
+    pieces = [
+        (q0, q0 + ci, k0, k0 + kl)
+        for q_row, k_row, l_row, ci in zip(
+            query_first.tolist(), key_first.tolist(), key_lengths.tolist(), c.tolist(), strict=True
+        )
+        for q0, k0, kl in zip(q_row, k_row, l_row, strict=True)
+    ]
+    # Chunk 2 cp - 1 - r's call first: with full causal attention it reads every key, in place.
+    calls = tuple(_call(query_first[:, h], c, key_first[:, h], key_lengths[:, h], device) for h in (1, 0))
     return KeySelection(
         window=window,
-        pieces=_host_pieces(cu_queries, cu_keys),
-        cu_queries=_to(cu_queries, device),
-        cu_keys=_to(cu_keys, device),
-        key_index=_to(key_index, device),
-        gathered_tokens=cp * local_total,
-        max_queries=int(chunk.max()) if n else 0,
-        max_keys=int(key_lengths.max()) if n else 0,
+        pieces=pieces,
+        calls=calls,
+        order=_to(order, device),
+        gathered_tokens=split.cp_size * local_total,
     )
 
 
 def select_row_keys(rows: int, length: int, window: int | None, device: torch.device) -> KeySelection:
     """Without CP or a shard: each of ``rows`` rows of ``length`` tokens is one sequence, all local."""
-    bounds = torch.arange(rows + 1, dtype=torch.int32) * length
-    on_device = _to(bounds, device)
-    return KeySelection(
-        window=effective_window(window, length),
-        pieces=_host_pieces(bounds, bounds),
-        cu_queries=on_device,
-        cu_keys=on_device,
-        key_index=None,
-        gathered_tokens=rows * length,
-        max_queries=length,
-        max_keys=length,
+    return _local_selection(torch.full((rows,), length), effective_window(window, length), device)
+
+
+def _local_selection(lengths: Tensor, window: int | None, device: torch.device) -> KeySelection:
+    """Every sequence (``lengths`` ``[n]`` tokens, back to back) one piece over its own local keys."""
+    starts = _starts(lengths)
+    total = int(lengths.sum())
+    pieces = [(a, a + length, a, a + length) for a, length in zip(starts.tolist(), lengths.tolist())]
+    call = _call(starts, lengths, starts, lengths, device)
+    return KeySelection(window=window, pieces=pieces, calls=(call,), order=None, gathered_tokens=total)
+
+
+def _gathered_rows(
+    split: CPSplit, c: Tensor, intervals: Tensor, local_starts: Tensor, local_total: int
+) -> Tensor:
+    """``[K]``: the rank-major gathered row of every kept key, sequence after sequence, in position order.
+
+    ``intervals`` ``[n, 2, 2]`` are each sequence's kept ``[start, stop)`` positions.
+    """
+    lengths = (intervals[..., 1] - intervals[..., 0]).flatten()
+    total = int(lengths.sum())
+    interval_starts = _starts(lengths)
+    position = torch.arange(total) + (intervals[..., 0].flatten() - interval_starts).repeat_interleave(
+        lengths, output_size=total
     )
+    sequence = torch.arange(len(c)).repeat_interleave(2).repeat_interleave(lengths, output_size=total)
+    chunk = c[sequence]
+    global_chunk = torch.div(position, chunk, rounding_mode="floor")
+    owner, slot = split.owner(global_chunk)
+    return owner * local_total + local_starts[sequence] + slot * chunk + (position - global_chunk * chunk)
+
+
+def _call(
+    query_first: Tensor, query_lengths: Tensor, key_first: Tensor, key_lengths: Tensor, device: torch.device
+) -> VarlenCall:
+    """The :class:`VarlenCall` of pieces whose query and key ranges start at ``*_first`` ``[p]``."""
+    return VarlenCall(
+        queries=_rows(query_first, query_lengths, device),
+        keys=_rows(key_first, key_lengths, device),
+        cu_queries=_to(_boundaries(query_lengths), device),
+        cu_keys=_to(_boundaries(key_lengths), device),
+        max_queries=int(query_lengths.max()) if len(query_lengths) else 0,
+        max_keys=int(key_lengths.max()) if len(key_lengths) else 0,
+    )
+
+
+def _rows(first: Tensor, lengths: Tensor, device: torch.device) -> Rows:
+    """The ranges ``[first, first + lengths)``, back to back: a slice when they already are, else an index."""
+    if len(first) == 0:
+        return slice(0, 0)
+    if bool((first[1:] == first[:-1] + lengths[:-1]).all()):
+        return slice(int(first[0]), int(first[-1] + lengths[-1]))
+    total = int(lengths.sum())
+    index = torch.arange(total) + (first - _starts(lengths)).repeat_interleave(lengths, output_size=total)
+    return _to(index, device)
+
+
+def _starts(lengths: Tensor) -> Tensor:
+    return torch.cumsum(lengths, 0) - lengths
 
 
 def _to(x: Tensor, device: torch.device) -> Tensor:
@@ -134,8 +220,3 @@ def _to(x: Tensor, device: torch.device) -> Tensor:
 
 def _boundaries(lengths: Tensor) -> Tensor:
     return torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
-
-
-def _host_pieces(cu_queries: Tensor, cu_keys: Tensor) -> Pieces:
-    q, k = cu_queries.tolist(), cu_keys.tolist()
-    return list(zip(q[:-1], q[1:], k[:-1], k[1:], strict=True))

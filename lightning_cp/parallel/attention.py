@@ -4,10 +4,10 @@ Each CP rank holds the queries, keys and values of its own tokens in the load-ba
 :func:`lightning_cp.parallel.shard_batch` (chunks ``r`` and ``2 * cp - 1 - r`` of every sequence). Keys
 and values are all-gathered over the CP group (one collective for both, only the key/value heads: with
 grouped-query attention that is ``Hkv``, not ``Hq``, heads). The batch's
-:class:`~lightning_cp.parallel.CPShard` then picks, for each local chunk of each sequence (a
-*piece*), the keys of that sequence up to the chunk's end (from where the chunk's sliding window starts,
-with a window: :mod:`lightning_cp.parallel._key_selection`), and a variable-length causal kernel attends
-piece by piece (:mod:`lightning_cp.parallel._varlen`: FlashAttention-2 varlen on CUDA, an exact
+:class:`~lightning_cp.parallel.CPShard` then puts the keys this rank reads in sequence order, once:
+each local chunk of each sequence (a *piece*) attends to one contiguous range of them, the keys of that
+sequence up to the chunk's end (from where the chunk's sliding window starts, with a window:
+:mod:`lightning_cp.parallel._key_selection`), read in place by a variable-length causal kernel (:mod:`lightning_cp.parallel._varlen`: FlashAttention-2 varlen on CUDA, an exact
 blocked torch kernel elsewhere). Documents of a packed batch never see each other, and no
 ``[T_local, T_total]`` mask is ever built. Sliding windows, logit softcapping, attention sinks and a value
 head dim of its own are exact on every path.
@@ -15,7 +15,8 @@ head dim of its own are exact on every path.
 Memory: the gathered keys and values live only inside the forward and the backward of a layer. The
 backward all-gathers them again instead of keeping them, so a layer saves ``O(T_local)`` (its local
 ``q``, ``k``, ``v``, output and log-sum-exp), and returns dK, dV to their owners with one
-reduce-scatter (an all-reduce on gloo, which has none).
+reduce-scatter (an all-reduce on gloo, which has none). At most two sequence-sized K/V buffers are alive
+at a time (:class:`_CPAttention`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_cp.parallel import _varlen
-from lightning_cp.parallel._key_selection import KeySelection, select_row_keys
+from lightning_cp.parallel._key_selection import KeySelection, Rows, select_row_keys
 from lightning_cp.parallel.layout import ProcessGroup
 from lightning_cp.parallel.sharding import CPShard
 
@@ -227,40 +228,142 @@ class GroupExchange:
         return full[rank * local : (rank + 1) * local].clone()
 
 
-def _selected_keys(
-    k: Tensor, v: Tensor, keys: KeySelection, exchange: GroupExchange
-) -> tuple[Tensor, Tensor]:
-    """Every piece's keys ``[K, Hkv, D]`` and values ``[K, Hkv, Dv]`` from this rank's ``k``, ``v``.
+def _ordered_keys(k: Tensor, v: Tensor, keys: KeySelection, exchange: GroupExchange) -> tuple[Tensor, Tensor]:
+    """The keys ``[K, Hkv, D]`` and values ``[K, Hkv, Dv]`` of this rank's pieces, in sequence order.
 
     One all-gather brings every rank's keys and values (flattened side by side, so ``Dv`` may differ from
-    ``D``); ``keys.key_index`` then picks each piece's.
+    ``D``); ``keys.order`` puts the ones the pieces read in sequence order, once (the gathered buffer is
+    freed as soon as they are). Both results are views of that one ``[K, Hkv * (D + Dv)]`` buffer.
     """
-    if keys.key_index is None:
+    if keys.order is None:
         return k, v
-    kv = exchange.all_gather(torch.cat([k.flatten(1), v.flatten(1)], dim=1)).index_select(0, keys.key_index)
+    kv = exchange.all_gather(torch.cat([k.flatten(1), v.flatten(1)], dim=1)).index_select(0, keys.order)
     split = k.shape[1] * k.shape[2]
     return kv[:, :split].unflatten(1, k.shape[1:]), kv[:, split:].unflatten(1, v.shape[1:])
 
 
-def _return_to_owners(
-    dk: Tensor, dv: Tensor, keys: KeySelection, exchange: GroupExchange
-) -> tuple[Tensor, Tensor]:
-    """Sum the pieces' key and value gradients ``[K, ...]`` into the ``[T_local, ...]`` of their owners."""
-    if keys.key_index is None:
-        return dk, dv
-    grad = torch.cat([dk.flatten(1), dv.flatten(1)], dim=1)
-    full = grad.new_zeros((keys.gathered_tokens, grad.shape[1]))
-    full.index_add_(0, keys.key_index, grad)
-    local = exchange.reduce_scatter(full)
+def _rank_major(dk: Tensor, dv: Tensor, keys: KeySelection) -> Tensor:
+    """The key and value gradients ``[K, ...]`` (sequence order) at their gathered rows, zeros elsewhere:
+    ``[cp * T_local, Hkv * (D + Dv)]``, what the reduce-scatter returns to the keys' owners."""
     split = dk.shape[1] * dk.shape[2]
-    return local[:, :split].unflatten(1, dk.shape[1:]), local[:, split:].unflatten(1, dv.shape[1:])
+    full = dk.new_zeros((keys.gathered_tokens, split + dv.shape[1] * dv.shape[2]))
+    full[:, :split].index_copy_(0, keys.order, dk.flatten(1))
+    full[:, split:].index_copy_(0, keys.order, dv.flatten(1))
+    return full
+
+
+def _take(x: Tensor, rows: Rows) -> Tensor:
+    """``x[rows]`` along dim 0: a view for a slice, a copy for an index."""
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+
+
+def _put(out: Tensor, rows: Rows, value: Tensor) -> None:
+    """``out[rows] = value`` along dim 0."""
+    if isinstance(rows, slice):
+        out[rows] = value
+    else:
+        out.index_copy_(0, rows, value)
+
+
+def _add(out: Tensor, rows: Rows, value: Tensor) -> None:
+    """``out[rows] += value`` along dim 0 (rows distinct)."""
+    if isinstance(rows, slice):
+        out[rows] += value
+    else:
+        out.index_add_(0, rows, value)
+
+
+def _flash_forward(
+    q: Tensor, k: Tensor, v: Tensor, keys: KeySelection, scale: float
+) -> tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]]]:
+    """FlashAttention-2 varlen over ``keys.calls``: ``(out [T_local, Hq, Dv], lse [Hq, T_local], rng per call)``.
+
+    ``k``, ``v`` are the keys in sequence order; a call reads them in place where its pieces' keys lie back
+    to back, else copies its own rows.
+    """
+    out = q.new_empty((*q.shape[:2], v.shape[-1]))
+    # FlashAttention-2's log-sum-exp is fp32 for its fp16 / bf16 inputs (the accumulation dtype).
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.promote_types(q.dtype, torch.float32))
+    rngs = []
+    for call in keys.calls:
+        call_out, call_lse, rng = _varlen.flash_forward(
+            _take(q, call.queries),
+            _take(k, call.keys),
+            _take(v, call.keys),
+            call.cu_queries,
+            call.cu_keys,
+            call.max_queries,
+            call.max_keys,
+            scale,
+            window=keys.window,
+        )
+        _put(out, call.queries, call_out)
+        _put(lse.T, call.queries, call_lse.T)
+        rngs.append(rng)
+    return out, lse, rngs
+
+
+def _flash_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    keys: KeySelection,
+    exchange: GroupExchange,
+    scale: float,
+    rngs: list[tuple[Tensor, Tensor]],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of :func:`_flash_forward` from this rank's ``k``, ``v`` (gathered again here);
+    ``dk``, ``dv`` ``[K, ...]`` in sequence order.
+
+    The first call's key gradients become the accumulators when it reads every key in place (full causal
+    attention); the keys in sequence order are released before the last call when it reads a copy.
+    """
+    k, v = _ordered_keys(k, v, keys, exchange)
+    dq = torch.empty_like(q)
+    dk = dv = None
+    calls = list(zip(keys.calls, rngs, strict=True))
+    for position, (call, rng) in enumerate(calls):
+        call_k, call_v = _take(k, call.keys), _take(v, call.keys)
+        if position == len(calls) - 1:
+            del k, v  # the last call holds its own rows (or views of them): let the rest go
+        grads = _varlen.flash_backward(
+            _take(dout, call.queries),
+            _take(q, call.queries),
+            call_k,
+            call_v,
+            _take(out, call.queries),
+            _take(lse.T, call.queries).T.contiguous(),
+            call.cu_queries,
+            call.cu_keys,
+            call.max_queries,
+            call.max_keys,
+            scale,
+            rng,
+            window=keys.window,
+        )
+        del call_k, call_v
+        _put(dq, call.queries, grads[0])
+        if dk is None and isinstance(call.keys, slice) and call.keys == slice(0, keys.num_keys):
+            dk, dv = grads[1], grads[2]
+            continue
+        if dk is None:
+            dk = q.new_zeros((keys.num_keys, *grads[1].shape[1:]))
+            dv = q.new_zeros((keys.num_keys, *grads[2].shape[1:]))
+        _add(dk, call.keys, grads[1])
+        _add(dv, call.keys, grads[2])
+    return dq, dk, dv
 
 
 class _CPAttention(torch.autograd.Function):
     """Token-major CP attention: ``q [T_local, Hq, D]``, ``k [T_local, Hkv, D]``, ``v [T_local, Hkv, Dv]``
     and optional ``sinks [Hq]`` -> ``[T_local, Hq, Dv]``, over the pieces and keys of ``keys``.
 
-    Saves only the local tensors; the backward exchanges the keys and values again.
+    Saves only the local tensors; the backward exchanges the keys and values again. Per layer, the K/V in
+    flight are the gathered buffer while it is put in sequence order, then the keys in sequence order and
+    (backward) their gradients, then those gradients at their gathered rows for the reduce-scatter.
     """
 
     @staticmethod
@@ -275,58 +378,35 @@ class _CPAttention(torch.autograd.Function):
         scale: float,
         softcap: float | None,
     ) -> Tensor:
-        piece_k, piece_v = _selected_keys(k, v, keys, exchange)
+        ordered_k, ordered_v = _ordered_keys(k, v, keys, exchange)
         q = q.contiguous()
-        rng = None
+        rngs = None
         if _varlen.use_flash(q, v, softcap):
-            out, lse, rng = _varlen.flash_forward(
-                q,
-                piece_k,
-                piece_v,
-                keys.cu_queries,
-                keys.cu_keys,
-                keys.max_queries,
-                keys.max_keys,
-                scale,
-                window=keys.window,
-            )
+            out, lse, rngs = _flash_forward(q, ordered_k, ordered_v, keys, scale)
         else:
             out, lse = _varlen.torch_forward(
-                q, piece_k, piece_v, keys.pieces, scale, window=keys.window, softcap=softcap
+                q, ordered_k, ordered_v, keys.pieces, scale, window=keys.window, softcap=softcap
             )
+        del ordered_k, ordered_v
         if sinks is not None:
             out, lse = _varlen.add_sinks(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.keys, ctx.exchange, ctx.scale, ctx.softcap, ctx.rng = keys, exchange, scale, softcap, rng
+        ctx.keys, ctx.exchange, ctx.scale, ctx.softcap, ctx.rngs = keys, exchange, scale, softcap, rngs
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, sinks = ctx.saved_tensors
         keys, scale = ctx.keys, ctx.scale
-        piece_k, piece_v = _selected_keys(k, v, keys, ctx.exchange)
-        if ctx.rng is not None:
-            dq, dk, dv = _varlen.flash_backward(
-                dout,
-                q,
-                piece_k,
-                piece_v,
-                out,
-                lse,
-                keys.cu_queries,
-                keys.cu_keys,
-                keys.max_queries,
-                keys.max_keys,
-                scale,
-                ctx.rng,
-                window=keys.window,
-            )
+        if ctx.rngs is not None:
+            dq, dk, dv = _flash_backward(dout, q, k, v, out, lse, keys, ctx.exchange, scale, ctx.rngs)
         else:
+            ordered_k, ordered_v = _ordered_keys(k, v, keys, ctx.exchange)
             dq, dk, dv = _varlen.torch_backward(
                 dout,
                 q,
-                piece_k,
-                piece_v,
+                ordered_k,
+                ordered_v,
                 out,
                 lse,
                 keys.pieces,
@@ -334,7 +414,13 @@ class _CPAttention(torch.autograd.Function):
                 window=keys.window,
                 softcap=ctx.softcap,
             )
-        del piece_k, piece_v
+            del ordered_k, ordered_v
         dsinks = _varlen.sink_grad(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None
-        dk, dv = _return_to_owners(dk, dv, keys, ctx.exchange)
+        if keys.order is not None:
+            full = _rank_major(dk, dv, keys)
+            del dk, dv
+            local = ctx.exchange.reduce_scatter(full)
+            del full
+            split = k.shape[1] * k.shape[2]
+            dk, dv = local[:, :split].unflatten(1, k.shape[1:]), local[:, split:].unflatten(1, v.shape[1:])
         return dq, dk, dv, dsinks, None, None, None, None

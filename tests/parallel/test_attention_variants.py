@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_cp.parallel import CPShard, CPSplit, _varlen, context_parallel_attention, groups, unshard
+from tests.parallel._fake_flash import fake_flash
 from tests.parallel.test_attention import _shard_heads
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -101,12 +102,12 @@ def _reference(q, k, v, sinks, dout, lengths, variant):
     return out.detach(), q.grad, k.grad, v.grad, None if sinks is None else sinks.grad
 
 
-def _problem(packed):
+def _problem(packed, rows=PADDED_SHAPE[0]):
     """(batch rows, total tokens, cu_seqlens or None, document lengths of a row)."""
     if packed:
         cu = torch.tensor([0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()])
         return 1, int(cu[-1]), cu, list(PACKED_LENGTHS)
-    rows, total = PADDED_SHAPE
+    total = PADDED_SHAPE[1]
     return rows, total, None, [total]
 
 
@@ -120,11 +121,12 @@ def _score_budget(budget):
         _varlen._SCORE_BUDGET_BYTES = saved
 
 
-def _run_variants(packed, budget):
-    """On every rank, for cp in (1, 2, 4) and every variant: this rank's output and gradients."""
-    rows, total, cu, _ = _problem(packed)
+def _run_variants(packed, budget, rows=PADDED_SHAPE[0], flash=False):
+    """On every rank, for cp in (1, 2, 4) and every variant: this rank's output and gradients (``flash``:
+    through the FlashAttention-2 path, its kernels replaced by ``_fake_flash``'s CPU stand-ins)."""
+    rows, total, cu, _ = _problem(packed, rows)
     results = {}
-    with _score_budget(budget):
+    with _score_budget(budget), fake_flash() if flash else contextlib.nullcontext():
         for cp in (1, 2, 4):
             layout = groups.initialize(tp=1, cp=cp)
             for index, variant in enumerate(VARIANTS):
@@ -143,11 +145,24 @@ def _run_variants(packed, budget):
     return results
 
 
-@pytest.mark.parametrize("budget", [None, TINY_BUDGET], ids=["one-block", "many-blocks"])
+KERNELS = {
+    "one-block": {"budget": None},
+    "many-blocks": {"budget": TINY_BUDGET},
+    "flash": {"budget": None, "flash": True},
+    "flash-one-row": {"budget": None, "flash": True, "rows": 1},
+}
+"""The blocked kernel with one or many score blocks per piece; the FlashAttention-2 path (one varlen call
+per kept chunk, keys in place or copied per call) with padded rows, packed documents and one sequence."""
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_cp_attention_variants_match_full_sequence_eager_attention(world4, packed, budget):
-    per_rank = world4.run(_run_variants, packed, budget)
-    rows, total, cu, lengths = _problem(packed)
+def test_cp_attention_variants_match_full_sequence_eager_attention(world4, packed, kernel):
+    if packed and "rows" in KERNELS[kernel]:
+        pytest.skip("a packed batch is one row")
+    options = KERNELS[kernel]
+    per_rank = world4.run(_run_variants, packed, **options)
+    rows, total, cu, lengths = _problem(packed, options.get("rows", PADDED_SHAPE[0]))
     for index, variant in enumerate(VARIANTS):
         q, k, v, sinks, dout = _inputs(rows, total, variant)
         expected = _reference(q, k, v, sinks, dout, lengths, variant)
