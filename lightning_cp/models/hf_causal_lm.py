@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 from typing import Any, Literal
@@ -41,7 +42,7 @@ class HFCausalLM(CPLossMixin, LightningModule):
 
     Raises:
         ImportError: ``transformers`` is not installed (``pip install 'lightning-cp[hf]'``).
-        ValueError: a config dict without ``model_type``, or a path that is not a local directory.
+        ValueError: a path that is not a local directory, or a config dict that :func:`check_config` refuses.
     """
 
     def __init__(
@@ -62,11 +63,8 @@ class HFCausalLM(CPLossMixin, LightningModule):
                 f"HFCausalLM(config={config!r}): not a local directory. Give the directory of a model saved "
                 "with save_pretrained (nothing is downloaded), or a config dict with a model_type."
             )
-        if isinstance(config, dict) and "model_type" not in config:
-            raise ValueError(
-                f"HFCausalLM(config=...): the dict has no 'model_type' (keys: {sorted(config)}); add the "
-                "transformers model type, e.g. model_type: qwen3 or model_type: llama."
-            )
+        if isinstance(config, dict):
+            check_config(config)
         super().__init__()
         self.save_hyperparameters()
         self.model: torch.nn.Module | None = None
@@ -124,3 +122,51 @@ class HFCausalLM(CPLossMixin, LightningModule):
         warmup = max(1, hparams.warmup_steps)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def check_config(config: dict[str, Any]) -> None:
+    """Refuse, before any weight exists, a config dict that ``transformers`` or the model would fail on later.
+
+    Builds the ``transformers`` config of ``config`` (``AutoConfig.for_model``: its own validation, no
+    weights) and checks what only the first forward would find: grouped-query attention needs
+    ``num_attention_heads`` to be a multiple of ``num_key_value_heads``.
+
+    Raises:
+        ValueError: no ``model_type``, one ``transformers`` does not know (with the closest names), a value
+            its config class rejects, or head counts that do not divide.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise ValueError(
+            f"HFCausalLM(config=...): the dict has no 'model_type' (keys: {sorted(config)}); add the "
+            "transformers model type, e.g. model_type: qwen3 or model_type: llama."
+        )
+    if model_type not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3)
+        raise ValueError(
+            f"HFCausalLM(config=...): model_type={model_type!r} is not a transformers model type"
+            + (f"; did you mean {' or '.join(close)}?" if close else " (e.g. llama, qwen3, mistral).")
+        )
+    try:
+        hf_config = AutoConfig.for_model(**config)
+    except Exception as error:  # noqa: BLE001 - transformers' validators raise several types
+        reason = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        raise ValueError(
+            f"HFCausalLM(config=...): transformers refuses this {model_type} config: {reason}"
+        ) from None
+    _check_attention_heads(hf_config)
+
+
+def _check_attention_heads(hf_config: Any) -> None:
+    """Grouped-query attention: every key/value head serves the same number of query heads."""
+    heads = getattr(hf_config, "num_attention_heads", None)
+    kv_heads = getattr(hf_config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
+        raise ValueError(
+            f"HFCausalLM(config=...): num_attention_heads={heads} is not a multiple of "
+            f"num_key_value_heads={kv_heads}: choose num_key_value_heads among the divisors of "
+            "num_attention_heads."
+        )
