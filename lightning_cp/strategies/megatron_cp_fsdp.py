@@ -116,7 +116,7 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         Communication: a broadcast of every parameter over DP x CP (every replica starts from the weights of
         its group's first rank, as DDP's construction does).
         """
-        self._prepare_module(trainer)
+        self._prepare_module()
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
