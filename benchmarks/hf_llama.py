@@ -102,14 +102,16 @@ def _make_problem(shape: ModelShape, dtype: torch.dtype, device: torch.device) -
 
 
 def _build_ours(p: _Problem) -> Callable[[], Tensor]:
+    from lightning_cp.hf import decoder
     from lightning_cp.ops import linear_cross_entropy
     from lightning_cp.parallel import shard_batch
 
     batch = shard_batch({"input_ids": p.input_ids}, 1, 0)  # labels: the next token; positions; cp_shard
     weight = p.model.get_output_embeddings().weight
+    body = decoder(p.model)
 
     def step() -> Tensor:
-        out = p.model.model(
+        out = body(
             input_ids=batch["input_ids"],
             position_ids=batch["position_ids"],
             cp_shard=batch["cp_shard"],

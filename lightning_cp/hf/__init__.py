@@ -4,15 +4,28 @@
 when it is installed (never importing it early: the registration happens when ``transformers`` loads
 its attention and mask modules). A model built with it and called with the batch's shard
 (``cp_shard=batch["cp_shard"]``, next to ``position_ids``) attends over whole sequences while each rank
-holds its shard, and is plain ``"sdpa"`` attention otherwise (:mod:`lightning_cp.hf.attention`);
-:func:`check_attention_is_context_parallel` is the strategy's guard against models that would attend
-only within a shard.
+holds its shard, and is plain ``"sdpa"`` attention otherwise (:mod:`lightning_cp.hf.attention`).
+:func:`decoder` and :func:`output_head` are the two halves a training step uses (the body that gives the
+hidden states, the head the loss applies); :func:`check_models` is the strategy's setup guard (static
+checks, then a behavioural probe) against models that would train differently under CP;
+:func:`load_balancing_loss` is a mixture-of-experts router loss of the whole global batch.
 
 No module here imports ``transformers`` when it is imported; it is an optional dependency
 (``pip install lightning-cp[hf]``).
 """
 
 from lightning_cp.hf.attention import ATTN_IMPLEMENTATION, hf_context_parallel_attention
+from lightning_cp.hf.causal_lm import decoder, output_head
 from lightning_cp.hf.check import check_attention_is_context_parallel
+from lightning_cp.hf.probe import check_models
+from lightning_cp.hf.router_loss import load_balancing_loss
 
-__all__ = ["ATTN_IMPLEMENTATION", "check_attention_is_context_parallel", "hf_context_parallel_attention"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "check_attention_is_context_parallel",
+    "check_models",
+    "decoder",
+    "hf_context_parallel_attention",
+    "load_balancing_loss",
+    "output_head",
+]

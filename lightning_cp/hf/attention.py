@@ -5,14 +5,16 @@ the ``position_ids`` it was given) and hands them, with the keyword arguments of
 function registered under its config's ``_attn_implementation``. The batch's
 :class:`~lightning_cp.parallel.CPShard` reaches it that way, as ``position_ids`` does::
 
-    out = model.model(
+    out = decoder(model)(  # lightning_cp.hf.decoder: the model's get_decoder()
         input_ids=batch["input_ids"], position_ids=batch["position_ids"], cp_shard=batch["cp_shard"]
     )
 
 Given ``cp_shard``, :func:`hf_context_parallel_attention` calls
 :func:`~lightning_cp.parallel.context_parallel_attention` with it and the CP group of
-:func:`~lightning_cp.parallel.current_layout` (only the key/value heads are all-gathered). Without it, the
-function is exactly ``transformers``' ``"sdpa"`` attention, so the same model runs anywhere: in a
+:func:`~lightning_cp.parallel.current_layout` (only the key/value heads are all-gathered), with the
+layer's variants: its ``scaling``, its ``sliding_window`` (per layer), its logit ``softcap`` (Gemma-2),
+its attention sinks (``s_aux``, gpt-oss) and a value head dim of its own (DeepSeek's MLA). Without it,
+the function is exactly ``transformers``' ``"sdpa"`` attention, so the same model runs anywhere: in a
 callback, as a teacher on other tensors, without a strategy, in ``generate``.
 
 Masks: ``transformers`` builds one mask per forward with the function registered for the implementation
@@ -24,6 +26,7 @@ therefore returns a :class:`DeferredMask` that only records what ``sdpa_mask`` w
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -37,12 +40,12 @@ from lightning_cp.parallel.sharding import CPShard, sharded_under_cp
 ATTN_IMPLEMENTATION = "lightning_cp"
 """The name to give ``transformers``: ``from_pretrained(..., attn_implementation="lightning_cp")``."""
 
+# Variants transformers' SDPA function cannot compute (it raises on softcap and ignores the sinks s_aux):
+# without cp_shard they run the model's own eager attention, as transformers runs such models.
+_NOT_IN_SDPA = ("softcap", "s_aux")
+
 # Attention variants the CP kernels do not compute, with what to set instead.
 _UNSUPPORTED = {
-    "sliding_window": "use full attention in every layer: set the config's sliding_window=None "
-    "(and use_sliding_window=False where the model has it)",
-    "softcap": "set the config's attn_logit_softcapping=None",
-    "s_aux": "attention sinks are not supported; use a model without them",
     "position_bias": "additive position biases are not supported; use a rotary-embedding model",
 }
 
@@ -53,14 +56,20 @@ class DeferredMask:
     Holds the keyword arguments ``transformers`` gave the mask hook (sizes, offsets, the mask pattern
     function, the user's 2-D ``attention_mask``); :meth:`build` returns ``sdpa_mask(**arguments)``
     (``[B, 1, S, S]`` bool, or ``None`` where SDPA's ``is_causal`` suffices), computed once. Also records
-    the ``position_ids`` tensor a context-parallel forward has verified, so the check runs once per forward.
+    what a context-parallel forward has verified (its ``position_ids`` tensor, a padding mask of ones), so
+    each check runs once per forward.
+
+    Only the registered attention function may read it. A model that uses the mask itself (adds it to
+    its own scores, moves it, combines it with an ALiBi bias) computes attention outside ``transformers``'
+    attention interface, which ``"lightning_cp"`` cannot reach: a tensor operation on the mask raises a
+    ``ValueError`` that says so, and a tensor attribute an ``AttributeError`` with the same message.
     """
 
     def __init__(self, arguments: dict[str, Any]) -> None:
         self.arguments = arguments
         self.verified_positions: Tensor | None = None
-        self._built = False
-        self._mask: Tensor | None = None
+        self.verified_no_padding = False
+        self._masks: dict[str, Tensor | None] = {}
 
     @property
     def padding_mask(self) -> Tensor | None:
@@ -69,12 +78,43 @@ class DeferredMask:
 
     def build(self) -> Tensor | None:
         """``transformers.masking_utils.sdpa_mask`` of the recorded arguments (the first call computes it)."""
-        if not self._built:
+        if "sdpa" not in self._masks:
             from transformers.masking_utils import sdpa_mask
 
-            self._mask = sdpa_mask(**self.arguments)
-            self._built = True
-        return self._mask
+            self._masks["sdpa"] = sdpa_mask(**self.arguments)
+        return self._masks["sdpa"]
+
+    def build_additive(self) -> Tensor:
+        """``transformers.masking_utils.eager_mask``: the same mask as 0 / -inf floats, for eager attention."""
+        if "eager" not in self._masks:
+            from transformers.masking_utils import eager_mask
+
+            arguments = {k: v for k, v in self.arguments.items() if k != "allow_is_causal_skip"}
+            self._masks["eager"] = eager_mask(**arguments)
+        return self._masks["eager"]
+
+    def _misuse(self, use: str) -> str:
+        model_type = getattr(self.arguments.get("config"), "model_type", "this model")
+        return (
+            f'attn_implementation="{ATTN_IMPLEMENTATION}": {model_type} uses the attention mask itself ({use}) '
+            "instead of handing it to the registered attention function, so its attention runs outside "
+            "transformers' attention interface and cannot be made context-parallel. Build this model with "
+            'attn_implementation="sdpa" (or "eager") and train it with cp=1.'
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        # An AttributeError still, so that getattr(mask, name, default) keeps its meaning.
+        raise AttributeError(name if name.startswith("__") else self._misuse(f".{name}"))
+
+    def __getitem__(self, index: Any) -> Any:
+        raise ValueError(self._misuse("indexing"))
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # Not a TypeError: torch turns that into NotImplemented for an operator, and Python into a bare
+        # "unsupported operand type(s)".
+        mask = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, DeferredMask))
+        raise ValueError(mask._misuse(getattr(func, "__name__", str(func))))
 
 
 def mask_for_hf(**arguments: Any) -> DeferredMask | Tensor | None:
@@ -110,17 +150,20 @@ def hf_context_parallel_attention(
     Args:
         module: the calling attention layer (read for ``is_causal``).
         query: ``[B, Hq, S_local, D]``, this rank's queries (rotary embeddings applied).
-        key, value: ``[B, Hkv, S_local, D]`` with ``Hkv`` dividing ``Hq``; never repeated to ``Hq`` heads.
+        key: ``[B, Hkv, S_local, D]`` with ``Hkv`` dividing ``Hq``; never repeated to ``Hq`` heads.
+        value: ``[B, Hkv, S_local, Dv]`` (``Dv != D`` for multi-head latent attention).
         attention_mask: what :func:`mask_for_hf` returned (or a 4-D mask the model was called with).
         scaling: softmax scale (default ``D ** -0.5``).
         dropout: attention dropout probability; must be 0 with ``cp_shard``.
-        **kwargs: the decoder call's keywords. ``cp_shard``: the batch's
+        **kwargs: the decoder call's keywords and the layer's variants. ``cp_shard``: the batch's
             :class:`~lightning_cp.parallel.CPShard` (``batch["cp_shard"]``); with it ``position_ids`` must
-            be the batch's (checked once per forward), and ``sliding_window``, ``softcap``, ``s_aux``,
+            be the batch's (checked once per forward), and the layer's ``sliding_window`` (tokens),
+            ``softcap`` (attention logit softcapping) and ``s_aux`` (``[Hq]`` attention sinks) become
+            :func:`~lightning_cp.parallel.context_parallel_attention`'s ``window``, ``softcap`` and ``sinks``;
             ``position_bias`` must be ``None``.
 
     Returns:
-        ``([B, S_local, Hq, D], None)``: the output in ``query``'s dtype, and no attention weights.
+        ``([B, S_local, Hq, Dv], None)``: the output in ``query``'s dtype, and no attention weights.
 
     Communication: with ``cp_shard``, that of ``context_parallel_attention`` over the current layout's CP
     group (one all-gather of K and V forward; the same again and one reduce-scatter backward; none
@@ -128,9 +171,9 @@ def hf_context_parallel_attention(
 
     Raises:
         ValueError: without ``cp_shard``, ``position_ids`` of a batch sharded over ``cp > 1`` ranks (the
-            model would attend within this rank's shard). With it: an unsupported variant (sliding window,
-            softcap, sinks, bias, dropout, non-causal), query heads not a multiple of key/value heads, an
-            attention mask, tensors that are not the shard's, or ``position_ids`` that are not the batch's.
+            model would attend within this rank's shard). With it: an unsupported variant (a position bias,
+            dropout, non-causal attention), query heads not a multiple of key/value heads, an attention
+            mask, tensors that are not the shard's, or ``position_ids`` that are not the batch's.
     """
     cp_shard = kwargs.pop(CP_SHARD, None)
     if cp_shard is None:
@@ -140,7 +183,15 @@ def hf_context_parallel_attention(
     _check_tokens(cp_shard, query)
     _check_positions(cp_shard, kwargs.get("position_ids"), attention_mask)
     out = context_parallel_attention(
-        query, key, value, cp_shard=cp_shard, cp_group=current_layout().cp_group, scale=scaling
+        query,
+        key,
+        value,
+        cp_shard=cp_shard,
+        cp_group=current_layout().cp_group,
+        scale=scaling,
+        window=kwargs.get("sliding_window"),
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -160,8 +211,11 @@ def _sdpa(
             "The model was called on a batch sharded for context parallelism without its shard: each rank "
             "would attend only within its own tokens. Pass the batch's shard with its position_ids: "
             "model(input_ids=batch['input_ids'], position_ids=batch['position_ids'], "
-            "cp_shard=batch['cp_shard'])."
+            f"cp_shard=batch['cp_shard']). (If you did, {type(module).__name__} does not hand the decoder's "
+            "keyword arguments on to its attention function, and cannot be trained under CP.)"
         )
+    if any(kwargs.get(variant) is not None for variant in _NOT_IN_SDPA):
+        return _eager(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     if isinstance(attention_mask, DeferredMask):
         attention_mask = attention_mask.build()
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -169,6 +223,33 @@ def _sdpa(
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
+
+
+def _eager(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: DeferredMask | Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> tuple[Tensor, Tensor | None]:
+    """The model's own eager attention, for what SDPA cannot compute (logit softcapping, attention sinks):
+    what ``transformers`` itself runs for such a model."""
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        variants = [v for v in _NOT_IN_SDPA if kwargs.get(v) is not None]
+        raise ValueError(
+            f"{type(module).__name__} passed {', '.join(variants)}, which SDPA cannot compute, and its module "
+            "has no eager_attention_forward to fall back to without cp_shard; call the model with "
+            "cp_shard=batch['cp_shard'], or build it with its default attention implementation."
+        )
+    if isinstance(attention_mask, DeferredMask):
+        attention_mask = attention_mask.build_additive()
+    elif attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.where(attention_mask, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
+    return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def _check_supported(
@@ -199,7 +280,14 @@ def _check_supported(
 
 
 def _check_mask(attention_mask: DeferredMask | Tensor | None) -> None:
-    user_mask = attention_mask.padding_mask if isinstance(attention_mask, DeferredMask) else attention_mask
+    deferred = attention_mask if isinstance(attention_mask, DeferredMask) else None
+    user_mask = attention_mask if deferred is None else deferred.padding_mask
+    if user_mask is None or (deferred is not None and deferred.verified_no_padding):
+        return
+    # Some models make an all-ones padding mask themselves: it masks nothing (checked once per forward).
+    if deferred is not None and user_mask.dim() == 2 and bool(user_mask.all()):
+        deferred.verified_no_padding = True
+        return
     if user_mask is not None:
         raise ValueError(
             'attn_implementation="lightning_cp" got an attention mask with cp_shard; the shard already '

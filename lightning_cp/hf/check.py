@@ -1,10 +1,20 @@
-"""The strategy's guard against attention that would silently see only this rank's shard under CP."""
+"""The strategy's static checks: attention that would see only this rank's shard, and configs a probe misses.
+
+The behavioural probe (:mod:`lightning_cp.hf.probe`) decides whether a model is exact under CP; these
+checks run before it, for what a short probe cannot show or to name the fix more precisely.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from torch import nn
 
 from lightning_cp.hf.attention import ATTN_IMPLEMENTATION
+
+# RoPE scalings whose frequencies depend on the longest position a forward sees (transformers'
+# dynamic_rope_update): under CP no rank sees the whole sequence, and the padding CP adds moves it.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 def check_attention_is_context_parallel(model: nn.Module, cp: int) -> None:
@@ -21,7 +31,7 @@ def check_attention_is_context_parallel(model: nn.Module, cp: int) -> None:
     """
     if cp == 1:
         return
-    found, seen = [], set()
+    found, own_attention, seen = [], [], set()
     for name, module in model.named_modules():
         where = name or type(model).__name__
         if isinstance(module, nn.MultiheadAttention):
@@ -31,8 +41,19 @@ def check_attention_is_context_parallel(model: nn.Module, cp: int) -> None:
             continue
         seen.add(id(config))
         implementation = config._attn_implementation
-        if implementation != ATTN_IMPLEMENTATION:
+        if implementation == ATTN_IMPLEMENTATION:
+            continue
+        if getattr(type(module), "_supports_attention_backend", True) is False:
+            own_attention.append(f"{where} ({type(module).__name__})")
+        else:
             found.append(f"{where} (transformers attn_implementation={implementation!r})")
+    if own_attention:
+        raise ValueError(
+            f"Under context parallelism (cp={cp}) attention must reach the tokens of the other CP ranks, but "
+            f"{', '.join(own_attention)} computes attention in classes of its own, not through transformers' "
+            "attention interface (its _supports_attention_backend is False), so no attn_implementation can "
+            "make it context-parallel. Train this model with cp=1."
+        )
     if found:
         raise ValueError(
             f"Under context parallelism (cp={cp}) attention must reach the tokens of the other CP ranks, but "
@@ -41,3 +62,56 @@ def check_attention_is_context_parallel(model: nn.Module, cp: int) -> None:
             f'model.set_attn_implementation("{ATTN_IMPLEMENTATION}")), and compute other attention with '
             "lightning_cp.parallel.context_parallel_attention."
         )
+
+
+def check_config_is_context_parallel(model: nn.Module, where: str, cp: int) -> None:
+    """Raise if the config of the ``transformers`` model ``model`` sets something the CP path would change.
+
+    A probe of a few dozen tokens cannot reach what only long sequences trigger, so these are read from
+    the (text) config: under ``cp > 1``, RoPE of type ``dynamic`` or ``longrope`` (their frequencies
+    follow the largest position a forward sees, which differs per rank) and chunked attention
+    (``attention_chunk_size``, whose mask the CP kernels do not compute); on any CP size, attention dropout
+    in a model built with ``"lightning_cp"`` (the CP kernels have none). Local, no communication.
+
+    Raises:
+        ValueError: naming ``where``, the config attribute, its value and what to set instead.
+    """
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    name = f"{where} ({type(model).__name__})"
+    if getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+        for attribute, value in vars(config).items():
+            if _is_attention_dropout(attribute) and isinstance(value, int | float) and value > 0:
+                raise ValueError(
+                    f'{name}: attn_implementation="{ATTN_IMPLEMENTATION}" has no attention dropout, but the '
+                    f"config sets {attribute}={value}: set {attribute}=0.0."
+                )
+    if cp == 1:
+        return
+    for rope_type in _rope_types(config):
+        if any(kind in rope_type for kind in _LENGTH_DEPENDENT_ROPE):
+            raise ValueError(
+                f"{name}: its RoPE of type {rope_type!r} (config rope_parameters) recomputes its frequencies "
+                f"from the largest position a forward sees; under context parallelism (cp={cp}) each rank sees "
+                "other positions (and the padding CP adds), so ranks would rotate with other frequencies than "
+                "the unsharded model. Use a RoPE scaling that does not depend on the sequence length "
+                "(default, linear, llama3, yarn), or cp=1."
+            )
+    if getattr(config, "attention_chunk_size", None):
+        raise ValueError(
+            f"{name}: chunked attention (config attention_chunk_size={config.attention_chunk_size}) is a mask "
+            f"context-parallel attention does not compute (cp={cp}). Set attention_chunk_size=None, or use cp=1."
+        )
+
+
+def _is_attention_dropout(attribute: str) -> bool:
+    lower = attribute.lower()
+    return ("attn" in lower or "attention" in lower) and ("dropout" in lower or "pdrop" in lower)
+
+
+def _rope_types(config: Any) -> list[str]:
+    """Every RoPE type of ``config``: ``rope_parameters`` (or the older ``rope_scaling``), per layer type too."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(parameters, dict):
+        return []
+    groups = [parameters] if "rope_type" in parameters or "type" in parameters else list(parameters.values())
+    return [str(g.get("rope_type", g.get("type", ""))) for g in groups if isinstance(g, dict)]

@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torchmetrics import Metric
 
@@ -24,6 +23,7 @@ from lightning_cp.loss.lm_metrics import as_collection, default_lm_metrics, inpu
 from lightning_cp.loss.metrics import TokensPerSecond
 from lightning_cp.loss.objective import GlobalTokenObjective
 from lightning_cp.ops import (
+    OutputHead,
     TokenStats,
     cross_entropy_with_stats,
     linear_cross_entropy_with_stats,
@@ -82,21 +82,24 @@ class CPLossMixin:
         return default_lm_metrics(stage)
 
     def lm_loss(
-        self, hidden: Tensor, weight: Tensor, batch: Mapping[str, Tensor], **loss_kwargs: Any
+        self, hidden: Tensor, head: Tensor | OutputHead, batch: Mapping[str, Tensor], **loss_kwargs: Any
     ) -> Tensor:
         """Fused LM head + cross-entropy on this rank's tokens, normalized for the global batch.
 
         Args:
             hidden: ``[B, S_local, H]`` final hidden states of this rank's tokens.
-            weight: ``[V, H]`` LM-head weight, or this TP rank's ``[V / tp, H]`` shard when the weight is
-                vocab-parallel: Megatron marks those with ``tensor_model_parallel = True``, which selects
-                the TP path of the loss (a replicated weight under ``tp > 1`` is used as a whole). An
-                FSDP-sharded weight (a ``DTensor``, as FSDP leaves a unit's parameters after its forward)
-                is all-gathered for the loss and its gradient reduce-scattered back (averaged, as FSDP
-                averages), so one unsharded copy of the head lives only while the loss runs.
+            head: the LM head: an :class:`~lightning_cp.ops.OutputHead` (weight, bias, logit scale, final
+                softcap; :func:`lightning_cp.hf.output_head` builds a ``transformers`` model's), or its bare
+                ``[V, H]`` weight when the logits are ``hidden @ weight.T`` and nothing else. The weight (and
+                bias) may be this TP rank's ``[V / tp, H]`` shard when vocab-parallel: Megatron marks those
+                with ``tensor_model_parallel = True``, which selects the TP path of the loss (a replicated
+                weight under ``tp > 1`` is used as a whole). An FSDP-sharded weight or bias (a ``DTensor``, as
+                FSDP leaves a unit's parameters after its forward) is all-gathered for the loss and its
+                gradient reduce-scattered back (averaged, as FSDP averages), so one unsharded copy of the
+                head lives only while the loss runs.
             batch: the sharded batch (``labels`` ``[B, S_local]`` and ``cp_shard``, as ``shard_batch`` makes it).
             **loss_kwargs: options of :func:`lightning_cp.ops.linear_cross_entropy` (``label_smoothing``,
-                ``z_loss``, ``softcap``, ``chunk_size``, ``impl``).
+                ``z_loss``, ``chunk_size``, ``impl``; ``logit_scale`` and ``softcap`` only with a bare weight).
 
         Returns:
             In training, the loss to back-propagate (``W * local_sum / N``, see
@@ -105,11 +108,15 @@ class CPLossMixin:
         Communication: one all-reduce of two scalars over DP x CP, the metric synchronization, and the
         TP all-reduces of the fused loss when ``tp > 1``; for a ``DTensor`` weight, its all-gather (and
         reduce-scatter in backward) over its mesh.
+
+        Raises:
+            ValueError: a bare weight that a model's probe marked as needing its head's transforms (pass
+                the ``OutputHead``), or ``logit_scale`` / ``softcap`` given both here and on the head.
         """
         layout = current_layout()
-        hidden, weight, labels, tp_group = _head_inputs(hidden, weight, batch, layout)
+        hidden, weight, labels, head_kwargs = _head_inputs(hidden, head, batch, layout, loss_kwargs)
         loss_sum, stats = linear_cross_entropy_with_stats(
-            hidden, weight, labels, reduction="sum", tp_group=tp_group, **loss_kwargs
+            hidden, weight, labels, reduction="sum", **head_kwargs, **loss_kwargs
         )
         return self._cp_loss(loss_sum, stats, batch, layout)
 
@@ -132,11 +139,11 @@ class CPLossMixin:
         return self._cp_loss(loss_sum, stats, batch, layout)
 
     def lm_token_logprobs(
-        self, hidden: Tensor, weight: Tensor, batch: Mapping[str, Tensor]
+        self, hidden: Tensor, head: Tensor | OutputHead, batch: Mapping[str, Tensor]
     ) -> dict[str, Tensor]:
         """Log-probability of every next token of this rank's shard, for ``predict_step``.
 
-        Args: as :meth:`lm_loss` (``weight`` replicated, vocab-parallel or a ``DTensor``).
+        Args: as :meth:`lm_loss` (an ``OutputHead`` or a bare weight; replicated, vocab-parallel or a ``DTensor``).
 
         Returns:
             ``{"logprobs": [B, S_local], "labels": [B, S_local]}`` (0 and ``-100`` where there is no target),
@@ -145,9 +152,23 @@ class CPLossMixin:
         Communication: the TP all-reduces of the fused head when the weight is vocab-parallel; a
         ``DTensor`` weight's all-gather.
         """
-        hidden, weight, labels, tp_group = _head_inputs(hidden, weight, batch, current_layout())
-        logprobs = token_logprobs(hidden, weight, labels, tp_group=tp_group)
+        hidden, weight, labels, head_kwargs = _head_inputs(hidden, head, batch, current_layout(), {})
+        logprobs = token_logprobs(hidden, weight, labels, **head_kwargs)
         return {"logprobs": logprobs.view_as(batch[LABELS]), "labels": batch[LABELS]}
+
+    def global_aux_loss(self, value: Tensor) -> Tensor:
+        """The term to add to :meth:`lm_loss`'s result for an auxiliary loss of the whole global batch.
+
+        ``value`` must already be the loss of every rank's tokens together, the same on every rank, with
+        its gradient reaching this rank's tokens only (e.g. :func:`lightning_cp.hf.load_balancing_loss`
+        over ``current_layout().loss_group``). In training it is weighted so that DDP's gradient average
+        gives its gradient, and with gradient accumulation each micro-batch's value counts with its share
+        of the step's target tokens (:mod:`lightning_cp.loss.objective`); call it after :meth:`lm_loss` in
+        the same step. In evaluation it is ``value``. No communication.
+        """
+        if not self._cp_is_training():
+            return value
+        return self._cp_objective.auxiliary_loss(value, current_layout())
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Turn the first micro-batch's normalizer into the whole step's (see :mod:`lightning_cp.loss.objective`)."""
@@ -207,18 +228,35 @@ def _vocab_parallel_group(layout: ParallelLayout, vocab_parallel: bool) -> Any:
     return layout.tp_group if vocab_parallel else None
 
 
+_HEAD_OPTIONS = ("logit_scale", "softcap")
+
+
 def _head_inputs(
-    hidden: Tensor, weight: Tensor, batch: Mapping[str, Tensor], layout: ParallelLayout
-) -> tuple[Tensor, Tensor, Tensor, ProcessGroup | None]:
-    """The fused head's arguments: ``hidden`` ``[N, H]``, the (unsharded) ``weight``, ``labels`` ``[N]``, and
-    the TP group when Megatron marks the weight as this rank's vocabulary shard (``tensor_model_parallel``)."""
-    vocab_parallel = getattr(weight, "tensor_model_parallel", False)
-    return (
-        hidden.reshape(-1, hidden.shape[-1]),
-        _unsharded(weight),
-        batch[LABELS].reshape(-1),
-        _vocab_parallel_group(layout, vocab_parallel),
-    )
+    hidden: Tensor,
+    head: Tensor | OutputHead,
+    batch: Mapping[str, Tensor],
+    layout: ParallelLayout,
+    loss_kwargs: Mapping[str, Any],
+) -> tuple[Tensor, Tensor, Tensor, dict[str, Any]]:
+    """The fused head's arguments: ``hidden`` ``[N, H]``, the (unsharded) ``weight``, ``labels`` ``[N]`` and
+    the head's keywords: its (unsharded) ``bias`` and transforms, and the TP group when Megatron marks the
+    weight as this rank's vocabulary shard (``tensor_model_parallel``)."""
+    if isinstance(head, OutputHead):
+        given = sorted(set(_HEAD_OPTIONS) & set(loss_kwargs))
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} given both to lm_loss and on the OutputHead "
+                f"(logit_scale={head.logit_scale}, softcap={head.softcap}); set them on the OutputHead only."
+            )
+        transforms = {"bias": head.bias, "logit_scale": head.logit_scale, "softcap": head.softcap}
+    else:
+        OutputHead.check_bare_weight(head)
+        head, transforms = OutputHead(head), {}
+    if transforms.get("bias") is not None:
+        transforms["bias"] = _unsharded(transforms["bias"])
+    vocab_parallel = getattr(head.weight, "tensor_model_parallel", False)
+    kwargs = {"tp_group": _vocab_parallel_group(layout, vocab_parallel), **transforms}
+    return hidden.reshape(-1, hidden.shape[-1]), _unsharded(head.weight), batch[LABELS].reshape(-1), kwargs
 
 
 def _unsharded(weight: Tensor) -> Tensor:

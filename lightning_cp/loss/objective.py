@@ -14,6 +14,12 @@ micro-batch's count ``N_1`` and, just before the optimizer step, the gradients a
 ``A * N_1 / (N_1 + ... + N_A)``: the ``A`` undoes Lightning's own division of the loss by
 ``accumulate_grad_batches`` (applied exactly once, here), the rest turns ``1 / N_1`` into ``1 / N``.
 Without accumulation the factor is exactly 1 and nothing is rescaled.
+
+An auxiliary loss that is already a function of the whole global batch (the same value on every rank, its
+gradient reaching each rank's own tokens: an MoE load-balancing loss) enters with its gradient scaled by
+``W * N_i / N_1`` (its value unchanged): DDP's average then gives its gradient, and after the rescale each
+micro-batch's value counts with its share ``N_i / N`` of the step's target tokens, like its tokens'
+cross-entropy.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class GlobalTokenObjective:
     def __init__(self) -> None:
         self._reference_count: Tensor | None = None
         self._step_count: Tensor | None = None
+        self._count: Tensor | None = None
 
     @staticmethod
     def totals(valid_count: Tensor, loss_sum: Tensor, layout: ParallelLayout) -> tuple[Tensor, Tensor]:
@@ -53,12 +60,24 @@ class GlobalTokenObjective:
             self._reference_count = count.clamp(min=1)
             self._step_count = torch.zeros_like(count)
         self._step_count += count
+        self._count = count
         return loss_sum * (layout.dp * layout.cp) / self._reference_count
+
+    def auxiliary_loss(self, value: Tensor, layout: ParallelLayout) -> Tensor:
+        """``value`` (a loss of the whole global batch, module docstring) with its gradient scaled by
+        ``W * N_i / N_1``, after :meth:`training_loss` of the same micro-batch ``i``."""
+        if self._count is None:
+            raise RuntimeError(
+                "An auxiliary loss is weighted by its micro-batch's token count: compute lm_loss first in "
+                "the same training step."
+            )
+        scale = (layout.dp * layout.cp) * self._count / self._reference_count
+        return value + (scale - 1) * (value - value.detach())
 
     def rescale_gradients(self, parameters: Iterable[torch.nn.Parameter], accumulate: int) -> None:
         """Turn the first micro-batch's normalizer into the whole step's; starts the next step."""
         reference, step_count = self._reference_count, self._step_count
-        self._reference_count = self._step_count = None
+        self._reference_count = self._step_count = self._count = None
         if reference is None or accumulate == 1:
             return
         factor = accumulate * reference / step_count.clamp(min=1)

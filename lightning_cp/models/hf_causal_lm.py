@@ -11,9 +11,12 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_cp.constants import CP_SHARD, INPUT_IDS, POSITION_IDS
+from lightning_cp.constants import CP_SHARD, INPUT_IDS, INPUT_MASK, POSITION_IDS
 from lightning_cp.hf.attention import ATTN_IMPLEMENTATION
+from lightning_cp.hf.causal_lm import decoder, output_head
+from lightning_cp.hf.router_loss import load_balancing_loss
 from lightning_cp.loss import CPLossMixin
+from lightning_cp.parallel.layout import current_layout
 
 
 class HFCausalLM(CPLossMixin, LightningModule):
@@ -21,11 +24,15 @@ class HFCausalLM(CPLossMixin, LightningModule):
 
     The model is built in ``configure_model`` with ``attn_implementation="lightning_cp"``, so its
     attention reaches across CP ranks (grouped-query attention gathers only the key/value heads) and
-    packed documents stay apart. The step runs the decoder (``self.model.model``) on the batch's
-    ``input_ids``, ``position_ids`` and ``cp_shard`` (which the attention layers receive as a keyword
-    argument) and gives the last hidden states and the LM-head weight to
+    packed documents stay apart. The step runs the decoder body (:func:`lightning_cp.hf.decoder`: the
+    model's own ``get_decoder()``) on the batch's ``input_ids``, ``position_ids`` and ``cp_shard`` (which
+    the attention layers receive as a keyword argument) and gives the last hidden states and the output
+    head (:func:`lightning_cp.hf.output_head`: weight, bias, logit scale, final softcap) to
     :meth:`~lightning_cp.CPLossMixin.lm_loss`: no ``[tokens, vocab]`` logits are materialized, tied
-    embeddings included.
+    embeddings included. A mixture-of-experts model adds its router load-balancing loss of the global
+    batch (:func:`lightning_cp.hf.load_balancing_loss`) as ``transformers`` adds it to its ``labels=`` loss.
+    A family whose attention classes cannot run ``"lightning_cp"`` at all (Falcon, GPT-J) is built with its
+    default attention; the strategy refuses it under ``cp > 1`` with the reason, at setup.
 
     Args:
         config: either a ``transformers`` config as a dict with its ``model_type`` (``{"model_type":
@@ -39,6 +46,9 @@ class HFCausalLM(CPLossMixin, LightningModule):
         weight_decay: AdamW weight decay.
         warmup_steps: linear warm-up from 0 to ``lr`` over this many optimizer steps (0: none).
         chunk_size: tokens per chunk of the fused loss (``None``: automatic).
+        router_aux_loss_coef: weight of the mixture-of-experts load-balancing loss; ``None`` follows the
+            model as ``transformers`` does (its ``router_aux_loss_coef`` when the config sets
+            ``output_router_logits``, else none), ``0`` turns it off.
 
     Raises:
         ImportError: ``transformers`` is not installed (``pip install 'lightning-cp[hf]'``).
@@ -55,6 +65,7 @@ class HFCausalLM(CPLossMixin, LightningModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
         chunk_size: int | None = None,
+        router_aux_loss_coef: float | None = None,
     ) -> None:
         if importlib.util.find_spec("transformers") is None:
             raise ImportError("HFCausalLM needs transformers: pip install 'lightning-cp[hf]'.")
@@ -77,13 +88,23 @@ class HFCausalLM(CPLossMixin, LightningModule):
 
         config, dtype = self.hparams.config, getattr(torch, self.hparams.dtype)
         if isinstance(config, str):
-            model = AutoModelForCausalLM.from_pretrained(
-                config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype, local_files_only=True
-            )
+
+            def build(**kwargs: Any) -> torch.nn.Module:
+                return AutoModelForCausalLM.from_pretrained(
+                    config, dtype=dtype, local_files_only=True, **kwargs
+                )
         else:
-            model = AutoModelForCausalLM.from_config(
-                AutoConfig.for_model(**config), attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype
-            )
+
+            def build(**kwargs: Any) -> torch.nn.Module:
+                return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=dtype, **kwargs)
+
+        try:
+            model = build(attn_implementation=ATTN_IMPLEMENTATION)
+        except KeyError as error:
+            # Families that pick their attention class from a dict keyed by the implementation name.
+            if error.args != (ATTN_IMPLEMENTATION,):
+                raise
+            model = build()
         if self.hparams.gradient_checkpointing:
             options = {"use_reentrant": False}
             if hasattr(model, "activation_checkpointing_enable"):  # the newer name of the same switch
@@ -94,25 +115,57 @@ class HFCausalLM(CPLossMixin, LightningModule):
 
     def forward(self, batch: dict[str, Any]) -> Tensor:
         """Last hidden states ``[B, S_local, hidden_size]`` of this rank's tokens of a sharded batch."""
-        out = self.model.model(
-            input_ids=batch[INPUT_IDS],
-            position_ids=batch[POSITION_IDS],
-            cp_shard=batch.get(CP_SHARD),
-            use_cache=False,
-        )
-        return out.last_hidden_state
+        return self._decode(batch, router_logits=False).last_hidden_state
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        """The loss of this rank's shard (:meth:`~lightning_cp.CPLossMixin.lm_loss`); also the val / test step."""
-        weight = self.model.get_output_embeddings().weight
-        return self.lm_loss(self(batch), weight, batch, chunk_size=self.hparams.chunk_size)
+        """The loss of this rank's shard (:meth:`~lightning_cp.CPLossMixin.lm_loss`), plus the router
+        load-balancing loss of the global batch for a mixture-of-experts model; also the val / test step."""
+        coefficient = self._router_aux_loss_coef()
+        out = self._decode(batch, router_logits=bool(coefficient))
+        loss = self.lm_loss(
+            out.last_hidden_state, output_head(self.model), batch, chunk_size=self.hparams.chunk_size
+        )
+        if coefficient:
+            aux = load_balancing_loss(
+                out.router_logits,
+                self.model.num_experts,
+                self.model.num_experts_per_tok,
+                batch[INPUT_MASK],
+                current_layout().loss_group,
+            )
+            loss = loss + coefficient * self.global_aux_loss(aux)
+        return loss
 
     validation_step = training_step
     test_step = training_step
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         """Log-probability of every next token of this rank's shard (0 where there is no target)."""
-        return self.lm_token_logprobs(self(batch), self.model.get_output_embeddings().weight, batch)
+        return self.lm_token_logprobs(self(batch), output_head(self.model), batch)
+
+    def _decode(self, batch: dict[str, Any], *, router_logits: bool) -> Any:
+        extra = {"output_router_logits": True} if router_logits else {}
+        return decoder(self.model)(
+            input_ids=batch[INPUT_IDS],
+            position_ids=batch[POSITION_IDS],
+            cp_shard=batch.get(CP_SHARD),
+            use_cache=False,
+            **extra,
+        )
+
+    def _router_aux_loss_coef(self) -> float:
+        """The load-balancing loss weight: the hyperparameter, or the model's own as ``transformers`` uses it."""
+        coefficient = self.hparams.router_aux_loss_coef
+        if coefficient is None:
+            follows = getattr(self.model.config, "output_router_logits", False)
+            coefficient = getattr(self.model, "router_aux_loss_coef", 0.0) if follows else 0.0
+        if coefficient and not hasattr(self.model, "num_experts_per_tok"):
+            raise ValueError(
+                f"HFCausalLM(router_aux_loss_coef={coefficient}): {type(self.model).__name__} is not a "
+                "mixture-of-experts model with a router load-balancing loss (no num_experts_per_tok); set "
+                "router_aux_loss_coef=0."
+            )
+        return float(coefficient)
 
     def configure_optimizers(self) -> dict[str, Any]:
         hparams = self.hparams

@@ -1,15 +1,15 @@
 """The chunked loss engine: walks the tokens chunk by chunk, never holding ``[tokens, vocab]``.
 
-Per chunk of ``n`` tokens the logits ``z = hidden[chunk] @ weight.T`` (``[n, V_local]``, input dtype)
-are handed to a backend (:class:`~lightning_cp.ops._torch_kernels.TorchChunk` or
+Per chunk of ``n`` tokens the logits ``z = hidden[chunk] @ weight.T + bias`` (``[n, V_local]``, input
+dtype) are handed to a backend (:class:`~lightning_cp.ops._torch_kernels.TorchChunk` or
 :class:`~lightning_cp.ops._triton_kernels.TritonChunk`) which reduces every row to softmax partials;
 :func:`~lightning_cp.ops._partials.merge` combines them over the tensor-parallel group (one all-gather of
 ``[6, n]`` floats) and the per-token results land in the input's :class:`~lightning_cp.ops.TokenStats`.
 
 Gradients. Every loss here has a logits gradient of the form
 ``dL/ds_j = p_j * (alpha + beta * s_j) - gamma * [j == label] - eta`` with per-token coefficients
-(:class:`~lightning_cp.ops._formulas.GradCoefs`), times the softcap slope. The backend writes it over the
-chunk, and a sink streams it into preallocated gradients:
+(:class:`~lightning_cp.ops._formulas.GradCoefs`, scaled by the plan's ``logit_scale``), times the
+softcap slope. The backend writes it over the chunk, and a sink streams it into preallocated gradients:
 
 * ``grad_hidden[chunk] = d @ weight``: each row written once, by one matmul over the local vocabulary;
 * ``grad_weight``: for fp32 weights, ``grad_weight += d.T @ hidden[chunk]`` in the same sweep (3 matmuls
@@ -20,6 +20,8 @@ chunk, and a sink streams it into preallocated gradients:
   (the block's logits recomputed, ``d`` from the saved per-token ``lse``) and is rounded once. That
   pass costs 2 more matmuls per chunk and ``[chunk, V_block] + 2 x [V_block, H]`` fp32, each at most
   ``_WEIGHT_BLOCK_BYTES``;
+* ``grad_bias`` (an LM-head bias, ``[V_local]``): ``grad_bias += d.sum(0)`` in the same sweep, into an fp32
+  accumulator rounded to the bias's dtype once (``V_local`` floats, whatever the weight's dtype);
 * logits path: ``grad_logits[chunk] = d``, one buffer in the logits' dtype.
 
 For a scalar loss (``mean`` / ``sum``) with gradients needed, the linear path computes the gradient
@@ -39,7 +41,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from lightning_cp.ops._formulas import CoefsOf
+from lightning_cp.ops._formulas import CoefsOf, GradCoefs
 from lightning_cp.ops._partials import merge
 from lightning_cp.ops._plan import Plan
 from lightning_cp.ops.token_stats import TokenStats
@@ -57,9 +59,14 @@ def chunk_bounds(n: int, chunk_size: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + chunk_size, n)
 
 
-def linear_logits(hidden: torch.Tensor, weight: torch.Tensor) -> LogitsOf:
+def _head_matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``hidden @ weight.T (+ bias)``: one (add)mm in the input dtype."""
+    return torch.mm(hidden, weight.t()) if bias is None else torch.addmm(bias, hidden, weight.t())
+
+
+def linear_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> LogitsOf:
     # A fresh buffer per chunk, owned by the sweep: the backend may overwrite it with the gradient.
-    return lambda start, stop: (torch.mm(hidden[start:stop], weight.t()), True)
+    return lambda start, stop: (_head_matmul(hidden[start:stop], weight, bias), True)
 
 
 def logits_slices(logits: torch.Tensor) -> LogitsOf:
@@ -80,18 +87,29 @@ class LogitsGrads:
 
 
 class _TokenChunkGrads:
-    """Streams each chunk's ``dL/dz`` into ``grad_hidden [N, H]`` and, if asked, ``grad_weight [V, H]``
-    (same dtypes as the inputs; only for fp32 weights, see the module docstring)."""
+    """Streams each chunk's ``dL/dz`` into ``grad_hidden [N, H]``, and if asked ``grad_weight [V, H]`` (same
+    dtypes as the inputs; only for fp32 weights, see the module docstring) and ``grad_bias [V]`` (fp32)."""
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, *, need_hidden: bool, need_weight: bool):
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        *,
+        need_hidden: bool,
+        need_weight: bool,
+        need_bias: bool,
+    ):
         self._hidden, self._weight = hidden, weight
         self.hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
         self.weight = torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_weight else None
+        self.bias = weight.new_zeros(weight.shape[0], dtype=torch.float32) if need_bias else None
 
     def out(self, start: int, stop: int) -> None:
         return None
 
     def add(self, start: int, stop: int, d: torch.Tensor) -> None:
+        if self.bias is not None:
+            self.bias.add_(d.sum(0, dtype=torch.float32))
         d = d.to(self._weight.dtype)
         if self.hidden is not None:
             torch.mm(d, self._weight, out=self.hidden[start:stop])
@@ -113,14 +131,11 @@ def sweep(
     ``labels`` ``[N]`` are local to this vocabulary shard (-1 where ignored or on another shard). A
     chunk's statistics are written before its coefficients are asked for, so ``coefs`` may read them.
     """
-    chunk_cls = plan.backend()
     entropy = stats is not None and stats.entropy is not None
     smoothing = stats is not None and stats.total is not None
     for start, stop in chunk_bounds(labels.shape[0], plan.chunk_size):
         z, writable = logits_of(start, stop)
-        chunk = chunk_cls(
-            z, labels[start:stop], softcap=plan.softcap, inv_temp=plan.inv_temp, writable=writable
-        )
+        chunk = plan.chunk(z, labels[start:stop], writable=writable)
         del z  # the chunk owns it now (the torch backend keeps only its fp32 copy)
         if stats is not None:
             partial = chunk.partial_stats(entropy=entropy, smoothing=smoothing)
@@ -135,39 +150,57 @@ def sweep(
             )
             stats.write(start, stop, merged)
         if coefs is not None:
-            sink.add(start, stop, coefs(start, stop).logits_grad(chunk, out=sink.out(start, stop)))
+            sink.add(
+                start, stop, _coefs_at(plan, coefs, start, stop).logits_grad(chunk, out=sink.out(start, stop))
+            )
         # Free this chunk's buffers before the next chunk's logits are allocated: the peak holds one chunk.
         del chunk
+
+
+def _coefs_at(plan: Plan, coefs: CoefsOf, start: int, stop: int) -> GradCoefs:
+    """The coefficients of the tokens ``[start, stop)`` for ``dL/dz``: ``ds/dz`` carries ``logit_scale``."""
+    return coefs(start, stop).scaled(plan.logit_scale)
 
 
 def linear_grads(
     plan: Plan,
     hidden: torch.Tensor,
-    weight: torch.Tensor,
+    head: tuple[torch.Tensor, torch.Tensor | None],
     labels: torch.Tensor,
     coefs: CoefsOf,
     *,
-    need_hidden: bool,
-    need_weight: bool,
+    need: tuple[bool, bool, bool],
     stats: TokenStats | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(grad_hidden, grad_weight)`` of the loss whose logits gradient ``coefs`` gives (``None`` where
-    not needed), in the inputs' dtypes; also fills ``stats`` when given (the fused forward).
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(grad_hidden, grad_weight, grad_bias)`` of the loss whose logits gradient ``coefs`` gives, for the
+    head ``(weight, bias)``; ``need`` says which of the three are wanted (the others are ``None``). In the
+    inputs' dtypes; also fills ``stats`` when given (the fused forward).
 
     ``grad_hidden`` is this vocabulary shard's partial sum (see :func:`sum_over_shards`).
     """
+    weight, bias = head
+    need_hidden, need_weight, need_bias = need
     in_sweep_weight = need_weight and weight.dtype.itemsize >= 4
-    sink = _TokenChunkGrads(hidden, weight, need_hidden=need_hidden, need_weight=in_sweep_weight)
-    if stats is not None or need_hidden or in_sweep_weight:
-        sweep_coefs = coefs if need_hidden or in_sweep_weight else None
-        sweep(plan, labels, linear_logits(hidden, weight), stats=stats, coefs=sweep_coefs, sink=sink)
+    sink = _TokenChunkGrads(
+        hidden, weight, need_hidden=need_hidden, need_weight=in_sweep_weight, need_bias=need_bias
+    )
+    if stats is not None or need_hidden or in_sweep_weight or need_bias:
+        sweep_coefs = coefs if need_hidden or in_sweep_weight or need_bias else None
+        sweep(plan, labels, linear_logits(hidden, weight, bias), stats=stats, coefs=sweep_coefs, sink=sink)
+    grad_bias = None if sink.bias is None else sink.bias.to(bias.dtype)
+    grad_weight = sink.weight
     if need_weight and not in_sweep_weight:
-        return sink.hidden, _weight_grad_by_vocab_blocks(plan, hidden, weight, labels, coefs)
-    return sink.hidden, sink.weight
+        grad_weight = _weight_grad_by_vocab_blocks(plan, hidden, weight, bias, labels, coefs)
+    return sink.hidden, grad_weight, grad_bias
 
 
 def _weight_grad_by_vocab_blocks(
-    plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, coefs: CoefsOf
+    plan: Plan,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    coefs: CoefsOf,
 ) -> torch.Tensor:
     """``grad_weight`` ``[V_local, H]`` of a low-precision weight, summed in fp32 per vocabulary block over
     all token chunks and rounded to the weight's dtype once.
@@ -177,23 +210,18 @@ def _weight_grad_by_vocab_blocks(
     ``-gamma`` term there).
     """
     grad = torch.empty_like(weight, memory_format=torch.contiguous_format)
-    chunk_cls = plan.backend()
     n_tokens, hidden_size = hidden.shape
     vocab_block = max(1, _WEIGHT_BLOCK_BYTES // (4 * hidden_size))
     for v0, v1 in chunk_bounds(weight.shape[0], vocab_block):
-        block_weight = weight[v0:v1]
+        block_weight, block_bias = weight[v0:v1], None if bias is None else bias[v0:v1]
         block_labels = torch.where((labels >= v0) & (labels < v1), labels - v0, -1)
         acc = torch.zeros((v1 - v0, hidden_size), dtype=torch.float32, device=weight.device)
         for start, stop in chunk_bounds(n_tokens, plan.chunk_size):
             h = hidden[start:stop]
-            chunk = chunk_cls(
-                torch.mm(h, block_weight.t()),
-                block_labels[start:stop],
-                softcap=plan.softcap,
-                inv_temp=plan.inv_temp,
-                writable=True,
+            chunk = plan.chunk(
+                _head_matmul(h, block_weight, block_bias), block_labels[start:stop], writable=True
             )
-            d = coefs(start, stop).logits_grad(chunk)
+            d = _coefs_at(plan, coefs, start, stop).logits_grad(chunk)
             del chunk
             _add_fp32_product(acc, d.t(), h)
             del d

@@ -47,6 +47,18 @@ class GradCoefs:
     beta: torch.Tensor | None = None
     eta: torch.Tensor | None = None
 
+    def scaled(self, factor: float) -> GradCoefs:
+        """The coefficients of ``factor`` times this gradient (the formula is linear in them)."""
+        if factor == 1.0:
+            return self
+        return GradCoefs(
+            lse=self.lse,
+            alpha=self.alpha * factor,
+            gamma=self.gamma * factor,
+            beta=None if self.beta is None else self.beta * factor,
+            eta=None if self.eta is None else self.eta * factor,
+        )
+
     def logits_grad(self, chunk, out: torch.Tensor | None = None) -> torch.Tensor:
         """The backend ``chunk``'s gradient w.r.t. its logits (see ``TorchChunk.grad``)."""
         return chunk.grad(self.lse, self.alpha, self.gamma, self.beta, self.eta, out=out)

@@ -12,7 +12,8 @@ from lightning_cp.ops.token_stats import TokenStats
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """The cross-entropy loss of ``hidden @ weight.T``; fills ``stats`` (see the engine's docstring).
+    """The cross-entropy loss of ``hidden @ weight.T + bias`` (``bias`` may be ``None``); fills ``stats``
+    (see the engine's docstring). ``need`` says which of ``hidden``, ``weight``, ``bias`` need gradients.
 
     For ``mean`` / ``sum`` with gradients needed, they are computed in the forward and the backward only
     scales them; for ``none`` the backward recomputes the chunk logits.
@@ -23,38 +24,31 @@ class LinearCrossEntropy(torch.autograd.Function):
         ctx,
         hidden: torch.Tensor,
         weight: torch.Tensor,
+        bias: torch.Tensor | None,
         labels: torch.Tensor,
         stats: TokenStats,
         plan: Plan,
         opts: formulas.CEOptions,
-        need_hidden: bool,
-        need_weight: bool,
+        need: tuple[bool, bool, bool],
     ) -> torch.Tensor:
-        fused = (need_hidden or need_weight) and opts.reduction != "none"
+        fused = any(need) and opts.reduction != "none"
         if fused:
             row_weight = stats.valid.float()
             ctx.grads = engine.linear_grads(
                 plan,
                 hidden,
-                weight,
+                (weight, bias),
                 labels,
                 lambda a, b: formulas.ce_coefs(stats.lse[a:b], row_weight[a:b], opts, plan.vocab),
-                need_hidden=need_hidden,
-                need_weight=need_weight,
+                need=need,
                 stats=stats,
             )
         else:
-            engine.sweep(plan, labels, engine.linear_logits(hidden, weight), stats=stats)
-            if need_hidden or need_weight:
-                ctx.save_for_backward(hidden, weight, labels, stats.valid, stats.lse)
+            engine.sweep(plan, labels, engine.linear_logits(hidden, weight, bias), stats=stats)
+            if any(need):
+                ctx.save_for_backward(hidden, weight, bias, labels, stats.valid, stats.lse)
         count = stats.valid.sum()
-        ctx.plan, ctx.opts, ctx.need, ctx.fused, ctx.count = (
-            plan,
-            opts,
-            (need_hidden, need_weight),
-            fused,
-            count,
-        )
+        ctx.plan, ctx.opts, ctx.need, ctx.fused, ctx.count = plan, opts, need, fused, count
         return formulas.reduce_loss(formulas.ce_token_loss(stats, opts, plan.vocab), count, opts.reduction)
 
     @staticmethod
@@ -68,23 +62,23 @@ class LinearCrossEntropy(torch.autograd.Function):
                     "place in the first backward; a second backward through the same loss is not "
                     "supported. Recompute the loss instead of using retain_graph=True."
                 )
-            grad_hidden, grad_weight = ctx.grads
+            grads = ctx.grads
             ctx.grads = None
             scale = formulas.output_scale(grad_loss, ctx.count, opts.reduction)
-            for g in (grad_hidden, grad_weight):
+            for g in grads:
                 if g is not None:
                     g.mul_(scale)
         else:
-            hidden, weight, labels, valid, lse = ctx.saved_tensors
+            hidden, weight, bias, labels, valid, lse = ctx.saved_tensors
             row_weight = grad_loss.float() * valid
-            grad_hidden, grad_weight = engine.linear_grads(
+            grads = engine.linear_grads(
                 plan,
                 hidden,
-                weight,
+                (weight, bias),
                 labels,
                 lambda a, b: formulas.ce_coefs(lse[a:b], row_weight[a:b], opts, plan.vocab),
-                need_hidden=ctx.need[0],
-                need_weight=ctx.need[1],
+                need=ctx.need,
             )
+        grad_hidden, grad_weight, grad_bias = grads
         engine.sum_over_shards(grad_hidden, plan.group)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None

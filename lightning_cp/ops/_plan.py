@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
 
@@ -77,8 +78,10 @@ class Plan:
     """``"torch"`` or ``"triton"``."""
     chunk_size: int
     """Tokens per chunk."""
+    logit_scale: float
+    """``z`` is multiplied by this before the cap (Cohere's ``logit_scale``, ``1 / logits_scaling`` in Granite)."""
     softcap: float | None
-    """``s = softcap * tanh(z / softcap)`` before the softmax, or no cap."""
+    """``s = softcap * tanh(logit_scale * z / softcap)`` before the softmax, or no cap."""
     inv_temp: float
     """``s`` is multiplied by this (``1 / temperature``) after the cap."""
     group: dist.ProcessGroup | None
@@ -97,6 +100,7 @@ class Plan:
         device: torch.device,
         impl: str,
         chunk_size: int | None,
+        logit_scale: float,
         softcap: float | None,
         tp_group: dist.ProcessGroup | None,
         temperature: float = 1.0,
@@ -108,6 +112,15 @@ class Plan:
             raise ValueError(
                 f"`chunk_size` must be a positive int (tokens per chunk) or None (automatic), got {chunk_size!r}."
             )
+        if (
+            isinstance(logit_scale, bool)
+            or not isinstance(logit_scale, (int, float))
+            or not (math.isfinite(logit_scale) and logit_scale > 0)
+        ):
+            raise ValueError(
+                f"`logit_scale` must be a positive finite number (logits are multiplied by it; a divisor d is "
+                f"logit_scale=1 / d), got {logit_scale!r}."
+            )
         if softcap is not None and not softcap > 0:
             raise ValueError(f"`softcap` must be > 0 or None (no cap), got {softcap}.")
         if not temperature > 0:
@@ -116,6 +129,7 @@ class Plan:
         return cls(
             impl=_resolve_impl(impl, device),
             chunk_size=chunk_size or auto_chunk_size(n_tokens, local_vocab, device, sharded=tp > 1),
+            logit_scale=float(logit_scale),
             softcap=None if softcap is None else float(softcap),
             inv_temp=1.0 / float(temperature),
             group=tp_group if tp > 1 else None,
@@ -128,7 +142,18 @@ class Plan:
         """Global vocabulary id of this rank's first entry."""
         return 0 if self.group is None else self.local_vocab * dist.get_rank(self.group)
 
-    def backend(self) -> type:
+    def chunk(self, z: torch.Tensor, local_labels: torch.Tensor, *, writable: bool):
+        """The backend's chunk (``TorchChunk`` or ``TritonChunk``) of logits ``z`` with this plan's transform."""
+        return self._backend()(
+            z,
+            local_labels,
+            logit_scale=self.logit_scale,
+            softcap=self.softcap,
+            inv_temp=self.inv_temp,
+            writable=writable,
+        )
+
+    def _backend(self) -> type:
         """The chunk class of :attr:`impl`: ``TorchChunk`` or ``TritonChunk``."""
         if self.impl == "triton":
             # Imported here, not at module import: TRITON_INTERPRET must be settable until the first Triton use.

@@ -12,7 +12,8 @@ from lightning_cp.ops.token_stats import TokenStats
 
 
 class LinearLogprobs(torch.autograd.Function):
-    """``(logprobs [N], entropy [N] | None)`` under ``softmax(transform(hidden @ weight.T))``; fills ``stats``.
+    """``(logprobs [N], entropy [N] | None)`` under ``softmax(transform(hidden @ weight.T + bias))``; fills
+    ``stats``. ``need`` says which of ``hidden``, ``weight``, ``bias`` need gradients.
 
     The backward takes per-token upstream gradients and recomputes the chunk logits.
     """
@@ -22,18 +23,18 @@ class LinearLogprobs(torch.autograd.Function):
         ctx,
         hidden: torch.Tensor,
         weight: torch.Tensor,
+        bias: torch.Tensor | None,
         labels: torch.Tensor,
         stats: TokenStats,
         plan: Plan,
-        need_hidden: bool,
-        need_weight: bool,
+        need: tuple[bool, bool, bool],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        engine.sweep(plan, labels, engine.linear_logits(hidden, weight), stats=stats)
+        engine.sweep(plan, labels, engine.linear_logits(hidden, weight, bias), stats=stats)
         logprobs = torch.where(stats.valid, stats.target - stats.lse, 0.0)
-        ctx.plan, ctx.need = plan, (need_hidden, need_weight)
-        if need_hidden or need_weight:
+        ctx.plan, ctx.need = plan, need
+        if any(need):
             mean_s = None if stats.entropy is None else stats.lse - stats.entropy
-            ctx.save_for_backward(hidden, weight, labels, stats.valid, stats.lse, mean_s)
+            ctx.save_for_backward(hidden, weight, bias, labels, stats.valid, stats.lse, mean_s)
         return logprobs, stats.entropy
 
     @staticmethod
@@ -42,13 +43,13 @@ class LinearLogprobs(torch.autograd.Function):
         ctx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         plan = ctx.plan
-        hidden, weight, labels, valid, lse, mean_s = ctx.saved_tensors
+        hidden, weight, bias, labels, valid, lse, mean_s = ctx.saved_tensors
         g_lp = grad_logprobs.float() * valid
         g_ent = None if grad_entropy is None else grad_entropy.float() * valid
-        grad_hidden, grad_weight = engine.linear_grads(
+        grad_hidden, grad_weight, grad_bias = engine.linear_grads(
             plan,
             hidden,
-            weight,
+            (weight, bias),
             labels,
             lambda a, b: formulas.logprob_coefs(
                 lse[a:b],
@@ -57,8 +58,7 @@ class LinearLogprobs(torch.autograd.Function):
                 None if mean_s is None else mean_s[a:b],
                 plan.inv_temp,
             ),
-            need_hidden=ctx.need[0],
-            need_weight=ctx.need[1],
+            need=ctx.need,
         )
         engine.sum_over_shards(grad_hidden, plan.group)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None

@@ -30,8 +30,9 @@ class TorchChunk:
 
     ``local_labels`` holds the label's index in this vocabulary shard, or -1 where the label is ignored
     or lives on another shard. The logits are upcast to fp32 once and transformed to
-    ``s = softcap * tanh(z / softcap) * inv_temp``; ``writable`` says whether ``z`` may be overwritten
-    (the fused linear path owns its chunk; a user's logits tensor must stay intact).
+    ``s = softcap * tanh(logit_scale * z / softcap) * inv_temp`` (``logit_scale * z * inv_temp`` without a
+    cap); ``writable`` says whether ``z`` may be overwritten (the fused linear path owns its chunk; a
+    user's logits tensor must stay intact).
     """
 
     def __init__(
@@ -39,18 +40,19 @@ class TorchChunk:
         z: torch.Tensor,
         local_labels: torch.Tensor,
         *,
+        logit_scale: float,
         softcap: float | None,
         inv_temp: float,
         writable: bool,
     ) -> None:
         s = z.float()
-        if softcap is not None or inv_temp != 1.0:
+        if softcap is not None or logit_scale * inv_temp != 1.0:
             if s is z and not writable:
                 s = s.clone()
             if softcap is not None:
-                s.div_(softcap).tanh_().mul_(softcap * inv_temp)
+                s.mul_(logit_scale / softcap).tanh_().mul_(softcap * inv_temp)
             else:
-                s.mul_(inv_temp)
+                s.mul_(logit_scale * inv_temp)
         self._s = s
         self._owned = writable or s is not z
         self._labels = local_labels
@@ -94,8 +96,8 @@ class TorchChunk:
         """Gradient w.r.t. ``z``: ``(p_j * (alpha + beta * s_j) - gamma * [j == label] - eta) * ds_j/dz_j``.
 
         ``p = softmax(s)`` comes from the global ``lse`` ``[n]``; the per-row coefficients ``[n]`` encode
-        the loss (see ``_engine``), ``ds/dz`` is the softcap slope ``1 - tanh^2`` (the temperature is
-        folded into the coefficients). Written block by block into ``out`` (any float dtype) when given,
+        the loss (see ``_engine``), ``ds/dz`` is the softcap slope ``1 - tanh^2`` (the temperature and the
+        logit scale are folded into the coefficients). Written block by block into ``out`` (any float dtype) when given,
         else over the chunk's own fp32 buffer (a new one if the logits belong to the caller), which is
         returned. The chunk is consumed.
         """

@@ -43,6 +43,7 @@ def _partial_stats_kernel(
     shifted_ptr,
     total_ptr,
     n_cols,
+    logit_scale,
     softcap,
     inv_temp,
     HAS_SOFTCAP: tl.constexpr,
@@ -64,9 +65,9 @@ def _partial_stats_kernel(
         mask = cols < n_cols
         s = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            s = softcap * inv_temp * _tanh(s / softcap)
+            s = softcap * inv_temp * _tanh(s * (logit_scale / softcap))
         else:
-            s = s * inv_temp
+            s = s * (logit_scale * inv_temp)
         if SMOOTHING:
             total += tl.sum(tl.where(mask, s, 0.0), axis=0)
         s = tl.where(mask, s, float("-inf"))
@@ -88,9 +89,9 @@ def _partial_stats_kernel(
 
     z_label = tl.load(z_row + tl.maximum(label, 0)).to(tl.float32)
     if HAS_SOFTCAP:
-        s_label = softcap * inv_temp * _tanh(z_label / softcap)
+        s_label = softcap * inv_temp * _tanh(z_label * (logit_scale / softcap))
     else:
-        s_label = z_label * inv_temp
+        s_label = z_label * (logit_scale * inv_temp)
     tl.store(max_ptr + row, row_max)
     tl.store(sumexp_ptr + row, sumexp)
     tl.store(target_ptr + row, tl.where(label >= 0, s_label, 0.0))
@@ -114,6 +115,7 @@ def _grad_kernel(
     beta_ptr,
     eta_ptr,
     n_cols,
+    logit_scale,
     softcap,
     inv_temp,
     HAS_SOFTCAP: tl.constexpr,
@@ -141,10 +143,10 @@ def _grad_kernel(
         mask = cols < n_cols
         z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            t = _tanh(z / softcap)
+            t = _tanh(z * (logit_scale / softcap))
             s = softcap * inv_temp * t
         else:
-            s = z * inv_temp
+            s = z * (logit_scale * inv_temp)
         p = tl.exp(s - lse)
         if HAS_BETA:
             d = p * (alpha + beta * s)
@@ -170,8 +172,8 @@ class TritonChunk:
     """One chunk of logits ``z`` ``[n, V_local]`` (fp32 / bf16 / fp16) with its local labels ``[n]``.
 
     Same contract as :class:`lightning_cp.ops._torch_kernels.TorchChunk`: ``local_labels`` is the
-    label's index in this shard or -1; ``s = softcap * tanh(z / softcap) * inv_temp``; ``writable``
-    lets :meth:`grad` overwrite ``z`` with the gradient.
+    label's index in this shard or -1; ``s = softcap * tanh(logit_scale * z / softcap) * inv_temp``;
+    ``writable`` lets :meth:`grad` overwrite ``z`` with the gradient.
     """
 
     def __init__(
@@ -179,6 +181,7 @@ class TritonChunk:
         z: torch.Tensor,
         local_labels: torch.Tensor,
         *,
+        logit_scale: float,
         softcap: float | None,
         inv_temp: float,
         writable: bool,
@@ -187,6 +190,7 @@ class TritonChunk:
         self._z = contiguous
         self._writable = writable or contiguous is not z
         self._labels = local_labels.contiguous()
+        self._logit_scale = logit_scale
         self._softcap = softcap
         self._inv_temp = inv_temp
 
@@ -208,6 +212,7 @@ class TritonChunk:
                 out[_partials.SHIFTED],
                 out[_partials.SUM],
                 n_cols,
+                self._logit_scale,
                 self._softcap or 1.0,
                 self._inv_temp,
                 HAS_SOFTCAP=self._softcap is not None,
@@ -249,6 +254,7 @@ class TritonChunk:
                 alpha if beta is None else beta.contiguous(),
                 alpha if eta is None else eta.contiguous(),
                 n_cols,
+                self._logit_scale,
                 self._softcap or 1.0,
                 self._inv_temp,
                 HAS_SOFTCAP=self._softcap is not None,

@@ -11,13 +11,15 @@ Each loss comes as two functions: one returns the loss, its ``_with_stats`` twin
 ``token_logprobs_with_entropy``). All share one engine (``_engine``) with two backends: plain PyTorch
 and Triton kernels (``impl="auto"`` takes Triton for CUDA tensors when it is installed). Semantics are those of
 ``torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=..., reduction=...,
-label_smoothing=...)`` on materialized logits, where ``softcap`` first maps ``logits`` to
-``softcap * tanh(logits / softcap)`` and ``z_loss`` adds ``z_loss * logsumexp(logits) ** 2`` to the loss
-of every valid token. Statistics are accumulated in fp32 whatever the input dtype; gradients come back
+label_smoothing=...)`` on materialized logits ``softcap(logit_scale * (hidden @ weight.T + bias))``: the
+LM head's optional ``bias``, a ``logit_scale`` multiplier (Cohere's ``logit_scale``; Granite divides by
+``logits_scaling``, i.e. ``logit_scale=1 / logits_scaling``) and ``softcap`` mapping ``x`` to
+``softcap * tanh(x / softcap)`` (Gemma-2's ``final_logit_softcapping``); ``z_loss`` adds
+``z_loss * logsumexp(logits) ** 2`` to the loss of every valid token. Statistics are accumulated in fp32 whatever the input dtype; gradients come back
 in the input dtype (a bf16 / fp16 weight's gradient is summed over the tokens in fp32 and rounded
 once). A ``mean`` over zero valid tokens is 0 with zero gradients.
 
-Tensor parallelism (``tp_group``): ``weight`` (or ``logits``) is this rank's vocabulary shard in
+Tensor parallelism (``tp_group``): ``weight`` and ``bias`` (or ``logits``) are this rank's vocabulary shard in
 Megatron's layout, rank ``r`` of ``tp`` holding global ids ``[r * V / tp, (r + 1) * V / tp)``; labels are
 global ids. Each chunk all-gathers ``6 x chunk`` floats of softmax statistics over ``tp_group``; the
 returned gradient of ``hidden`` is the full one (all-reduced over ``tp_group`` in the backward), since
@@ -48,10 +50,13 @@ class HeadOptions(TypedDict, total=False):
 
     ignore_index: int
     """Label value of tokens that do not count [``-100``]."""
+    logit_scale: float
+    """Positive multiplier of the logits, before the cap (a divisor ``d`` is ``1 / d``) [``1.0``]."""
     softcap: float | None
-    """If set, logits become ``softcap * tanh(logits / softcap)`` before everything else [``None``]."""
+    """If set, logits become ``softcap * tanh(logits / softcap)`` (after ``logit_scale``) [``None``]."""
     chunk_size: int | None
-    """Tokens per chunk [``None``: one fp32 ``[chunk, V_local]`` block of ~256 MiB on CPU, ~512 MiB on GPUs].
+    """Tokens per chunk [``None``: one fp32 ``[chunk, V_local]`` block of 256 MiB on CPU; on CUDA sized from
+    the free memory (``lightning_cp.ops._plan.auto_chunk_size``), 512 MiB with ``tp_group``].
     Larger chunks feed the matmuls better, smaller ones lower the peak memory."""
     tp_group: dist.ProcessGroup | None
     """Tensor-parallel group over which the vocabulary is sharded (see the module docstring) [``None``]."""
@@ -74,13 +79,19 @@ class LogprobOptions(HeadOptions, total=False):
     """Keyword options of the log-probability functions: :class:`HeadOptions` and this."""
 
     temperature: float
-    """The softmax is that of ``softcap(logits) / temperature`` [``1.0``]."""
+    """The softmax is that of ``softcap(logit_scale * logits) / temperature`` [``1.0``]."""
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **options: Unpack[LossOptions]
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    **options: Unpack[LossOptions],
 ) -> torch.Tensor:
-    """Cross-entropy of ``hidden @ weight.T`` against ``labels``, fused with the LM head, chunked over tokens.
+    """Cross-entropy of ``hidden @ weight.T + bias`` against ``labels``, fused with the LM head, chunked over
+    tokens.
 
     Args:
         hidden: ``[N, H]`` final hidden states of this rank's tokens (fp32 / bf16 / fp16). Flatten
@@ -88,8 +99,10 @@ def linear_cross_entropy(
         weight: ``[V, H]`` output embedding, same dtype and device as ``hidden``; under ``tp_group``
             this rank's ``[V / tp, H]`` vocabulary shard.
         labels: ``[N]`` integer global vocabulary ids in ``[0, V)``, or ``ignore_index``.
+        bias: ``[V]`` LM-head bias (Phi's ``lm_head.bias``), same dtype and device as ``weight``; under
+            ``tp_group`` this rank's ``[V / tp]`` shard. Its gradient is summed over the tokens in fp32.
         **options: :class:`LossOptions` (``ignore_index``, ``reduction``, ``label_smoothing``, ``z_loss``,
-            ``softcap``, ``chunk_size``, ``tp_group``, ``impl``).
+            ``logit_scale``, ``softcap``, ``chunk_size``, ``tp_group``, ``impl``).
 
     Returns:
         The fp32 loss: a scalar, or ``[N]`` for ``reduction="none"``.
@@ -106,19 +119,24 @@ def linear_cross_entropy(
             labels outside ``[0, V)`` other than ``ignore_index``. On CUDA that check is a device-side
             assert (no host sync).
     """
-    loss, _ = _cross_entropy(hidden, weight, labels, entropy=False, **options)
+    loss, _ = _cross_entropy(hidden, (weight, bias), labels, entropy=False, **options)
     return loss
 
 
 def linear_cross_entropy_with_stats(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **options: Unpack[LossOptions]
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    **options: Unpack[LossOptions],
 ) -> tuple[torch.Tensor, TokenStats]:
     """:func:`linear_cross_entropy` and the :class:`TokenStats` of the ``N`` tokens, entropy included.
 
     The statistics come from the same pass over the vocabulary (the entropy adds one reduction per
     chunk), detached; arguments, loss, errors and communication are those of :func:`linear_cross_entropy`.
     """
-    return _cross_entropy(hidden, weight, labels, entropy=True, **options)
+    return _cross_entropy(hidden, (weight, bias), labels, entropy=True, **options)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, **options: Unpack[LossOptions]) -> torch.Tensor:
@@ -143,36 +161,48 @@ def cross_entropy_with_stats(
 
 
 def token_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **options: Unpack[LogprobOptions]
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    **options: Unpack[LogprobOptions],
 ) -> torch.Tensor:
-    """Per-token ``log p(label)`` under ``softmax(softcap(hidden @ weight.T) / temperature)``, for RL losses.
+    """Per-token ``log p(label)`` under ``softmax(softcap(logit_scale * (hidden @ weight.T + bias)) /
+    temperature)``, for RL losses.
 
-    ``hidden``, ``weight`` and ``labels`` are as in :func:`linear_cross_entropy`; ``**options`` are
-    :class:`LogprobOptions` (``temperature``, ``ignore_index``, ``softcap``, ``chunk_size``, ``tp_group``,
-    ``impl``).
+    ``hidden``, ``weight``, ``labels`` and ``bias`` are as in :func:`linear_cross_entropy`; ``**options``
+    are :class:`LogprobOptions` (``temperature``, ``ignore_index``, ``logit_scale``, ``softcap``,
+    ``chunk_size``, ``tp_group``, ``impl``).
 
     Returns:
-        ``logprobs`` ``[N]`` fp32, 0 at ignored tokens, differentiable w.r.t. ``hidden`` and ``weight``.
+        ``logprobs`` ``[N]`` fp32, 0 at ignored tokens, differentiable w.r.t. ``hidden``, ``weight`` and
+        ``bias``.
         The backward takes any per-token upstream gradients and recomputes the chunk logits (3 matmuls
         per chunk; 2 more for a bf16 / fp16 ``weight``, see :func:`linear_cross_entropy`).
     """
-    logprobs, _ = _token_logprobs(hidden, weight, labels, entropy=False, **options)
+    logprobs, _ = _token_logprobs(hidden, (weight, bias), labels, entropy=False, **options)
     return logprobs
 
 
 def token_logprobs_with_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **options: Unpack[LogprobOptions]
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    **options: Unpack[LogprobOptions],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`token_logprobs` and the softmax entropy ``[N]`` fp32 (nats, 0 at ignored tokens), both
     differentiable (e.g. for an entropy bonus); from the same pass over the vocabulary."""
-    logprobs, entropy = _token_logprobs(hidden, weight, labels, entropy=True, **options)
+    logprobs, entropy = _token_logprobs(hidden, (weight, bias), labels, entropy=True, **options)
     assert entropy is not None, "entropy=True fills it"
     return logprobs, entropy
 
 
 def _cross_entropy(
     inputs: torch.Tensor,
-    weight: torch.Tensor | None,
+    head: tuple[torch.Tensor, torch.Tensor | None] | None,
     labels: torch.Tensor,
     *,
     entropy: bool,
@@ -180,59 +210,65 @@ def _cross_entropy(
     reduction: Reduction = "mean",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    logit_scale: float = 1.0,
     softcap: float | None = None,
     chunk_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
     impl: Impl = "auto",
 ) -> tuple[torch.Tensor, TokenStats]:
-    """The loss and statistics of ``hidden`` ``[N, H]`` through ``weight``, or of ``logits`` ``[N, V_local]``
-    when ``weight`` is ``None``; the keywords (defaults included) of :class:`LossOptions`."""
-    if weight is None:
+    """The loss and statistics of ``hidden`` ``[N, H]`` through ``head = (weight, bias)``, or of ``logits``
+    ``[N, V_local]`` when ``head`` is ``None``; the keywords (defaults included) of :class:`LossOptions`."""
+    if head is None:
         _check_float_matrix("logits", inputs)
     else:
-        _check_head(inputs, weight)
+        _check_head(inputs, *head)
     opts = CEOptions.build(reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss)
     plan = Plan.build(
         n_tokens=inputs.shape[0],
-        local_vocab=inputs.shape[1] if weight is None else weight.shape[0],
+        local_vocab=inputs.shape[1] if head is None else head[0].shape[0],
         device=inputs.device,
         impl=impl,
         chunk_size=chunk_size,
+        logit_scale=logit_scale,
         softcap=softcap,
         tp_group=tp_group,
     )
     local_labels, stats = _prepare_targets(
         labels, ignore_index, plan, inputs, entropy=entropy, smoothing=opts.label_smoothing > 0
     )
-    if weight is None:
+    if head is None:
         return LogitsCrossEntropy.apply(inputs, local_labels, stats, plan, opts), stats
+    weight, bias = head
     loss = LinearCrossEntropy.apply(
-        inputs, weight, local_labels, stats, plan, opts, _needs_grad(inputs), _needs_grad(weight)
+        inputs, weight, bias, local_labels, stats, plan, opts, _needs_grads(inputs, weight, bias)
     )
     return loss, stats
 
 
 def _token_logprobs(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
+    head: tuple[torch.Tensor, torch.Tensor | None],
     labels: torch.Tensor,
     *,
     entropy: bool,
     temperature: float = 1.0,
     ignore_index: int = -100,
+    logit_scale: float = 1.0,
     softcap: float | None = None,
     chunk_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
     impl: Impl = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities and (with ``entropy``) the entropy; the keywords of :class:`LogprobOptions`."""
-    _check_head(hidden, weight)
+    weight, bias = head
+    _check_head(hidden, weight, bias)
     plan = Plan.build(
         n_tokens=hidden.shape[0],
         local_vocab=weight.shape[0],
         device=hidden.device,
         impl=impl,
         chunk_size=chunk_size,
+        logit_scale=logit_scale,
         softcap=softcap,
         tp_group=tp_group,
         temperature=temperature,
@@ -241,13 +277,14 @@ def _token_logprobs(
         labels, ignore_index, plan, hidden, entropy=entropy, smoothing=False
     )
     return LinearLogprobs.apply(
-        hidden, weight, local_labels, stats, plan, _needs_grad(hidden), _needs_grad(weight)
+        hidden, weight, bias, local_labels, stats, plan, _needs_grads(hidden, weight, bias)
     )
 
 
-def _needs_grad(t: torch.Tensor) -> bool:
+def _needs_grads(*tensors: torch.Tensor | None) -> tuple[bool, ...]:
     # Decided out here: inside autograd.Function.forward grad mode is always off.
-    return torch.is_grad_enabled() and t.requires_grad
+    enabled = torch.is_grad_enabled()
+    return tuple(enabled and t is not None and t.requires_grad for t in tensors)
 
 
 def _check_float_matrix(name: str, t: torch.Tensor) -> None:
@@ -263,7 +300,7 @@ def _check_float_matrix(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"`{name}` must be a floating-point tensor, got dtype {t.dtype}.")
 
 
-def _check_head(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+def _check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     _check_float_matrix("hidden", hidden)
     _check_float_matrix("weight", weight)
     if hidden.shape[1] != weight.shape[1]:
@@ -275,6 +312,20 @@ def _check_head(hidden: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(
             f"`weight` is {weight.dtype} on {weight.device} but `hidden` is {hidden.dtype} on "
             f"{hidden.device}; cast them to one dtype and device (the matmul runs in the input dtype)."
+        )
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"`bias` must be a torch.Tensor or None, got {type(bias).__name__}.")
+    if bias.shape != weight.shape[:1]:
+        raise ValueError(
+            f"`bias` must have shape ({weight.shape[0]},), one entry per row of `weight`, got "
+            f"{tuple(bias.shape)}."
+        )
+    if bias.dtype != weight.dtype or bias.device != weight.device:
+        raise ValueError(
+            f"`bias` is {bias.dtype} on {bias.device} but `weight` is {weight.dtype} on {weight.device}; "
+            "cast the head's bias like its weight."
         )
 
 

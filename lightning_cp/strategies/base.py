@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_cp.hf.check import check_attention_is_context_parallel
+from lightning_cp.hf.probe import check_models
 from lightning_cp.parallel import groups
 from lightning_cp.parallel.layout import (
     ParallelLayout,
@@ -57,8 +57,9 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
       next-token ``labels``, ``loss_mask``, ``position_ids``, ``cp_shard`` (which the model passes to its
       attention) and, for packed batches, local ``cu_seqlens``. Step methods that take a
       ``dataloader_iter`` (whose batches Lightning never hands to the strategy) are refused at setup;
-    - under ``cp > 1``, refuse at ``setup`` attention layers that would see only the local shard
-      (:func:`lightning_cp.hf.check_attention_is_context_parallel`);
+    - refuse at ``setup`` any model whose training under this layout could differ from the unsharded
+      model's (:func:`lightning_cp.hf.check_models`: attention that would see only the local shard, other
+      token mixing, length-dependent positions, output transforms the loss would not apply);
     - recompute the ``activation_checkpointing`` modules' activations in backward;
     - stop every rank after the same step on a SIGTERM, within two steps
       (:class:`~lightning_cp.strategies.preemption.StopOnSigterm`), and save that step as ``last.ckpt``
@@ -180,10 +181,10 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         super().setup(trainer)
 
     def _prepare_module(self) -> None:
-        """What ``setup`` does before wrapping: the checks of the module, activation checkpointing."""
+        """What ``setup`` does before wrapping: the model checks, activation checkpointing."""
         assert isinstance(self.model, LightningModule)
         _check_steps_take_batches(self.model)
-        check_attention_is_context_parallel(self.model, self.layout.cp)
+        check_models(self.model, self.layout, self.root_device)
         if self.activation_checkpointing:
             owner = type(self).__name__
             classes = resolve_classes(

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_cp.hf import check_attention_is_context_parallel
+from lightning_cp.hf import check_attention_is_context_parallel, decoder
 from lightning_cp.hf.attention import hf_context_parallel_attention, mask_for_hf
 from lightning_cp.models import GPTConfig, GPTModule, HFCausalLM
-from lightning_cp.parallel import shard_batch
-from tests.hf._models import CONFIGS, VOCAB, build
+from lightning_cp.parallel import shard_batch, unshard
+from tests.hf._models import CONFIGS, VARIANTS, VOCAB, assert_grads_close, build, build_variant
 
 DOC_LENGTHS = [7, 13, 5, 11]  # odd and unequal: every CP split pads, pieces straddle ranks
 
@@ -33,9 +33,13 @@ def _grads(model):
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def _packed_batch(cp, rank):
+def _packed_inputs():
     ids = torch.randint(0, VOCAB, (1, sum(DOC_LENGTHS)), generator=torch.Generator().manual_seed(1))
-    cu = torch.tensor([0, *DOC_LENGTHS]).cumsum(0).to(torch.int32)
+    return ids, torch.tensor([0, *DOC_LENGTHS]).cumsum(0).to(torch.int32)
+
+
+def _packed_batch(cp, rank):
+    ids, cu = _packed_inputs()
     return shard_batch({"input_ids": ids, "cu_seqlens": cu}, cp, rank)
 
 
@@ -203,12 +207,32 @@ def test_hf_causal_lm_loads_a_local_pretrained_directory(tmp_path):
         HFCausalLM({"hidden_size": 32})
 
 
-def test_sliding_window_is_rejected_with_cp_shard():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_layer_variant_reaches_the_shard_s_attention(variant):
+    # At cp = 1 (one process): packed documents with cp_shard against each document alone through the
+    # family's default attention (the window, softcap, scaling, sinks and value head dim of each layer).
     torch.manual_seed(0)
-    model = build("qwen3", "lightning_cp", use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    batch = shard_batch({"input_ids": torch.randint(0, VOCAB, (2, 9))}, 1, 0)
-    with pytest.raises(ValueError, match=r"sliding_window=4: .*sliding_window=None"):
-        _decoder(model, batch, cp_shard=batch["cp_shard"])
+    ours = build_variant(variant, "lightning_cp")
+    reference = build_variant(variant, None)
+    reference.load_state_dict(ours.state_dict())
+    ids, cu_seqlens = _packed_inputs()
+    batch = shard_batch({"input_ids": ids, "cu_seqlens": cu_seqlens}, 1, 0)
+    hidden = decoder(ours)(
+        input_ids=batch["input_ids"],
+        position_ids=batch["position_ids"],
+        cp_shard=batch["cp_shard"],
+        use_cache=False,
+    ).last_hidden_state
+    hidden = unshard([hidden], cu_seqlens=cu_seqlens)  # without the padding of the split
+    upstream = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(2))
+    (hidden * upstream).sum().backward()
+    documents = ids.split(DOC_LENGTHS, dim=1)
+    expected = torch.cat(
+        [decoder(reference)(input_ids=d, use_cache=False).last_hidden_state for d in documents], 1
+    )
+    (expected * upstream).sum().backward()
+    torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+    assert_grads_close(_grads(ours), _grads(reference))
 
 
 def test_query_heads_not_a_multiple_of_key_value_heads_is_rejected():
@@ -228,9 +252,12 @@ def test_cp_shard_rejects_other_tensors_masks_and_positions():
     shard = batch["cp_shard"]
     with pytest.raises(ValueError, match="cp_shard holds 20 tokens on this rank"):
         model.model(input_ids=torch.randint(0, VOCAB, (2, 7)), cp_shard=shard)
-    for mask in (torch.ones(2, 10, dtype=torch.long), torch.zeros(2, 1, 10, 10)):  # 2-D padding, 4-D
+    padding = torch.ones(2, 10, dtype=torch.long)
+    padding[1, -2:] = 0
+    for mask in (padding, torch.zeros(2, 1, 10, 10)):  # 2-D padding, 4-D
         with pytest.raises(ValueError, match="got an attention mask with cp_shard"):
             _decoder(model, batch, cp_shard=shard, attention_mask=mask)
+    _decoder(model, batch, cp_shard=shard, attention_mask=torch.ones(2, 10))  # masks nothing: accepted
     shifted = batch["position_ids"] + 1
     with pytest.raises(ValueError, match=r"position_ids=batch\['position_ids'\]"):
         model.model(input_ids=batch["input_ids"], position_ids=shifted, cp_shard=shard)

@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_cp.hf import decoder, output_head
 from lightning_cp.parallel import groups, shard_batch
 from lightning_cp.parallel.layout import current_layout, set_current_layout
-from tests.hf._models import CONFIGS, VOCAB, build
+from tests.hf._models import CONFIGS, VARIANTS, VOCAB, assert_grads_close, build, build_variant
 
 DOC_LENGTHS = [7, 13, 5, 11]  # odd and unequal: every CP split pads, pieces straddle ranks
 PADDED_SHAPE = (3, 10)
@@ -81,6 +82,43 @@ def test_packed_documents_equal_each_document_alone(world4, name):
         torch.testing.assert_close(losses, expected.detach(), rtol=1e-5, atol=1e-5, msg=f"cp={cp}")
         for key, param in reference.named_parameters():
             torch.testing.assert_close(grads[key], param.grad, rtol=1e-4, atol=1e-6, msg=f"cp={cp} {key}")
+
+
+def _variant_documents(name, cp):
+    def run(rank):
+        torch.manual_seed(0)
+        model = build_variant(name, "lightning_cp")
+        batch = shard_batch(_inputs()[0], cp, rank)
+        hidden = decoder(model)(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            cp_shard=batch["cp_shard"],
+            use_cache=False,
+        ).last_hidden_state
+        logits = output_head(model).logits(hidden)  # the final softcap of Gemma-2 included
+        nll = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+        shard = batch["cp_shard"]
+        losses = torch.zeros(shard.num_sequences).index_add(0, shard.sequence_index, nll)
+        losses.sum().backward()
+        return _summed_over_cp([losses], [model])
+
+    return _in_cp_group(cp, run)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_layer_variants_with_packed_documents_equal_each_document_alone(world4, variant):
+    # Sliding windows shorter than the documents and than a CP chunk, softcapping, a scaling of the
+    # layer's own, attention sinks, a value head dim of its own: through the model at cp 2 and 4.
+    torch.manual_seed(0)
+    reference = build_variant(variant, None)
+    documents = _inputs()[0]["input_ids"].split(DOC_LENGTHS, dim=1)
+    expected = torch.cat([_reference_nll(reference, document) for document in documents])
+    expected.sum().backward()
+    want = {key: p.grad for key, p in reference.named_parameters() if p.grad is not None}
+    for cp in (2, 4):
+        (losses,), (grads,) = world4.run(_variant_documents, variant, cp)[0]
+        torch.testing.assert_close(losses, expected.detach(), rtol=1e-5, atol=1e-5, msg=f"cp={cp}")
+        assert_grads_close(grads, want)
 
 
 def _two_models(cp):

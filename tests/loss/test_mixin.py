@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 
 from lightning_cp import CPLossMixin
+from lightning_cp.ops import OutputHead
 from lightning_cp.parallel import groups, shard_batch
 from lightning_cp.parallel.layout import set_current_layout
 
@@ -148,3 +149,119 @@ def test_a_cp_local_mean_would_be_wrong():
     shards = [shard_batch(batch, 4, r) for r in range(4)]
     counts = [s["loss_mask"].sum().item() for s in shards]
     assert len(set(counts)) > 1
+
+
+# The head's transforms, each large enough to move the loss by far more than 1% (Phi's bias, Cohere's
+# logit_scale, Gemma-2's final softcap).
+HEAD_TRANSFORMS = {"logit_scale": 0.4, "softcap": 3.0}
+
+
+def _bias():
+    return torch.nn.Parameter(torch.randn(VOCAB, generator=torch.Generator().manual_seed(2)))
+
+
+def _reference_head_grads():
+    """The token mean of ``softcap(logit_scale * (hidden @ head.T + bias))``, written out by hand."""
+    module, bias = _Head(), _bias()
+    batch = _batch()
+    labels = batch["input_ids"].roll(-1, 1)
+    target = batch["loss_mask"].roll(-1, 1).bool()
+    target[:, -1] = False
+    logits = (module.embed[batch["input_ids"]] @ module.head.T + bias)[target] * HEAD_TRANSFORMS[
+        "logit_scale"
+    ]
+    logits = HEAD_TRANSFORMS["softcap"] * torch.tanh(logits / HEAD_TRANSFORMS["softcap"])
+    loss = F.cross_entropy(logits, labels[target])
+    loss.backward()
+    return loss.detach(), module.embed.grad, module.head.grad, bias.grad
+
+
+def _output_head_grads(cp, sharding):
+    """The mixin's loss through an OutputHead on this rank's shard; the gradients averaged as DDP / FSDP do."""
+    layout = groups.initialize(tp=1, cp=cp)
+    set_current_layout(layout)
+    module, bias = _Head(), _bias()
+    weight = module.head
+    rows = slice(layout.dp_rank * ROWS // layout.dp, (layout.dp_rank + 1) * ROWS // layout.dp)
+    batch = shard_batch({k: v[rows] for k, v in _batch().items()}, cp, layout.cp_rank)
+    if sharding == "fsdp":
+        from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        weight = torch.nn.Parameter(distribute_tensor(module.head.detach(), mesh, [Shard(0)]))
+        bias = torch.nn.Parameter(distribute_tensor(bias.detach(), mesh, [Shard(0)]))
+    head = OutputHead(weight, bias, **HEAD_TRANSFORMS)
+    module.lm_loss(module.embed[batch["input_ids"]], head, batch).backward()
+    grads = [module.embed.grad]
+    if sharding == "fsdp":  # already averaged over the mesh by the loss's reduce-scatter
+        grads += [weight.grad.full_tensor(), bias.grad.full_tensor()]
+    else:
+        grads += [weight.grad, bias.grad]
+    for i, grad in enumerate(grads):
+        if i == 0 or sharding != "fsdp":
+            dist.all_reduce(grad, group=layout.loss_group)
+            grad /= layout.dp * layout.cp
+    return grads
+
+
+@pytest.mark.parametrize("cp, sharding", [(1, "ddp"), (2, "ddp"), (4, "ddp"), (2, "fsdp")])
+def test_an_output_head_trains_its_bias_scale_and_softcap(world4, cp, sharding):
+    ref_loss, *expected = _reference_head_grads()
+    plain_loss, _, _ = _reference_grads()
+    assert abs(ref_loss - plain_loss) > 0.05 * plain_loss  # the transforms matter at this size
+    for grads in world4.run(_output_head_grads, cp, sharding):
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _vocab_parallel_output_head_grads():
+    layout = groups.initialize(tp=2, cp=2)
+    set_current_layout(layout)
+    module, bias = _Head(), _bias()
+    rows = slice(layout.tp_rank * VOCAB // 2, (layout.tp_rank + 1) * VOCAB // 2)
+    weight = torch.nn.Parameter(module.head.detach()[rows].clone())
+    bias = torch.nn.Parameter(bias.detach()[rows].clone())
+    weight.tensor_model_parallel = bias.tensor_model_parallel = True
+    batch = shard_batch(_batch(), 2, layout.cp_rank)
+    module.lm_loss(
+        module.embed[batch["input_ids"]], OutputHead(weight, bias, **HEAD_TRANSFORMS), batch
+    ).backward()
+    for param in (module.embed, weight, bias):
+        dist.all_reduce(param.grad, group=layout.loss_group)
+        param.grad /= layout.dp * layout.cp
+    return layout.tp_rank, module.embed.grad, weight.grad, bias.grad
+
+
+def test_a_vocab_parallel_output_head_shards_its_bias_like_its_weight(world4):
+    _, ref_embed, ref_head, ref_bias = _reference_head_grads()
+    for tp_rank, embed_grad, head_grad, bias_grad in world4.run(_vocab_parallel_output_head_grads):
+        torch.testing.assert_close(embed_grad, ref_embed, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(head_grad, ref_head.chunk(2)[tp_rank], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(bias_grad, ref_bias.chunk(2)[tp_rank], rtol=1e-5, atol=1e-6)
+
+
+def test_lm_token_logprobs_apply_the_output_head():
+    module, bias = _Head(), _bias()
+    batch = shard_batch(_batch(), 1, 0)
+    hidden = module.embed[batch["input_ids"]].detach()
+    out = module.lm_token_logprobs(hidden, OutputHead(module.head, bias, **HEAD_TRANSFORMS), batch)
+    logits = HEAD_TRANSFORMS["softcap"] * torch.tanh(
+        HEAD_TRANSFORMS["logit_scale"] * (hidden @ module.head.T + bias) / HEAD_TRANSFORMS["softcap"]
+    )
+    target = batch["labels"] != -100
+    expected = logits.log_softmax(-1).gather(-1, batch["labels"].clamp(min=0)[..., None])[..., 0]
+    torch.testing.assert_close(out["logprobs"][target], expected[target].detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_marked_bare_weight_and_doubled_transforms_are_refused():
+    module, bias = _Head(), _bias()
+    batch = shard_batch(_batch(), 1, 0)
+    hidden = module.embed[batch["input_ids"]]
+    head = OutputHead(module.head, bias, logit_scale=0.4)
+    with pytest.raises(ValueError, match="softcap given both to lm_loss and on the OutputHead"):
+        module.lm_loss(hidden, head, batch, softcap=2.0)
+    head.mark_weight("CohereForCausalLM")
+    with pytest.raises(ValueError, match=r"CohereForCausalLM \(its logits apply bias, logit_scale=0.4\)"):
+        module.lm_loss(hidden, module.head, batch)
+    OutputHead(module.head).mark_weight("LlamaForCausalLM")  # a plain head clears the mark
+    module.lm_loss(hidden, module.head, batch)

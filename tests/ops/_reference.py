@@ -28,20 +28,37 @@ def make_case(
     return hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_(), labels
 
 
+def make_bias(vocab: int, dtype: torch.dtype = torch.float32, *, seed: int = 2) -> torch.Tensor:
+    """An LM-head bias ``[V]`` (a leaf requiring grad) of the logits' spread, so dropping it shows."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(vocab, generator=g).to(dtype).requires_grad_()
+
+
 def upcast_leaves(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """fp32 leaf copies (requiring grad) of the given inputs, for a reference that does not round."""
     return [t.detach().float().requires_grad_() for t in tensors]
 
 
 def head_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, softcap: float | None = None, temperature: float = 1.0
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    *,
+    bias: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
 ) -> torch.Tensor:
+    """``softcap(logit_scale * (hidden @ weight.T + bias)) / temperature`` in fp32, written out."""
     z = (hidden @ weight.t()).float()
-    return transform(z, softcap, temperature)
+    if bias is not None:
+        z = z + bias.float()
+    return transform(z, softcap, temperature, logit_scale=logit_scale)
 
 
-def transform(z: torch.Tensor, softcap: float | None = None, temperature: float = 1.0) -> torch.Tensor:
-    z = z.float()
+def transform(
+    z: torch.Tensor, softcap: float | None = None, temperature: float = 1.0, *, logit_scale: float = 1.0
+) -> torch.Tensor:
+    z = z.float() * logit_scale
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     return z / temperature

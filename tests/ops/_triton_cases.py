@@ -37,7 +37,7 @@ from lightning_cp.ops import (
 )
 from tests.ops import _reference as ref
 from tests.ops import _softcap_cases
-from tests.ops._reference import IGNORE, assert_close, make_case, upcast_leaves
+from tests.ops._reference import IGNORE, assert_close, make_bias, make_case, upcast_leaves
 from tests.ops._tp import check_against_single_rank_reference
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -163,6 +163,46 @@ def test_token_logprobs_matches_reference(temperature, softcap, with_entropy, dt
     assert_close(weight.grad, ref_weight.grad, dtype)
 
 
+@pytest.mark.parametrize(
+    "path, logit_scale, softcap, dtype",
+    [
+        ("linear", 0.3, None, torch.float32),
+        ("linear", 2.5, 4.0, torch.float32),
+        ("logprobs", 2.5, 4.0, torch.float32),
+        ("linear", 2.5, 4.0, torch.bfloat16),
+        ("logprobs", 0.3, None, torch.bfloat16),
+    ],
+)
+def test_head_bias_and_logit_scale_match_reference(path, logit_scale, softcap, dtype, monkeypatch):
+    # The logit scale is folded into the row kernels' transform (before the cap) and into the gradient
+    # coefficients; the bias enters the chunk's matmul and gets its gradient summed over the chunk's rows.
+    monkeypatch.setattr(_triton_kernels, "_MAX_BLOCK", SMALL_BLOCK)
+    monkeypatch.setattr(_engine, "_WEIGHT_BLOCK_BYTES", WEIGHT_BLOCK_ROWS * H * 4)
+    hidden, weight, labels = _case(dtype)
+    bias = make_bias(V, dtype).detach().to(DEVICE).requires_grad_()
+    leaves = [hidden, weight, bias]
+    ref_leaves = upcast_leaves(*leaves)
+    head = {"bias": bias, "logit_scale": logit_scale, "softcap": softcap, "chunk_size": 8, "impl": "triton"}
+    up = _upstream(torch.empty(N))
+    ref_head = {"bias": ref_leaves[2], "logit_scale": logit_scale}
+    if path == "linear":
+        out = linear_cross_entropy(hidden, weight, labels, reduction="none", **head)
+        expected = ref.cross_entropy(
+            ref.head_logits(*ref_leaves[:2], softcap, **ref_head), labels, reduction="none"
+        )
+    else:
+        out = token_logprobs(hidden, weight, labels, temperature=0.7, **head)
+        expected, _ = ref.logprobs_and_entropy(
+            ref.head_logits(*ref_leaves[:2], softcap, 0.7, **ref_head), labels
+        )
+    (out * up).sum().backward()
+    (expected * up).sum().backward()
+    assert_close(out, expected, dtype)
+    for leaf, ref_leaf in zip(leaves, ref_leaves, strict=True):
+        assert leaf.grad.dtype == dtype
+        assert_close(leaf.grad, ref_leaf.grad, dtype)
+
+
 @pytest.mark.parametrize("softcap", _softcap_cases.SOFTCAPS)
 @pytest.mark.parametrize("path", _softcap_cases.PATHS)
 def test_saturated_softcap_matches_reference(path, softcap, monkeypatch):
@@ -199,6 +239,8 @@ def test_all_ignored_gives_zero_loss_and_zero_grads():
         ("logits", "none", ALL, torch.float32),
         ("logprobs", None, {"temperature": 0.7}, torch.float32),
         ("linear", "mean", ALL, torch.bfloat16),
+        ("linear", "none", {"bias": True, "logit_scale": 0.3, "softcap": 2.0}, torch.float32),
+        ("logprobs", None, {"bias": True, "logit_scale": 2.5, "temperature": 0.7}, torch.float32),
     ],
 )
 def test_tp2_matches_the_single_rank_reference(world2, path, reduction, options, dtype):

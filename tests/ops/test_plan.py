@@ -80,6 +80,7 @@ def test_a_tensor_parallel_vocabulary_gets_a_chunk_from_the_shapes_only(cuda_mem
         device=torch.device("cuda"),
         impl="torch",
         chunk_size=None,
+        logit_scale=1.0,
         softcap=None,
         tp_group=group,
     )

@@ -32,6 +32,11 @@ ALL = {"label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 2.0}
         ("logits", "mean", {"label_smoothing": 0.1}, torch.float32),
         ("logits", "none", ALL, torch.float32),
         ("logprobs", None, {"softcap": 2.0, "temperature": 0.7}, torch.float32),
+        # the LM head's vocabulary-sharded bias and a logit scale (Phi, Cohere, Granite)
+        ("linear", "mean", {"bias": True, "logit_scale": 0.3, "softcap": 2.0}, torch.float32),
+        ("linear", "none", {"bias": True}, torch.float32),
+        ("logits", "none", {"logit_scale": 2.5}, torch.float32),
+        ("logprobs", None, {"bias": True, "logit_scale": 2.5, "temperature": 0.7}, torch.float32),
         # bf16: the weight gradient of each shard comes from the vocabulary-block pass
         ("linear", "mean", ALL, torch.bfloat16),
         ("logprobs", None, {"temperature": 0.7}, torch.bfloat16),
