@@ -215,8 +215,9 @@ def check_config(config: dict[str, Any]) -> None:
 
 def _check_attention_heads(hf_config: Any) -> None:
     """Grouped-query attention: every key/value head serves the same number of query heads."""
-    heads = getattr(hf_config, "num_attention_heads", None)
-    kv_heads = getattr(hf_config, "num_key_value_heads", None)
+    # Read from the dict: a per-layer (heterogeneous) config refuses attribute access to these fields.
+    values = hf_config.to_dict()
+    heads, kv_heads = values.get("num_attention_heads"), values.get("num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
         raise ValueError(
             f"HFCausalLM(config=...): num_attention_heads={heads} is not a multiple of "
