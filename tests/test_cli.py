@@ -353,6 +353,32 @@ def test_unknown_key_in_a_yaml_file_is_one_line(cli, tmp_path):
     assert "trainer.max_stepz" in message
 
 
+def test_a_steps_window_written_as_a_bare_string_asks_for_a_list(cli, tmp_path):
+    config = tmp_path / "steps.yaml"
+    config.write_text(MAIN_JOB.read_text().replace("steps: [20]", 'steps: "5-2"'))
+    message = _check_one_line(*cli("fit", "--config", str(config)))
+    assert message.endswith('steps: expected a list, got the str "5-2": write a list, e.g. ["5-2"].')
+
+
+@pytest.mark.parametrize(
+    ("model_type", "expected"),
+    [
+        ("qwen", "model_type 'qwen' is not a model type of transformers"),
+        (None, "the dict has no 'model_type'"),
+    ],
+    ids=["unknown-model-type", "no-model-type"],
+)
+def test_hf_config_mistakes_are_one_line(model_type, expected, cli, tmp_path):
+    pytest.importorskip("transformers")
+    tree = yaml.safe_load(HF_CPU.read_text())
+    tree["model"]["init_args"]["config"]["model_type"] = model_type
+    if model_type is None:
+        del tree["model"]["init_args"]["config"]["model_type"]
+    config = tmp_path / "hf.yaml"
+    config.write_text(yaml.safe_dump(tree))
+    assert expected in _check_one_line(*cli("fit", "--config", str(config)))
+
+
 def _token_file_mistake(case: str, tmp_path: Path) -> tuple[list[str], list[str]]:
     """Arguments over the packed token-file config that the data module rejects, and parts of its message."""
     path = tmp_path / "tokens.bin"
@@ -568,51 +594,128 @@ def test_main_job_config_runs_with_summary_checkpoint_and_metrics(tmp_path, worl
     assert float(summary["val/loss"]) == pytest.approx(reference, abs=6e-5)
     assert float(summary["train/loss_epoch"]) == pytest.approx(_last(rows, "train/loss_epoch"), abs=6e-5)
 
-    # `validate` from the checkpoint, as dp=1 x cp=2 instead of dp=2 x cp=2: the same number.
-    validate_logger = {**loggers[0], "init_args": {"save_dir": str(tmp_path / "validate"), "name": "csv"}}
-    world2.run(
-        main,
-        [
-            "validate",
-            "--config",
-            str(MAIN_JOB),
-            "--ckpt_path",
-            str(checkpoint),
-            "--trainer.devices",
-            "2",
-            "--trainer.logger",
-            json.dumps([validate_logger]),
-            "--trainer.enable_progress_bar",
-            "false",
-        ],
-    )
-    validated = _csv_rows(tmp_path / "validate" / "csv" / "version_0")
+    # `validate` of the same config (its `ckpt_path: last`, the run's last.ckpt), as dp=1 x cp=2 instead of
+    # dp=2 x cp=2: the trained weights' number, logged as the run's next version.
+    same_run = ["--config", str(MAIN_JOB), "--trainer.logger", json.dumps(loggers)]
+    quiet = ["--trainer.enable_progress_bar", "false"]
+    world2.run(main, ["validate", *same_run, "--trainer.devices", "2", *quiet])
+    validated = _csv_rows(tmp_path / "csv" / "version_1")
     assert _last(validated, "val/loss") == pytest.approx(reference, rel=1e-5)
 
     # `predict` (dp=1 x cp=2) writes every target's log-probability, reassembled from the CP shards.
-    predict_logger = {**loggers[0], "init_args": {"save_dir": str(tmp_path / "predict"), "name": "csv"}}
-    world2.run(
-        main,
-        [
-            "predict",
-            "--config",
-            str(MAIN_JOB),
-            "--ckpt_path",
-            str(checkpoint),
-            "--trainer.devices",
-            "2",
-            "--trainer.logger",
-            json.dumps([predict_logger]),
-            "--trainer.enable_progress_bar",
-            "false",
-        ],
-    )
-    batches = torch.load(tmp_path / "predict" / "csv" / "version_0" / "predictions" / "logprobs.dp0.pt")
+    world2.run(main, ["predict", *same_run, "--trainer.devices", "2", *quiet])
+    batches = torch.load(tmp_path / "csv" / "version_2" / "predictions" / "logprobs.dp0.pt")
     targets = torch.cat([(b["labels"] != -100).flatten() for b in batches])
     logprobs = torch.cat([b["logprobs"].flatten() for b in batches])
     assert int(targets.sum()) == sum(t[1] for t in totals)
     assert -logprobs[targets].sum().item() == pytest.approx(sum(t[0] for t in totals), rel=1e-5)
     assert (logprobs[~targets] == 0).all()
+
+    # The checkpoint against another configuration: refused, every difference listed, before any rank starts.
+    result = _run_console_script(
+        "fit", *same_run, "--model.init_args.config.n_embd", "256", "--data.init_args.vocab_size", "256"
+    )
+    message = _check_one_line(result.returncode, result.stdout, result.stderr)
+    assert message == (
+        f"ckpt_path: '{checkpoint}' does not fit the configuration: model.init_args.config.n_embd: 128 in the "
+        "checkpoint, 256 in the configuration; data.init_args.vocab_size: 512 in the checkpoint, 256 in the "
+        "configuration. Set the configuration to the checkpoint's values, or --ckpt_path null for new weights."
+    )
+
+    # Re-running the finished run: it says so, exits 0 and leaves no new version behind.
+    result = _run_console_script("fit", *same_run, "--trainer.max_steps", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == (
+        f"lightning-cp: {checkpoint} already reached trainer.max_steps=4 (step 4): nothing to train. Raise "
+        "--trainer.max_steps to continue, or --ckpt_path null to start over."
+    )
+    assert sorted(p.name for p in (tmp_path / "csv").iterdir()) == ["version_0", "version_1", "version_2"]
+
+    # Continuing it on dp=1 x cp=2: one step more, from the checkpoint, and the halved global batch is named.
+    result = _run_console_script(
+        "fit",
+        *same_run,
+        "--trainer.max_steps",
+        "5",
+        "--trainer.devices",
+        "2",
+        "--trainer.val_check_interval",
+        "1",
+        "--trainer.log_every_n_steps",
+        "1",
+        *quiet,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _summary(result.stdout)["weights"] == str(checkpoint)
+    warnings = [line for line in result.stderr.splitlines() if "the global batch changes" in line]
+    assert len(warnings) == 1 and warnings[0].endswith(
+        "the global batch changes from 16 to 8 samples per optimizer step (dp x batch_size x "
+        "accumulate_grad_batches). To keep it, set trainer.accumulate_grad_batches=2."
+    )
+    assert [
+        int(row["step"]) for row in _csv_rows(tmp_path / "csv" / "version_3") if row.get("train/loss_step")
+    ] == [4]
+
+
+# --- mistakes found before any rank starts ---------------------------------------------------------------------
+
+
+def _late_mistake(case: str, tmp_path: Path) -> tuple[list[str], str]:
+    """A command line that used to fail only in the ranks (or run silently), and a part of its one line."""
+    logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path)}}
+    run = ["--config", str(MAIN_JOB), "--trainer.logger", json.dumps([logger])]
+    if case == "missing-checkpoint":
+        return ["fit", *run, "--ckpt_path", str(tmp_path / "missing.ckpt")], "missing.ckpt' does not exist"
+    if case == "truncated-checkpoint":
+        whole = tmp_path / "whole.ckpt"
+        torch.save({"state_dict": {"w": torch.zeros(1000)}, "global_step": 1}, whole)
+        (tmp_path / "cut.ckpt").write_bytes(whole.read_bytes()[:2000])
+        return ["fit", *run, "--ckpt_path", str(tmp_path / "cut.ckpt")], "is not a readable checkpoint"
+    if case == "fsdp-checkpoint-with-ddp":
+        (tmp_path / "last.ckpt").mkdir()
+        torch.save({"global_step": 1}, tmp_path / "last.ckpt" / "meta.pt")
+        return [
+            "fit",
+            *run,
+            "--ckpt_path",
+            str(tmp_path / "last.ckpt"),
+        ], "set trainer.strategy.init_args.fsdp: true"
+    if case == "validate-without-a-checkpoint":
+        return ["validate", *run], "ckpt_path: last: no checkpoint of this run matches"
+    assert case == "hf-heads-do-not-divide"
+    return ["fit", "--config", str(HF_CPU), "--model.init_args.config.num_key_value_heads", "3"], (
+        "num_attention_heads=4 is not a multiple of num_key_value_heads=3"
+    )
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing-checkpoint",
+        "truncated-checkpoint",
+        "fsdp-checkpoint-with-ddp",
+        "validate-without-a-checkpoint",
+        "hf-heads-do-not-divide",
+    ],
+)
+def test_late_mistakes_are_one_line_before_any_rank_starts(case, tmp_path):
+    """The 4-process configs: one line on stderr and exit 2 from the first process (no rank's log lines)."""
+    args, expected = _late_mistake(case, tmp_path)
+    result = _run_console_script(*args, timeout=60)
+    assert expected in _check_one_line(result.returncode, result.stdout, result.stderr)
+
+
+def test_example_configs_that_resume_save_their_last_checkpoint():
+    for config in CONFIGS.glob("*.yaml"):
+        tree = yaml.safe_load(config.read_text())
+        assert tree.get("ckpt_path") == "last", config.name
+        callbacks = tree["trainer"].get("callbacks") or []
+        saves_last = [
+            c
+            for c in callbacks
+            if c["class_path"].endswith("ModelCheckpoint") and c.get("init_args", {}).get("save_last")
+        ]
+        assert saves_last, f"{config.name}: ckpt_path: last but no ModelCheckpoint with save_last: true"
 
 
 def test_packed_token_file_config_runs(tmp_path):

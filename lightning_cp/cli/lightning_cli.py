@@ -19,23 +19,24 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import sys
 from argparse import ArgumentError
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from jsonargparse import set_parsing_settings
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 import lightning_cp  # noqa: F401  (registers strategy="megatron_cp")
 from lightning_cp.callbacks import TokenLogprobWriter
+from lightning_cp.cli import checkpoints
+from lightning_cp.cli.parse_errors import ConfigurationError, one_line
 from lightning_cp.strategies.preemption import PREEMPTED_EXIT_STATUS, PreemptionCheckpoint
 
 _EXIT_STATUS = 2
@@ -46,51 +47,30 @@ _SUBCOMMANDS = ("fit", "validate", "test", "predict")
 _SUMMARY_METRICS = ("train/loss_epoch", "val/loss", "val/accuracy")
 """Logged values printed after ``fit``, when present."""
 
-# Lines of jsonargparse's nested "Union" messages that describe the search, not the mistake.
-_NOISE = (
-    "Does not validate against any of the Union subtypes",
-    "Subtypes:",
-    "Errors:",
-    "Given value type:",
-    "Given value:",
-    "Expected a <class 'NoneType'>",  # the `None` alternative of every optional class argument
-)
-# jsonargparse's own reasons why an alternative of a Union does not fit. A reason of any other kind comes
-# from the class being built (MegatronCPStrategy, a callback) and is the one to show when there is one.
-_GENERIC = (
-    "Expected a ",
-    "Not a valid subclass of",
-    "Subclass types expect one of",
-    "a class path (str)",
-    "a dict with",
-    "a dict without",
-)
-_KEY_LINE = re.compile(r'Parser key "(?P<key>[^"]+)":\s*(?P<rest>.*)')
-_CLASS_LINE = re.compile(r"Problem with given class_path '(?P<class_path>[^']+)':\s*(?P<rest>.*)")
 
+class _HeldRecords:
+    """Keeps back what the handlers of some loggers would print until :meth:`release` emits or drops it."""
 
-class ConfigurationError(ValueError):
-    """A class named in the configuration rejected its arguments while the CLI was building it."""
+    def __init__(self, *loggers: logging.Logger) -> None:
+        self._held: list[tuple[logging.Handler, logging.LogRecord]] = []
+        self._filters = [
+            (handler, self._holder(handler)) for logger in loggers for handler in logger.handlers
+        ]
+        for handler, hold in self._filters:
+            handler.addFilter(hold)
 
+    def _holder(self, handler: logging.Handler) -> Callable[[logging.LogRecord], bool]:
+        def hold(record: logging.LogRecord) -> bool:
+            self._held.append((handler, record))
+            return False
 
-class _HeldRecords(logging.Filter):
-    """Keeps a logger's records back until :meth:`release`, which emits them or drops them."""
-
-    def __init__(self, logger: logging.Logger) -> None:
-        super().__init__()
-        self._logger = logger
-        self._records: list[logging.LogRecord] = []
-        logger.addFilter(self)
-
-    @override
-    def filter(self, record: logging.LogRecord) -> bool:
-        self._records.append(record)
-        return False
+        return hold
 
     def release(self, emit: bool) -> None:
-        self._logger.removeFilter(self)
-        for record in self._records if emit else ():
-            self._logger.handle(record)
+        for handler, hold in self._filters:
+            handler.removeFilter(hold)
+        for handler, record in self._held if emit else ():
+            handler.handle(record)
 
 
 class CPLightningCLI(LightningCLI):
@@ -114,9 +94,16 @@ class CPLightningCLI(LightningCLI):
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         super().parse_arguments(parser, args)
-        # Lightning logs "Seed set to N" before the classes are built: print it only once they are,
-        # so that a configuration error is the one line the user sees.
-        self._seed_message = _HeldRecords(logging.getLogger(seed_everything.__module__))
+        # Lightning logs "Seed set to N" and the trainer's devices while the classes are built: print them only
+        # once every check passed, so that a configuration error is the one line the user sees.
+        self._held_logs = _HeldRecords(
+            logging.getLogger("lightning.fabric"), logging.getLogger("lightning.pytorch")
+        )
+
+    @override
+    def _parse_ckpt_path(self) -> None:
+        """Nothing: Lightning's replaces the configuration's model with the checkpoint's hyperparameters,
+        silently; :meth:`instantiate_classes` compares them instead (:func:`checkpoints.differences`)."""
 
     @override
     def instantiate_classes(self) -> None:
@@ -124,25 +111,75 @@ class CPLightningCLI(LightningCLI):
         try:
             super().instantiate_classes()
             _check_vocabularies(self.model, self.datamodule)
+            self.checkpoint = self._checkpoint_to_load()
             built = True
         except (ValueError, TypeError, MisconfigurationException) as error:
             raise ConfigurationError(str(error)) from error
         finally:
-            self._seed_message.release(emit=built)
+            self._held_logs.release(emit=built)
+
+    def _checkpoint_to_load(self) -> checkpoints.CheckpointInfo | None:
+        """Resolve the subcommand's ``ckpt_path`` (``last`` included), read it and check it fits the config.
+
+        The resolved path replaces ``ckpt_path`` in the trainer method's arguments. ``last`` without a
+        checkpoint starts ``fit`` from new weights and is an error for the other subcommands (which would
+        otherwise evaluate an untrained model); ``best`` and Lightning's other names are left to Lightning.
+
+        Raises:
+            ConfigurationError: no checkpoint for ``last`` (not ``fit``), a path that does not exist or is
+                not a readable checkpoint, a sharded checkpoint without FSDP, or hyperparameters that differ.
+        """
+        if self.subcommand is None:
+            return None
+        arguments = self.config_init[self.subcommand]
+        ckpt_path = arguments.get("ckpt_path")
+        if ckpt_path is None or ckpt_path in ("best", "hpc") or str(ckpt_path).startswith("registry"):
+            return None
+        path = Path(ckpt_path)
+        if ckpt_path == "last":
+            found = checkpoints.last_checkpoint(self.trainer)
+            if found is None and self.subcommand == "fit":
+                arguments["ckpt_path"] = None
+                return None
+            if found is None:
+                search = checkpoints.last_checkpoint_search(self.trainer)
+                where = "(no ModelCheckpoint or logger)" if search is None else str(search[0] / search[1])
+                raise ConfigurationError(
+                    f"ckpt_path: last: no checkpoint of this run matches {where}. Run fit with the same "
+                    f"configuration first, give --ckpt_path PATH, or --ckpt_path null to {self.subcommand} "
+                    "the untrained model."
+                )
+            path = found
+        info = checkpoints.read_checkpoint(path, self.trainer)
+        found_differences = checkpoints.differences(info, self.model, self.datamodule)
+        if found_differences:
+            raise ConfigurationError(
+                f"ckpt_path: {str(path)!r} does not fit the configuration: {'; '.join(found_differences)}. "
+                "Set the configuration to the checkpoint's values, or --ckpt_path null for new weights."
+            )
+        arguments["ckpt_path"] = str(path)
+        return info
 
     def fit(self, **kwargs: Any) -> None:
-        """``trainer.fit``, then a summary naming the logs and the checkpoint to resume from (rank 0).
+        """``trainer.fit``, then a summary naming the logs and the checkpoints read and written (rank 0).
 
-        ``ckpt_path: last`` resumes the newest ``last*.ckpt`` of this run name: every run logs to a new
-        ``<save_dir>/<name>/version_N`` and its checkpoints go to ``version_N/checkpoints`` unless the
-        ``ModelCheckpoint`` has a ``dirpath``, so the previous versions are searched too. Re-running the same
-        command after a crash or a preemption therefore continues where it stopped.
+        ``ckpt_path: last`` resumes the newest ``last*.ckpt`` of this run name (:meth:`_checkpoint_to_load`),
+        so re-running the same command after a crash or a preemption continues where it stopped; a run whose
+        checkpoint already reached ``max_steps`` says so and ends with status 0 without training (nor a new
+        ``version_N``).
 
         The summary is printed when training ends, is preempted or crashes. A SIGTERM stop (preemption:
         every rank stopped after the same step, ``last.ckpt`` saved) ends the command with status 143.
         """
-        if kwargs.get("ckpt_path") == "last":
-            kwargs["ckpt_path"] = _last_checkpoint_of_run(self.trainer) or "last"
+        max_steps = self.trainer.max_steps
+        if self.checkpoint is not None and 0 <= max_steps <= self.checkpoint.global_step:
+            print(
+                f"lightning-cp: {self.checkpoint.path} already reached trainer.max_steps={max_steps} "
+                f"(step {self.checkpoint.global_step}): nothing to train. Raise --trainer.max_steps to "
+                "continue, or --ckpt_path null to start over.",
+                flush=True,
+            )
+            return
         try:
             self.trainer.fit(**kwargs)
         except SIGTERMException:
@@ -155,6 +192,16 @@ class CPLightningCLI(LightningCLI):
             raise
         self._print_summary("finished")
 
+    def validate(self, **kwargs: Any) -> None:
+        """``trainer.validate``, then a summary naming the checkpoint evaluated and the logs (rank 0)."""
+        self.trainer.validate(**kwargs)
+        self._print_evaluation("validate")
+
+    def test(self, **kwargs: Any) -> None:
+        """``trainer.test``, then a summary naming the checkpoint evaluated and the logs (rank 0)."""
+        self.trainer.test(**kwargs)
+        self._print_evaluation("test")
+
     def predict(self, **kwargs: Any) -> None:
         """``trainer.predict``, writing the per-token log-probabilities (:class:`TokenLogprobWriter`) under the
         first logger's directory unless the trainer already has a prediction writer."""
@@ -166,14 +213,35 @@ class CPLightningCLI(LightningCLI):
             )
         trainer.predict(**{**kwargs, "return_predictions": False})
         writers = [callback for callback in trainer.callbacks if isinstance(callback, TokenLogprobWriter)]
+        self._print_evaluation("predict")
         if trainer.is_global_zero and writers:
-            print(f"\nlightning-cp: per-token log-probabilities in {writers[0].output_dir}", flush=True)
+            print(f"  {'output:':<12}{writers[0].output_dir}  (per-token log-probabilities)", flush=True)
+
+    def _checkpoint_line(self) -> str:
+        return f"  {'weights:':<12}" + (
+            f"{self.checkpoint.path} (step {self.checkpoint.global_step})"
+            if self.checkpoint is not None
+            else "new (no checkpoint loaded)"
+        )
+
+    def _print_evaluation(self, subcommand: str) -> None:
+        trainer = self.trainer
+        if not trainer.is_global_zero:
+            return
+        lines = ["", f"lightning-cp: {subcommand} finished", self._checkpoint_line()]
+        if trainer.loggers:
+            lines.append(f"  {'logs:':<12}{trainer.loggers[0].log_dir or trainer.loggers[0].save_dir}")
+        print("\n".join(lines), flush=True)
 
     def _print_summary(self, outcome: str) -> None:
         trainer = self.trainer
         if not trainer.is_global_zero:
             return
-        lines = ["", f"lightning-cp: training {outcome} after {trainer.global_step} steps"]
+        lines = [
+            "",
+            f"lightning-cp: training {outcome} after {trainer.global_step} steps",
+            self._checkpoint_line(),
+        ]
         for logger in trainer.loggers:
             label = "logs:" if logger is trainer.loggers[0] else ""
             lines.append(f"  {label:<12}{logger.log_dir or logger.save_dir}  ({type(logger).__name__})")
@@ -207,22 +275,6 @@ def _check_vocabularies(model: LightningModule, datamodule: LightningDataModule 
         )
 
 
-def _last_checkpoint_of_run(trainer: Trainer) -> str | None:
-    """The newest ``last*.ckpt`` in ``<save_dir>/<name>/version_*/checkpoints`` of the first logger.
-
-    ``None`` when the ``ModelCheckpoint`` has its own ``dirpath`` (Lightning's ``"last"`` finds it there),
-    there is no checkpointing or no logger, or no such file exists.
-    """
-    checkpoint = trainer.checkpoint_callback
-    if not isinstance(checkpoint, ModelCheckpoint) or checkpoint.dirpath is not None or not trainer.loggers:
-        return None
-    logger = trainer.loggers[0]
-    run = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name or "")
-    pattern = f"version_*/checkpoints/{checkpoint.CHECKPOINT_NAME_LAST}*{checkpoint.FILE_EXTENSION}"
-    candidates = list(run.glob(pattern))
-    return str(max(candidates, key=lambda path: path.stat().st_mtime)) if candidates else None
-
-
 def _resume_checkpoint(trainer: Trainer) -> str | None:
     """The newest checkpoint of this run: the preemption one, else the ModelCheckpoint's last or best."""
     for callback in trainer.callbacks:
@@ -232,46 +284,6 @@ def _resume_checkpoint(trainer: Trainer) -> str | None:
     if checkpoint is None:
         return None
     return checkpoint.last_model_path or checkpoint.best_model_path or None
-
-
-def _one_line(message: str) -> str:
-    """The most specific statement of a (possibly nested, multi-line) parser error, with its key.
-
-    jsonargparse reports a bad value inside an optional class argument as a tree: the key, every
-    alternative of the ``Union`` it tried, the class it imported, the nested key and only then the
-    reason. The line a user can act on is a reason given by the class being built (rather than
-    jsonargparse's "Expected a ..." for an alternative that does not fit), and among those the deepest;
-    the ``Parser key`` and ``class_path`` lines above it (by indentation) give its full key, e.g.
-    ``model.init_args.lr``.
-    """
-    lines = [line for line in message.splitlines() if line.strip()]
-    enclosing: list[tuple[int, str, str]] = []  # (indent, "key" | "class", name) of the lines above
-    best: tuple[tuple[bool, int], list[tuple[int, str, str]], str] | None = None
-    for line in lines:
-        text = line.strip().removeprefix("- ")
-        if text.startswith(_NOISE):
-            continue
-        indent = len(line) - len(line.lstrip(" -"))
-        while enclosing and enclosing[-1][0] >= indent:
-            enclosing.pop()
-        reason = text
-        for kind, pattern in (("key", _KEY_LINE), ("class", _CLASS_LINE)):
-            match = pattern.fullmatch(text)
-            if match:
-                enclosing.append((indent, kind, match.group(1)))
-                reason = match.group("rest")
-                break
-        rank = (not reason.startswith(_GENERIC), indent)
-        if reason and (best is None or rank > best[0]):
-            best = (rank, list(enclosing), reason)
-    if best is None:
-        return lines[0].strip() if lines else message
-    _, path, reason = best
-    last_key = max((i for i, (_, kind, _) in enumerate(path) if kind == "key"), default=-1)
-    parts = [name if kind == "key" else "init_args" for _, kind, name in path[: last_key + 1]]
-    for _, _, class_path in path[last_key + 1 :]:
-        reason = f"class_path '{class_path}': {reason}"  # the class itself failed (import, required args)
-    return f"{'.'.join(parts)}: {reason}" if parts else reason
 
 
 def main(args: list[str] | None = None) -> None:
@@ -302,5 +314,5 @@ def main(args: list[str] | None = None) -> None:
     except (ArgumentError, ConfigurationError) as error:
         if os.environ.get("JSONARGPARSE_DEBUG"):
             raise
-        print(f"lightning-cp: error: {_one_line(str(error))}", file=sys.stderr, flush=True)
+        print(f"lightning-cp: error: {one_line(str(error))}", file=sys.stderr, flush=True)
         raise SystemExit(_EXIT_STATUS) from None

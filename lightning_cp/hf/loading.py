@@ -64,7 +64,8 @@ def check_causal_lm_config(config: Mapping[str, Any] | str, owner: str = "HFCaus
     Raises:
         ValueError: a path that is not a directory, a directory without ``config.json`` or without
             safetensors weights, a dict without ``model_type``, a ``model_type`` ``transformers`` does not
-            know (with the closest known names), or one without a causal-LM class.
+            know (with the closest known names), or one without a causal-LM class, a config its
+            ``transformers`` config class rejects, or head counts that do not divide.
     """
     if isinstance(config, str):
         config = _read_directory_config(config, owner)
@@ -74,6 +75,7 @@ def check_causal_lm_config(config: Mapping[str, Any] | str, owner: str = "HFCaus
             "transformers model type, e.g. model_type: qwen3 or model_type: llama."
         )
     _check_model_type(config["model_type"], owner)
+    _check_transformers_accepts(config, owner)
 
 
 def _read_directory_config(path: str, owner: str) -> dict[str, Any]:
@@ -121,6 +123,29 @@ def _check_model_type(model_type: str, owner: str) -> None:
             f"{owner}(config=...): model_type {model_type!r} has no causal-LM class in transformers "
             f"{__version__} (AutoModelForCausalLM does not build it); use a decoder model such as llama, "
             "qwen3 or mistral."
+        )
+
+
+def _check_transformers_accepts(config: Mapping[str, Any], owner: str) -> None:
+    """``transformers``' own validation of the config (no weights), and what only the first forward would
+    find: grouped-query attention needs ``num_attention_heads`` to be a multiple of ``num_key_value_heads``."""
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.for_model(**config)
+    except Exception as error:  # noqa: BLE001 - transformers' validators raise several types
+        reason = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        raise ValueError(
+            f"{owner}(config=...): transformers refuses this {config['model_type']} config: {reason}"
+        ) from None
+    # Read from the dict: a per-layer (heterogeneous) config refuses attribute access to these fields.
+    values = hf_config.to_dict()
+    heads, kv_heads = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
+        raise ValueError(
+            f"{owner}(config=...): num_attention_heads={heads} is not a multiple of "
+            f"num_key_value_heads={kv_heads}: choose num_key_value_heads among the divisors of "
+            "num_attention_heads."
         )
 
 

@@ -57,8 +57,9 @@ class HFCausalLM(CPLossMixin, LightningModule):
         ImportError: ``transformers`` is not installed (``pip install 'lightning-cp[hf]'``).
         ValueError: a config ``transformers`` cannot build a causal LM from (see
             :func:`~lightning_cp.hf.loading.check_causal_lm_config`): a dict without ``model_type``, an
-            unknown ``model_type`` or one without a causal-LM class, a path that is not a directory or lacks
-            ``config.json`` or safetensors weights. The CLI reports it as one line, before any process starts.
+            unknown ``model_type`` or one without a causal-LM class, values its ``transformers`` config class
+            rejects, head counts that do not divide, a path that is not a directory or lacks ``config.json``
+            or safetensors weights. The CLI reports it as one line, before any process starts.
     """
 
     def __init__(

@@ -36,6 +36,7 @@ from lightning_cp.strategies._modules import (
     resolve_classes,
 )
 from lightning_cp.strategies.checkpoint_io import AtomicCheckpointIO
+from lightning_cp.strategies.global_batch import GlobalBatchRecord
 from lightning_cp.strategies.preemption import PreemptionCheckpoint, StopOnSigterm
 
 
@@ -63,6 +64,9 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
     - stop every rank after the same step on a SIGTERM, within two steps
       (:class:`~lightning_cp.strategies.preemption.StopOnSigterm`), and save that step as ``last.ckpt``
       (:class:`~lightning_cp.strategies.preemption.PreemptionCheckpoint`, added to the callbacks);
+    - keep the layout and the global batch in checkpoints, and say once how the global batch changes when a
+      run resumes on another layout (:class:`~lightning_cp.strategies.global_batch.GlobalBatchRecord`,
+      added to the callbacks);
     - write checkpoint files atomically (:class:`~lightning_cp.strategies.checkpoint_io.AtomicCheckpointIO`
       unless ``checkpoint_io`` is given).
 
@@ -142,6 +146,15 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         super()._configure_launcher()
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # Before Lightning restores the callbacks' states from the checkpoint (DDP restores them before setup).
+        trainer = self.lightning_module.trainer
+        for callback_type in (PreemptionCheckpoint, GlobalBatchRecord):
+            if not any(isinstance(callback, callback_type) for callback in trainer.callbacks):
+                trainer.callbacks.append(callback_type())
+
+    @override
     def setup_distributed(self) -> None:
         self._data_parallel_size()
         super().setup_distributed()
@@ -164,16 +177,14 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        self._prepare_module(trainer)
+        self._prepare_module()
         super().setup(trainer)
 
-    def _prepare_module(self, trainer: Trainer) -> None:
-        """What ``setup`` does before wrapping: the model checks, ``PreemptionCheckpoint``, checkpointing."""
+    def _prepare_module(self) -> None:
+        """What ``setup`` does before wrapping: the model checks, activation checkpointing."""
         assert isinstance(self.model, LightningModule)
         _check_steps_take_batches(self.model)
         check_models(self.model, self.layout, self.root_device)
-        if not any(isinstance(callback, PreemptionCheckpoint) for callback in trainer.callbacks):
-            trainer.callbacks.append(PreemptionCheckpoint())
         if self.activation_checkpointing:
             owner = type(self).__name__
             classes = resolve_classes(

@@ -125,7 +125,7 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         starts from the weights of its group's first rank, as DDP's construction does); the planning
         collectives of ``torch.distributed.checkpoint.load`` for pretrained weights.
         """
-        self._prepare_module(trainer)
+        self._prepare_module()
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)

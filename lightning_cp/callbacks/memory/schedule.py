@@ -61,9 +61,10 @@ def parse_steps(steps: Sequence[int | str] | None) -> tuple[Window, ...]:
             raise ValueError(
                 f"steps item {item!r} must be a step (10) or a window 'first-last' ('10-12')."
             ) from None
-        if window[0] < 0 or window[0] > window[1]:
+        if window[0] > window[1]:
             raise ValueError(
-                f"steps item {item!r} must be non-negative steps with first <= last, e.g. '10-12'."
+                f"steps item {item!r}: its first step {window[0]} comes after its last step {window[1]}; "
+                f"write '{window[1]}-{window[0]}'."
             )
         windows.append(window)
     windows.sort()

@@ -12,7 +12,10 @@ from lightning_cp.callbacks.memory.schedule import StepSchedule
     ("kwargs", "message"),
     [
         ({"steps": "10-12"}, r"steps='10-12' must be a list, e.g. steps=\['10-12'\]"),
-        ({"steps": ["12-10"]}, r"steps item '12-10' must be non-negative steps with first <= last"),
+        (
+            {"steps": ["12-10"]},
+            r"steps item '12-10': its first step 12 comes after its last step 10; write '10-12'",
+        ),
         ({"steps": ["ten"]}, r"steps item 'ten' must be a step \(10\) or a window"),
         ({"steps": [5, "3-6"]}, r"3-6 and 5-5 overlap"),
         ({"ranks": "first"}, r"ranks='first' must be 'all', 'local_zero' or a list"),
