@@ -59,6 +59,12 @@ def _failure(name: str, ranks: list[dict], expected: support_table.Outcome) -> s
 
 
 def test_the_families_are_the_auto_mapping_less_the_rule_s_exclusions():
+    import transformers
+
+    assert transformers.__version__ == support_table.TRANSFORMERS_VERSION, (
+        f"the support table lists transformers {support_table.TRANSFORMERS_VERSION}'s families, this is "
+        f"{transformers.__version__}: install the test extra's pin, or update the table for this release"
+    )
     kept, excluded = families()
     assert sorted(support_table.EXPECTED) == kept, "families with no expected outcome, or outcomes of others"
     assert len(kept) + len(excluded) == len(set(kept) | set(excluded))
