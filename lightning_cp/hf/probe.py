@@ -20,6 +20,11 @@ refusal, and a head that needs transforms is marked so that the loss refuses its
 
 What a short probe cannot show is checked on the config (:mod:`lightning_cp.hf.check`): RoPE scalings
 that pick their frequencies from the sequence length, chunked attention, attention dropout.
+
+:func:`check_models` is both, for models every rank holds whole (DDP). Under FSDP the strategy runs
+:func:`check_configs` before sharding and :func:`probe_models` after it, inside the root unit's forward, so
+that models loaded shard by shard (:func:`~lightning_cp.load_pretrained`) are probed too, and the head's
+mark (:meth:`~lightning_cp.ops.OutputHead.mark_weight`) lands on the gathered weight the loss is given.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_cp.constants import CP_SHARD, CU_SEQLENS, INPUT_IDS, POSITION_IDS
 from lightning_cp.hf.causal_lm import decoder, output_head
@@ -60,31 +65,57 @@ class _Recorded:
 
 def check_models(module: nn.Module, layout: ParallelLayout, device: torch.device) -> None:
     """Refuse, before the first step, anything in ``module`` whose training under ``layout`` could differ
-    from the unsharded model's.
+    from the unsharded model's: :func:`check_configs`, then :func:`probe_models` with the models moved to
+    ``device`` (the strategy's root device, where setup moves them next anyway), so that the probe's
+    collectives run on the CP group's backend.
 
-    Runs :func:`~lightning_cp.hf.check_attention_is_context_parallel` (cp > 1), then for every
-    ``transformers`` model in ``module`` (the outermost ones: a causal LM, a teacher, a user's own) the
-    config checks of :func:`~lightning_cp.hf.check.check_config_is_context_parallel` and the behavioural
-    probe of this module's docstring. Models are moved to ``device`` first (the strategy's root device,
-    where setup moves them next anyway), so that the probe's collectives run on the CP group's backend.
-
-    Every rank of the CP group must call this with the same module (the probe's collectives: one
-    ``all_gather_object`` and one all-gather per compared module output over ``layout.cp_group``).
+    Every rank of the CP group must call this with the same module (the probe's collectives).
 
     Raises:
-        ValueError: naming the model, the module or config attribute, and what to change.
+        ValueError: naming the model, the module or config attribute, and what to change; also for a model
+            whose parameters are on the meta device (only :class:`~lightning_cp.MegatronCPFSDPStrategy`
+            materializes those, and probes them after sharding).
+    """
+    check_configs(module, layout)
+    for where, model in _transformers_models(module):
+        if any(p.is_meta for p in model.parameters()):
+            raise ValueError(
+                f"{where} ({type(model).__name__}) has parameters on the meta device: only "
+                "MegatronCPFSDPStrategy (fsdp: true) fills a model built by lightning_cp.load_pretrained shard "
+                "by shard; elsewhere build it outside the strategy's model_sharded_context."
+            )
+        model.to(device)
+    probe_models(module, layout, device)
+
+
+def check_configs(module: nn.Module, layout: ParallelLayout) -> None:
+    """The checks that need no weights: :func:`~lightning_cp.hf.check_attention_is_context_parallel`
+    (cp > 1), and for every ``transformers`` model in ``module`` (the outermost ones: a causal LM, a teacher,
+    a user's own) :func:`~lightning_cp.hf.check.check_config_is_context_parallel` (what a short probe
+    cannot show). No communication.
+
+    Raises:
+        ValueError: naming the model, the attribute and what to change.
     """
     check_attention_is_context_parallel(module, layout.cp)
     for where, model in _transformers_models(module):
         check_config_is_context_parallel(model, where, layout.cp)
-        if any(p.is_meta for p in model.parameters()):
-            rank_zero_warn(
-                f"{where} ({type(model).__name__}) is loaded shard by shard (lightning_cp.load_pretrained under "
-                "MegatronCPFSDPStrategy): the static checks ran, the behavioural probe did not (no rank holds "
-                "the weights). A family outside README's support table: probe it once with MegatronCPStrategy."
-            )
-            continue
-        model.to(device)
+
+
+def probe_models(module: nn.Module, layout: ParallelLayout, device: torch.device) -> None:
+    """The behavioural probe of this module's docstring on every ``transformers`` model in ``module``, whose
+    parameters are on ``device``: whole, or sharded by FSDP2, in which case this must run inside the FSDP
+    root's forward (the root unit's parameters gathered; every inner unit gathers its own as it runs).
+
+    Communication over ``layout.cp_group``: one ``all_gather_object`` and one all-gather per compared
+    module output; for whole models an all-gather of checksums of the weights (and broadcasts of CP rank
+    0's weights where they differ); for sharded ones FSDP's own all-gathers, the same on every rank.
+
+    Raises:
+        ValueError: naming the model, the first module that differs (or the exception of the sharded
+            pass) and what to change.
+    """
+    for where, model in _transformers_models(module):
         _probe(model, where, layout, device)
 
 
@@ -241,8 +272,8 @@ def _same_weights_over_cp(model: nn.Module, layout: ParallelLayout) -> None:
     """Give every CP rank CP rank 0's parameters and buffers if they differ (as DDP and FSDP do next, over
     DP x CP): the sharded outputs of ranks with other weights could not be compared. One all-gather of a
     checksum per tensor; the broadcasts only when the checksums differ."""
-    if layout.cp_group is None:
-        return
+    if layout.cp_group is None or any(isinstance(p, DTensor) for p in model.parameters()):
+        return  # FSDP's shards of one tensor came from one checkpoint, or from a broadcast before sharding
     tensors = [*model.parameters(), *model.buffers()]
     sums = torch.stack([t.detach().double().sum() for t in tensors]) if tensors else torch.zeros(0)
     gathered = [torch.empty_like(sums) for _ in range(layout.cp)]

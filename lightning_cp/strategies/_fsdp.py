@@ -11,8 +11,8 @@ gathers them once per step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -20,6 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lightning_cp.parallel.layout import ProcessGroup
+
+T = TypeVar("T")
 
 _PRECISIONS = {
     "32-true": MixedPrecisionPolicy(),
@@ -96,3 +98,22 @@ def shard(
     root = _Root(module)
     fully_shard(root, mesh=mesh, mp_policy=policy)
     return root
+
+
+def call_in_root(root: nn.Module, function: Callable[[], T]) -> T:
+    """``function()`` run as the forward of ``root`` (a :func:`shard` result), so that FSDP's root hooks run
+    around it: the first call initializes FSDP's state with ``root`` as its root (a call of an inner unit
+    first would make that unit the root), and the root unit's parameters are gathered while it runs. Inner
+    units gather their own when called. Lightning runs the step methods the same way. After it, every unit
+    holds its shards again (FSDP's root keeps its parameters gathered after a forward, for the backward that
+    follows one in training: an optimizer built next must see the sharded parameters).
+
+    Communication: FSDP's all-gather of the root unit's parameters over its mesh.
+    """
+    inner = root.module
+    inner.forward = lambda: function()  # an instance attribute, deleted after: the class's forward returns
+    try:
+        return root()
+    finally:
+        del inner.forward
+        root.reshard()

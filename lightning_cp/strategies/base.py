@@ -184,13 +184,17 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         """What ``setup`` does before wrapping: the model checks, activation checkpointing."""
         assert isinstance(self.model, LightningModule)
         _check_steps_take_batches(self.model)
-        check_models(self.model, self.layout, self.root_device)
+        self._check_models()
         if self.activation_checkpointing:
             owner = type(self).__name__
             classes = resolve_classes(
                 owner, "activation_checkpointing", self.activation_checkpointing, self.model
             )
             apply_checkpointing(self.model, classes)
+
+    def _check_models(self) -> None:
+        """Refuse models CP cannot train exactly (:func:`lightning_cp.hf.check_models`), before wrapping."""
+        check_models(self.model, self.layout, self.root_device)
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:

@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_cp.hf.loading import deferred_loading, materialize_pretrained
+from lightning_cp.hf.probe import check_configs, probe_models
 from lightning_cp.strategies import _fsdp
 from lightning_cp.strategies._modules import ModuleSpec, check_module_specs, resolve_classes
 from lightning_cp.strategies.base import MegatronCPBase, broadcast_from_first
@@ -119,11 +120,14 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
 
         Replaces ``DDPStrategy.setup``: no DDP wrapper, and no broadcast of the module's states over the world.
         Parameters built on the meta device by :func:`~lightning_cp.load_pretrained` are allocated after
-        sharding, each rank its own shards, and read from their checkpoint.
+        sharding, each rank its own shards, and read from their checkpoint. The setup probe of
+        ``transformers`` models (:func:`~lightning_cp.hf.probe.probe_models`) runs then, on the sharded
+        model, so that no model goes unprobed and no rank holds more than one unit gathered.
 
         Communication: a broadcast of every parameter not on the meta device over DP x CP (every replica
         starts from the weights of its group's first rank, as DDP's construction does); the planning
-        collectives of ``torch.distributed.checkpoint.load`` for pretrained weights.
+        collectives of ``torch.distributed.checkpoint.load`` for pretrained weights; the probe's (FSDP's
+        all-gathers of each unit, the comparisons over CP).
         """
         self._prepare_module()
         assert self.accelerator is not None and self.model is not None
@@ -143,11 +147,18 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         if on_meta:
             materialize_pretrained(self.model, self.root_device)
             self.model_to_device()
+        module = self.lightning_module
+        _fsdp.call_in_root(self.model, lambda: probe_models(module, self.layout, self.root_device))
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def _check_models(self) -> None:
+        """The checks that need no weights; the behavioural probe runs after sharding, in ``setup``."""
+        check_configs(self.model, self.layout)
 
     @override
     @contextmanager

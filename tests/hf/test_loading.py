@@ -13,6 +13,7 @@ import torch
 from lightning_cp.cli import main as cli_main
 from lightning_cp.hf.loading import check_causal_lm_config
 from lightning_cp.models import HFCausalLM
+from tests.hf._families import tiny_config
 from tests.hf._models import VOCAB
 from tests.hf._pretrained import SEQ, assert_logits_of, save_pretrained, sharded_logits
 
@@ -125,6 +126,16 @@ def test_sharded_load_refuses_a_checkpoint_of_another_shape(world2, tmp_path):
     config.save_pretrained(directory)
     for message in world2.run(_load_error, directory):  # every rank refuses, before any collective
         assert re.search(r"holds model\.layers\.0\.mlp\.\w+_proj\.weight \(\d+, \d+\)", message), message
+
+
+def test_a_model_loaded_shard_by_shard_is_probed(world2, tmp_path):
+    """No rank holds the model whole, yet the setup probe runs (on the sharded model, after loading): a
+    family whose layers convolve over the sequence is refused, on every rank, before any step."""
+    torch.manual_seed(0)
+    directory = tmp_path / "lfm2"
+    transformers.AutoModelForCausalLM.from_config(tiny_config("lfm2")).save_pretrained(directory)
+    for message in world2.run(_load_error, directory):
+        assert message is not None and "convolves over the sequence" in message, message
 
 
 def _load_error(directory):
