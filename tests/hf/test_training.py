@@ -5,15 +5,19 @@ attention, in a plain single-process loop with the same AdamW on the same global
 steps the model is plain ``"sdpa"`` attention again.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, seed_everything
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy
 from lightning_cp.data import LongRangeCopyDataset, collate_padded
 from lightning_cp.models import HFCausalLM
 from lightning_cp.parallel import shard_batch
 from tests._trainer import cp_trainer as _trainer
+from tests._trainer import quiet_trainer
+from tests.hf._families import tiny_config
 from tests.hf._models import CONFIGS, VOCAB, build
 
 GLOBAL_BATCH = 4
@@ -194,3 +198,30 @@ def test_predict_step_gives_the_log_probability_of_every_target():
     assert target.sum() > 10 and torch.equal(out["labels"], shard["labels"])
     torch.testing.assert_close(out["logprobs"][target], expected[target], rtol=1e-5, atol=1e-5)
     assert (out["logprobs"][~target] == 0).all()
+
+
+class _BareWeightModule(HFCausalLM):
+    """A user's step with the LM-head weight alone (the README's plain recipe), wrong for a scaled head."""
+
+    def training_step(self, batch, batch_idx):
+        return self.lm_loss(self(batch), self.model.lm_head.weight, batch)
+
+
+def _bare_weight_error(fsdp):
+    config = tiny_config("cohere", logit_scale=0.125).to_dict()
+    data = LongRangeCopyDataset(num_samples=4, seq_len=26, vocab_size=config["vocab_size"], seed=3)
+    strategy = MegatronCPFSDPStrategy(cp=2) if fsdp else MegatronCPStrategy(cp=2)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=1)
+    try:
+        trainer.fit(_BareWeightModule(config), DataLoader(data, batch_size=2, collate_fn=collate_padded))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_the_weight_of_a_scaled_head_alone_is_refused(world2, fsdp):
+    """Cohere multiplies its logits by logit_scale: the loss of the bare weight is refused, also under FSDP,
+    where the weight a step sees is the one FSDP gathers (marked by the probe run after sharding)."""
+    for message in world2.run(_bare_weight_error, fsdp):
+        assert message is not None and "CohereForCausalLM (its logits apply logit_scale=0.125)" in message
