@@ -11,8 +11,10 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -81,7 +83,9 @@ class MegatronCPStrategy(MegatronCPBase, metaclass=_FSDPSwitch):
       the global batch. A single replica (``dp * cp == 1``, e.g. one device) has nothing to average and is
       trained unwrapped;
     - parameters that are not tensor-parallel shards are broadcast within the TP group before DDP
-      broadcasts over DP x CP, so every replica starts from the same weights;
+      broadcasts over DP x CP, so every replica starts from the same weights; to evaluate (``validate``,
+      ``test``, ``predict``: no DDP wrapper) the same two broadcasts, where Lightning's DDP setup would
+      broadcast rank 0's whole module over the world and give every TP rank TP rank 0's shards;
     - ``fsdp=True`` returns a :class:`~lightning_cp.MegatronCPFSDPStrategy` built from the other arguments
       instead (``MegatronCPStrategy(cp=2, fsdp=True)`` is ``MegatronCPFSDPStrategy(cp=2)``), so that a YAML
       config switches to FSDP with one key.
@@ -152,6 +156,20 @@ class MegatronCPStrategy(MegatronCPBase, metaclass=_FSDPSwitch):
             start_method=start_method,
             **_check_ddp_keywords(kwargs),
         )
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            super().setup(trainer)
+            return
+        self._prepare_module()
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._broadcast_within_tp(self.model)
+        broadcast_from_first([*self.model.parameters(), *self.model.buffers()], self.layout.loss_group)
+        self.setup_precision_plugin()
 
     @override
     def configure_ddp(self) -> None:

@@ -445,3 +445,30 @@ def test_a_single_replica_is_trained_unwrapped_and_matches_single_process(world2
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
         for name, value in ref_weights.items():
             torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+class _Weights(Callback):
+    def on_validation_start(self, trainer, pl_module):
+        self.weights = {n: p.detach().clone() for n, p in pl_module.model.named_parameters()}
+
+
+def _validate_with_tp_shards():
+    """tp = 2 on 2 ranks: before ``validate``, one weight marked as this rank's TP shard and one replicated
+    weight hold the rank's number; returns both as the evaluation sees them."""
+    module = GPTModule(CONFIG)
+    shard, replicated = module.model.norm.weight, module.model.embed.weight
+    shard.tensor_model_parallel = True
+    with torch.no_grad():
+        shard.fill_(dist.get_rank())
+        replicated.fill_(dist.get_rank())
+    weights = _Weights()
+    trainer = _trainer(1, dist.get_world_size(), strategy=MegatronCPStrategy(tp=2), callbacks=[weights])
+    trainer.validate(module, _loader(GLOBAL_BATCH, False))
+    return weights.weights["norm.weight"].unique().tolist(), weights.weights["embed.weight"].unique().tolist()
+
+
+def test_evaluation_keeps_each_rank_s_tensor_parallel_shard(world2):
+    """Lightning's DDP setup broadcasts rank 0's module over the whole world to evaluate: here TP shards stay
+    each rank's, and replicated weights come from TP rank 0 (as when fitting)."""
+    for rank, (shard, replicated) in enumerate(world2.run(_validate_with_tp_shards)):
+        assert shard == [float(rank)] and replicated == [0.0]
