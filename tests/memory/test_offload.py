@@ -96,7 +96,9 @@ def test_the_inputs_leave_the_device_between_forward_and_backward():
         model, _ = _checkpointed(_gpt(), offload=offload)
         inputs = []
         for block in model.blocks:
-            block.register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0])))
+            block.register_forward_pre_hook(
+                lambda m, args, inputs=inputs: inputs.append(weakref.ref(args[0]))
+            )
         tokens = torch.randint(0, 64, (2, 24))
         loss = model(tokens, torch.arange(24).expand_as(tokens)).sum()
         assert sum(ref() is not None for ref in inputs) == alive
