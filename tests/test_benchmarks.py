@@ -489,3 +489,24 @@ def test_load_memory_reports_both_methods_for_a_tiny_model():
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert [row.split("|")[1].strip() for row in rows[1:]] == ["from_pretrained", "load_pretrained + FSDP"]
+
+
+# --------------------------------------------------------------------------------------------------
+# activation_memory.py
+
+
+def test_activation_memory_quick_keeps_the_loss_and_moves_the_checkpointed_inputs(tmp_path):
+    """The GPT rows of ``--quick``: every case has plain's loss and gradient norm; checkpointing keeps far less
+    than plain; offload moves the layer inputs (T x d fp32 per layer, plus the RoPE tables) off the device."""
+    report = tmp_path / "activation_memory.json"
+    result = _run_script("activation_memory.py", "--quick", "--models", "gpt", "--json", str(report))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {row["case"]: row for row in json.loads(report.read_text())["results"]}
+    assert list(rows) == ["plain", "checkpointing", "checkpointing+offload", "+tiled MLP"]
+    assert all(row["status"] == "ok" and row["same"] == "yes" for row in rows.values())
+    layer_input = 512 * 128 * 4  # tokens x dim, fp32
+    assert rows["plain"]["offloaded"] == rows["checkpointing"]["offloaded"] == 0
+    for case in ("checkpointing+offload", "+tiled MLP"):
+        assert rows[case]["offloaded"] >= 2 * layer_input
+    assert rows["checkpointing"]["resident_per_layer"] < rows["plain"]["resident_per_layer"] / 10
+    assert rows["checkpointing+offload"]["resident_per_layer"] < rows["checkpointing"]["resident_per_layer"]

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from lightning_cp.memory.offload import ActivationOffload, offload_checkpointed
+
 ModuleSpec = str | type[nn.Module]
 """A module class, or its class name (``type(module).__name__``), e.g. ``"LlamaDecoderLayer"``."""
 
@@ -53,14 +55,19 @@ def resolve_classes(
     return tuple(classes)
 
 
-def apply_checkpointing(module: nn.Module, classes: Sequence[type[nn.Module]]) -> None:
+def apply_checkpointing(
+    module: nn.Module, classes: Sequence[type[nn.Module]], offload: bool = False
+) -> ActivationOffload | None:
     """Recompute the activations of every submodule of one of ``classes`` in backward, in place.
 
     Non-reentrant (``torch.distributed._composable.checkpoint``): parameter names do not change, and it
-    composes with ``fully_shard`` and DDP.
+    composes with ``fully_shard`` and DDP. With ``offload``, the inputs the checkpointed modules keep until
+    their backward are held in host memory (:func:`lightning_cp.memory.offload_checkpointed`), which is
+    returned.
     """
     from torch.distributed._composable import checkpoint
 
     for submodule in module.modules():
         if isinstance(submodule, tuple(classes)):
             checkpoint(submodule)
+    return offload_checkpointed(module) if offload else None

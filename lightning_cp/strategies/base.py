@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_cp.hf.probe import check_models
+from lightning_cp.memory.offload import ActivationOffload
 from lightning_cp.parallel import groups
 from lightning_cp.parallel.layout import (
     ParallelLayout,
@@ -60,7 +61,9 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
     - refuse at ``setup`` any model whose training under this layout could differ from the unsharded
       model's (:func:`lightning_cp.hf.check_models`: attention that would see only the local shard, other
       token mixing, length-dependent positions, output transforms the loss would not apply);
-    - recompute the ``activation_checkpointing`` modules' activations in backward;
+    - recompute the ``activation_checkpointing`` modules' activations in backward and, with
+      ``offload_activations``, keep their saved inputs in host memory until then
+      (:attr:`activation_offload`);
     - stop every rank after the same step on a SIGTERM, within two steps
       (:class:`~lightning_cp.strategies.preemption.StopOnSigterm`), and save that step as ``last.ckpt``
       (:class:`~lightning_cp.strategies.preemption.PreemptionCheckpoint`, added to the callbacks);
@@ -75,6 +78,9 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         tp: tensor-parallel size (ranks that share one layer's weights).
         activation_checkpointing: modules (classes or class names) whose activations are recomputed in
             backward (non-reentrant). Default: none.
+        offload_activations: keep what the ``activation_checkpointing`` modules save for their backward (their
+            inputs) in host memory, copied back ahead of need (:func:`lightning_cp.memory.offload_checkpointed`).
+            Needs ``activation_checkpointing``.
         checkpoint_io: default :class:`~lightning_cp.strategies.checkpoint_io.AtomicCheckpointIO`.
         **kwargs: ``DDPStrategy``'s other arguments.
     """
@@ -87,6 +93,7 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         cp: int,
         tp: int,
         activation_checkpointing: Sequence[ModuleSpec] | None,
+        offload_activations: bool,
         checkpoint_io: CheckpointIO | None,
         **kwargs: Any,
     ) -> None:
@@ -96,6 +103,14 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         self.activation_checkpointing = check_module_specs(
             owner, "activation_checkpointing", activation_checkpointing
         )
+        if offload_activations and not self.activation_checkpointing:
+            raise ValueError(
+                f"{owner}(offload_activations=True) offloads what checkpointed modules keep for their backward, "
+                "but activation_checkpointing is not set: name the layers to recompute, e.g. "
+                'activation_checkpointing=["LlamaDecoderLayer"], or remove offload_activations.'
+            )
+        self.offload_activations = offload_activations
+        self._activation_offload: ActivationOffload | None = None
         super().__init__(checkpoint_io=checkpoint_io or AtomicCheckpointIO(), **kwargs)
         self._layout: ParallelLayout | None = None
         self._device_mesh: DeviceMesh | None = None
@@ -125,6 +140,12 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
                 "allowed: use it in the LightningModule's hooks (configure_model, the step methods)."
             )
         return self._device_mesh
+
+    @property
+    def activation_offload(self) -> ActivationOffload | None:
+        """With ``offload_activations``, what moves the checkpointed modules' inputs (its ``stats`` count the
+        bytes) once the module is set up; else ``None``."""
+        return self._activation_offload
 
     @property
     def dp(self) -> int:
@@ -190,7 +211,7 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
             classes = resolve_classes(
                 owner, "activation_checkpointing", self.activation_checkpointing, self.model
             )
-            apply_checkpointing(self.model, classes)
+            self._activation_offload = apply_checkpointing(self.model, classes, self.offload_activations)
 
     def _check_models(self) -> None:
         """Refuse models CP cannot train exactly (:func:`lightning_cp.hf.check_models`), before wrapping."""

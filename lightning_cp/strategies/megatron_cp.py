@@ -44,7 +44,7 @@ def _check_ddp_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise TypeError(
             f"MegatronCPStrategy got unexpected keyword argument(s) {unknown}. It takes cp, tp, fsdp, fsdp_wrap, "
-            f"activation_checkpointing, the arguments of DDPStrategy and these DistributedDataParallel options: {', '.join(_DDP_KEYWORDS)}."
+            f"activation_checkpointing, offload_activations, the arguments of DDPStrategy and these DistributedDataParallel options: {', '.join(_DDP_KEYWORDS)}."
         )
     return kwargs
 
@@ -97,6 +97,8 @@ class MegatronCPStrategy(MegatronCPBase, metaclass=_FSDPSwitch):
         fsdp_wrap: with ``fsdp=True``, the FSDP units (see :class:`~lightning_cp.MegatronCPFSDPStrategy`).
         activation_checkpointing: modules (classes or class names) whose activations are recomputed in
             backward (non-reentrant). Default: none.
+        offload_activations: keep the ``activation_checkpointing`` modules' saved inputs in host memory between
+            forward and backward, copied back ahead of need. Needs ``activation_checkpointing``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
         **kwargs: ``DDPStrategy``'s communication-hook options and
@@ -106,7 +108,7 @@ class MegatronCPStrategy(MegatronCPBase, metaclass=_FSDPSwitch):
         TypeError: ``cp`` or ``tp`` is not an integer, an unknown keyword argument, or
             ``activation_checkpointing`` holds something that is neither a module class nor a name.
         ValueError: ``cp`` or ``tp`` < 1, ``fsdp_wrap`` without ``fsdp=True``, DDP options with
-            ``fsdp=True``, or the world size is not divisible by ``tp * cp`` (raised when the Trainer is
+            ``fsdp=True``, ``offload_activations`` without ``activation_checkpointing``, or the world size is not divisible by ``tp * cp`` (raised when the Trainer is
             built, before any process is launched or collective is run). At setup: an
             ``activation_checkpointing`` entry that matches no module, or (``cp > 1``) a model with attention
             that is not context-parallel.
@@ -125,6 +127,7 @@ class MegatronCPStrategy(MegatronCPBase, metaclass=_FSDPSwitch):
         fsdp: bool = False,
         fsdp_wrap: Sequence[ModuleSpec] | None = None,
         activation_checkpointing: Sequence[ModuleSpec] | None = None,
+        offload_activations: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -146,6 +149,7 @@ class MegatronCPStrategy(MegatronCPBase, metaclass=_FSDPSwitch):
             cp=cp,
             tp=tp,
             activation_checkpointing=activation_checkpointing,
+            offload_activations=offload_activations,
             checkpoint_io=checkpoint_io,
             accelerator=accelerator,
             parallel_devices=parallel_devices,

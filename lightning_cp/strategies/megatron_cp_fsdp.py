@@ -62,13 +62,15 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
             else none (the whole model is one unit).
         activation_checkpointing: modules (classes or class names) whose activations are recomputed in
             backward (non-reentrant). Default: none.
+        offload_activations: keep the ``activation_checkpointing`` modules' saved inputs in host memory between
+            forward and backward, copied back ahead of need. Needs ``activation_checkpointing``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
 
     Raises:
         TypeError: ``cp`` or ``tp`` is not an integer, or ``fsdp_wrap`` / ``activation_checkpointing`` holds
             something that is neither a module class nor a name.
-        ValueError: ``cp`` < 1, ``tp != 1``, or the world size is not divisible by ``cp`` (raised when the
+        ValueError: ``cp`` < 1, ``tp != 1``, ``offload_activations`` without ``activation_checkpointing``, or the world size is not divisible by ``cp`` (raised when the
             Trainer is built). At setup: a ``fsdp_wrap`` / ``activation_checkpointing`` entry that matches no
             module, a precision FSDP does not support, or (``cp > 1``) attention that is not context-parallel.
 
@@ -85,6 +87,7 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         tp: int = 1,
         fsdp_wrap: Sequence[ModuleSpec] | None = None,
         activation_checkpointing: Sequence[ModuleSpec] | None = None,
+        offload_activations: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -98,6 +101,7 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
             cp=cp,
             tp=tp,
             activation_checkpointing=activation_checkpointing,
+            offload_activations=offload_activations,
             checkpoint_io=checkpoint_io,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
