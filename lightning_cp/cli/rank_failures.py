@@ -158,13 +158,15 @@ class ReportingLauncher(_SubprocessScriptLauncher):
 
     def _cause(self, rank: int, proc: subprocess.Popen) -> tuple[str, int] | None:
         """How rank ``rank`` (ended) caused the failure, with the status it implies; ``None`` if it did not."""
-        if proc.pid in self._killed or proc.returncode == 0:
+        if proc.returncode == 0:
             return None
         assert self.reports is not None
         report = self.reports / f"rank-{rank}.txt"
         if report.exists():
             kind, _, message = report.read_text().partition("\n")
             return None if kind == "peer" else (f"failed: {message}", 1)
+        if proc.pid in self._killed:
+            return None
         if proc.returncode < 0:
             name = signal.Signals(-proc.returncode).name
             hint = " (also what the out-of-memory killer sends)" if name == "SIGKILL" else ""

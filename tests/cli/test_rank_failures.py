@@ -30,7 +30,12 @@ _GLOO_CLOSED = (
 _MAX_LINES = 40
 
 
-def _fit_with_a_failing_rank(tmp_path, rank: int, how: str) -> subprocess.CompletedProcess:
+def _fit_with_a_failing_rank(tmp_path, rank: int, how: str, devices: int = 2) -> subprocess.CompletedProcess:
+    """``lightning-cp fit`` of the main job on ``devices`` ranks, rank ``rank`` failing after step 2.
+
+    Two ranks run the config's cp=2 (one sequence over both, collectives in every layer); any other number
+    runs cp=1 (DDP's gradient all-reduce every step).
+    """
     callback = {
         "class_path": "tests.cli._failing_rank.FailRank",
         "init_args": {"rank": rank, "step": 2, "how": how},
@@ -48,7 +53,9 @@ def _fit_with_a_failing_rank(tmp_path, rank: int, how: str) -> subprocess.Comple
         "--ckpt_path",
         "null",
         "--trainer.devices",
-        "2",  # cp=2 of the config: one sequence over both ranks, every step has collectives
+        str(devices),
+        "--trainer.strategy.init_args.cp",
+        "2" if devices == 2 else "1",
         "--trainer.max_steps",
         "20",
         "--trainer.logger",
@@ -107,7 +114,7 @@ def test_the_launcher_that_raises_names_itself_and_stops_the_other_ranks(tmp_pat
 
 
 def test_a_killed_launcher_is_reported_once_by_the_ranks_it_started(tmp_path):
-    result = _fit_with_a_failing_rank(tmp_path, rank=0, how="kill")
+    result = _fit_with_a_failing_rank(tmp_path, rank=0, how="kill", devices=3)  # 2 ranks left to agree
     output = _output(result)
     assert result.returncode == -signal.SIGKILL, output[-3000:]
     assert output.count("ended without a summary") == 1, output
