@@ -143,7 +143,7 @@ def test_strategy_help_describes_every_argument(strategy, cli):
     assert status == 0
     # Without the "--X.help [CLASS_PATH_OR_NAME] Show the help for ..." entries of class-typed arguments.
     options = _described_options(
-        re.sub(r"  --[\w.]+\.help \[CLASS_PATH_OR_NAME\]\n.*?exit\.", "", out, flags=re.S)
+        re.sub(r"  --[\w.]+\.help \[CLASS_PATH_OR_NAME\]\n.*?exit\.", "", out, flags=re.DOTALL)
     )
     for name in list(inspect.signature(strategy.__init__).parameters)[1:]:
         if name != "kwargs":

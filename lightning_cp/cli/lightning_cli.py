@@ -11,7 +11,9 @@ stderr, ``lightning-cp: error: <key>: <reason>``, instead of a usage dump or a t
 a value of the wrong type, or a class that rejects its arguments when it is built (``cp`` not dividing the
 number of devices, say). Only parsing and the building of the model, data module and trainer are treated
 this way; an error raised while training keeps its traceback. Set ``JSONARGPARSE_DEBUG=1`` to get the
-traceback of a configuration error too.
+traceback of a configuration error too. When a rank of a run dies (a signal, or an exception), the rank is
+named once, with how it died, instead of every other rank's collective traceback
+(:mod:`lightning_cp.cli.rank_failures`).
 """
 
 from __future__ import annotations
