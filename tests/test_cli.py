@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import yaml
 from lightning.pytorch import Trainer
 
-from lightning_cp import MegatronCPStrategy, MemoryProfilerCallback
+from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy, MemoryProfilerCallback
 from lightning_cp.callbacks.memory.schedule import parse_steps
 from lightning_cp.cli import main
 from lightning_cp.data import LongRangeDataModule, TokenFileDataset, write_token_file
@@ -134,6 +134,21 @@ def test_help_documents_model_config_fields_and_data_arguments(cli):
     assert status == 0
     options = _described_options(out)
     assert "Stop training after this number of steps" in options["--trainer.max_steps"]
+
+
+@pytest.mark.parametrize("strategy", [MegatronCPStrategy, MegatronCPFSDPStrategy], ids=lambda c: c.__name__)
+def test_strategy_help_describes_every_argument(strategy, cli):
+    """A docstring entry jsonargparse cannot parse (one naming several arguments) drops them all."""
+    status, out, _ = cli("fit", "--trainer.strategy.help", f"lightning_cp.{strategy.__name__}")
+    assert status == 0
+    # Without the "--X.help [CLASS_PATH_OR_NAME] Show the help for ..." entries of class-typed arguments.
+    options = _described_options(
+        re.sub(r"  --[\w.]+\.help \[CLASS_PATH_OR_NAME\]\n.*?exit\.", "", out, flags=re.DOTALL)
+    )
+    for name in list(inspect.signature(strategy.__init__).parameters)[1:]:
+        if name != "kwargs":
+            assert options.get(f"--trainer.strategy.{name}"), f"--trainer.strategy.{name} has no description"
+    assert options["--trainer.strategy.cp"].startswith("context-parallel size")
 
 
 def test_top_level_help_lists_lightnings_subcommands_and_the_packages_commands(cli):

@@ -11,7 +11,9 @@ stderr, ``lightning-cp: error: <key>: <reason>``, instead of a usage dump or a t
 a value of the wrong type, or a class that rejects its arguments when it is built (``cp`` not dividing the
 number of devices, say). Only parsing and the building of the model, data module and trainer are treated
 this way; an error raised while training keeps its traceback. Set ``JSONARGPARSE_DEBUG=1`` to get the
-traceback of a configuration error too.
+traceback of a configuration error too. When a rank of a run dies (a signal, or an exception), the rank is
+named once, with how it died, instead of every other rank's collective traceback
+(:mod:`lightning_cp.cli.rank_failures`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import lightning_cp  # noqa: F401  (registers strategy="megatron_cp")
 from lightning_cp.callbacks import TokenLogprobWriter
 from lightning_cp.cli import checkpoints
 from lightning_cp.cli.parse_errors import ConfigurationError, one_line
+from lightning_cp.cli.rank_failures import ReportingLauncher, handle_failure
 from lightning_cp.strategies.preemption import PREEMPTED_EXIT_STATUS, PreemptionCheckpoint
 
 _EXIT_STATUS = 2
@@ -112,11 +115,22 @@ class CPLightningCLI(LightningCLI):
             super().instantiate_classes()
             _check_vocabularies(self.model, self.datamodule)
             self.checkpoint = self._checkpoint_to_load()
+            ReportingLauncher.replace(self.trainer)
             built = True
         except (ValueError, TypeError, MisconfigurationException) as error:
             raise ConfigurationError(str(error)) from error
         finally:
             self._held_logs.release(emit=built)
+
+    @override
+    def _run_subcommand(self, subcommand: str) -> None:
+        """The subcommand; when it fails on a run of several ranks, one summary of which rank failed and how
+        (:mod:`lightning_cp.cli.rank_failures`) instead of every rank's traceback."""
+        try:
+            super()._run_subcommand(subcommand)
+        except Exception as error:
+            handle_failure(error, self.trainer)
+            raise
 
     def _checkpoint_to_load(self) -> checkpoints.CheckpointInfo | None:
         """Resolve the subcommand's ``ckpt_path`` (``last`` included), read it and check it fits the config.

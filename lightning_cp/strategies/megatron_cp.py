@@ -99,8 +99,17 @@ class MegatronCPStrategy(MegatronCPBase, metaclass=_FSDPSwitch):
             backward (non-reentrant). Default: none.
         offload_activations: keep the ``activation_checkpointing`` modules' saved inputs in host memory between
             forward and backward, copied back ahead of need. Needs ``activation_checkpointing``.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-        process_group_backend, timeout, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        accelerator: the device type (default: the Trainer's ``accelerator``).
+        parallel_devices: the devices of this node's ranks (default: from the Trainer's ``devices``).
+        cluster_environment: where each rank's rank, the world size and the main address come from
+            (default: detected: SLURM, torchrun, ..., else Lightning's launcher).
+        checkpoint_io: how checkpoint files are written; default
+            :class:`~lightning_cp.strategies.checkpoint_io.AtomicCheckpointIO`.
+        precision_plugin: the numeric precision (default: the Trainer's ``precision``).
+        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on the CPU unless given.
+        timeout: how long a collective waits for the other ranks before it fails.
+        start_method: how the ranks are started: ``"popen"`` runs the command again once per device (as
+            ``DDPStrategy`` does), the others are ``multiprocessing`` start methods.
         **kwargs: ``DDPStrategy``'s communication-hook options and
             :class:`~torch.nn.parallel.DistributedDataParallel` options (``find_unused_parameters``, ...).
 

@@ -55,7 +55,7 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
 
     Args:
         cp: context-parallel size (ranks that share one sequence).
-        tp: tensor-parallel size; only 1 (the TP shards are not ``DTensor``\\ s): use
+        tp: tensor-parallel size; only 1 (the TP shards are not DTensors): use
             :class:`~lightning_cp.MegatronCPStrategy` for ``tp > 1``.
         fsdp_wrap: the modules that become FSDP units (gathered one at a time), as classes or class names.
             Default: the ``_no_split_modules`` the model declares (Hugging Face models, the package GPT),
@@ -64,8 +64,17 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
             backward (non-reentrant). Default: none.
         offload_activations: keep the ``activation_checkpointing`` modules' saved inputs in host memory between
             forward and backward, copied back ahead of need. Needs ``activation_checkpointing``.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-        process_group_backend, timeout, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        accelerator: the device type (default: the Trainer's ``accelerator``).
+        parallel_devices: the devices of this node's ranks (default: from the Trainer's ``devices``).
+        cluster_environment: where each rank's rank, the world size and the main address come from
+            (default: detected: SLURM, torchrun, ..., else Lightning's launcher).
+        checkpoint_io: how checkpoint files are written; default
+            :class:`~lightning_cp.strategies.checkpoint_io.AtomicCheckpointIO`.
+        precision_plugin: the numeric precision (default: the Trainer's ``precision``).
+        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on the CPU unless given.
+        timeout: how long a collective waits for the other ranks before it fails.
+        start_method: how the ranks are started: ``"popen"`` runs the command again once per device (as
+            ``DDPStrategy`` does), the others are ``multiprocessing`` start methods.
 
     Raises:
         TypeError: ``cp`` or ``tp`` is not an integer, or ``fsdp_wrap`` / ``activation_checkpointing`` holds
