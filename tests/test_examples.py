@@ -133,6 +133,16 @@ REPO = EXAMPLES.parent
 SFT_CPU = EXAMPLES / "configs" / "hf_sft_chat_cpu.yaml"
 SFT_GPU = EXAMPLES / "configs" / "hf_sft_chat_gpu.yaml"
 JOURNEY = "## Fine-tuning a chat model in three commands"
+CONSOLE_SCRIPT = str(Path(sys.executable).with_name("lightning-cp"))
+
+
+def _run_in(cwd: Path, *command: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``command`` run in ``cwd`` as a user types it; it must succeed."""
+    result = subprocess.run(
+        list(command), cwd=cwd, env=env, check=False, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
 
 
 def _readme_blocks(language: str) -> list[str]:
@@ -151,15 +161,7 @@ def journey_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("journey")
     (command,) = [line for line in _readme_blocks("bash")[0].splitlines() if "make_tiny_hf_model" in line]
     script, out_dir = command.split()[1:]
-    result = subprocess.run(
-        [sys.executable, str(REPO / script), out_dir],
-        cwd=directory,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _run_in(directory, sys.executable, str(REPO / script), out_dir)
     assert "400 conversations (chat.jsonl)" in result.stdout
     return directory
 
@@ -198,16 +200,7 @@ def test_the_fine_tuning_journey_runs_in_three_commands(journey_dir, tmp_path):
         "--trainer.enable_progress_bar",
         "false",
     ]
-    result = subprocess.run(
-        [str(Path(sys.executable).with_name("lightning-cp")), *args, *short],
-        cwd=journey_dir,
-        env=env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _run_in(journey_dir, CONSOLE_SCRIPT, *args, *short, env=env)
     assert "training finished after 4 steps" in result.stdout
     summary = re.search(
         r"TextDataModule train: 380 documents, \d+ tokens in (\d+) rows of 256, packing efficiency ([\d.]+)%",
@@ -218,16 +211,7 @@ def test_the_fine_tuning_journey_runs_in_three_commands(journey_dir, tmp_path):
     assert (export / "config.json").is_file() and (export / "chat_template.jinja").is_file()
 
     (python,) = _readme_blocks("python")
-    generated = subprocess.run(
-        [sys.executable, "-c", python],
-        cwd=journey_dir,
-        env=env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert generated.returncode == 0, generated.stderr[-3000:]
+    generated = _run_in(journey_dir, sys.executable, "-c", python, env=env)
     assert generated.stdout.endswith("\n")  # the decoded reply (after 4 steps it may be empty)
 
     from transformers import AutoModelForCausalLM
@@ -241,21 +225,9 @@ def test_the_fine_tuning_journey_runs_in_three_commands(journey_dir, tmp_path):
 
 
 def _print_config(config: Path) -> dict:
-    result = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("lightning-cp")),
-            "fit",
-            "--config",
-            str(config),
-            "--print_config",
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    return yaml.safe_load(
+        _run_in(REPO, CONSOLE_SCRIPT, "fit", "--config", str(config), "--print_config").stdout
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return yaml.safe_load(result.stdout)
 
 
 @pytest.mark.parametrize("config", [SFT_CPU, SFT_GPU], ids=lambda p: p.stem)

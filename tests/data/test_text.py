@@ -7,13 +7,13 @@ import json
 import shutil
 
 import pytest
-import torch
-from lightning.pytorch import LightningModule, seed_everything
+from lightning.pytorch import seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_cp.constants import CU_SEQLENS, INPUT_IDS, LOSS_MASK
 from lightning_cp.data import TextDataModule
 from tests._trainer import quiet_trainer
+from tests.data.test_resumable import _Recorder
 
 
 def _module(tiny_chat_dir, tmp_path, file="chat.jsonl", **options) -> TextDataModule:
@@ -169,25 +169,39 @@ def test_files_are_tokenized_once_and_read_from_the_cache(tiny_chat_dir, tmp_pat
     assert second._train.documents.cache_files == first._train.documents.cache_files
 
 
-class _Recorder(LightningModule):
-    """Records the token ids of every batch it trains on (the weights never change)."""
+def test_another_tokenizer_is_not_served_from_the_cache(tiny_chat_dir, tmp_path):
+    first = _module(tiny_chat_dir, tmp_path)
+    changed = tmp_path / "changed"
+    shutil.copytree(tiny_chat_dir, changed)
+    template = changed / "chat_template.jinja"
+    template.write_text(template.read_text().replace("'\\n' -}}{%- endfor", "'\\n\\n' -}}{%- endfor"))
+    data = TextDataModule(
+        str(tiny_chat_dir / "chat.jsonl"), str(changed), format="chat", cache_dir=str(tmp_path / "cache")
+    )
+    data.prepare_data()
+    data.setup("fit")
+    assert data._train.documents.cache_files != first._train.documents.cache_files
+    document = data._train.rows[0][0].document
+    assert len(data._train.documents[document][INPUT_IDS]) > len(first._train.documents[document][INPUT_IDS])
 
-    def __init__(self) -> None:
+
+class _RowRecorder(_Recorder):
+    """Records the first row's token ids of every batch of the data module's training loader."""
+
+    def __init__(self, data: TextDataModule) -> None:
         super().__init__()
-        self.layer = torch.nn.Linear(1, 1)
-        self.trained: list[list[int]] = []
+        self.data = data
 
     def training_step(self, batch, batch_idx):
         self.trained.append(batch[INPUT_IDS][0].tolist())
         return self.layer(batch[LOSS_MASK][:, :1]).sum() * 0.0
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
+    def train_dataloader(self):
+        return self.data.train_dataloader()
 
 
 def _train(tiny_chat_dir, tmp_path, directory, max_steps, ckpt_path=None):
     seed_everything(0)
-    module = _Recorder()
     data = TextDataModule(
         str(tiny_chat_dir / "chat.jsonl"),
         str(tiny_chat_dir),
@@ -196,13 +210,16 @@ def _train(tiny_chat_dir, tmp_path, directory, max_steps, ckpt_path=None):
         batch_size=2,
         cache_dir=str(tmp_path / "cache"),
     )
+    data.prepare_data()
+    data.setup("fit")  # a fresh data module, as a resumed run builds it
+    module = _RowRecorder(data)
     trainer = quiet_trainer(
         max_steps=max_steps,
         limit_val_batches=0,
         enable_checkpointing=True,
         callbacks=[ModelCheckpoint(dirpath=directory, every_n_train_steps=3, save_top_k=-1)],
     )
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    trainer.fit(module, ckpt_path=ckpt_path)
     return module.trained
 
 
