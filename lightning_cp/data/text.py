@@ -18,6 +18,7 @@ next-token labels per sequence).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -194,6 +195,8 @@ class TextDataModule(_CPDataModule):
             val_fraction = 0.01 if val_fraction is None else val_fraction
             if not 0.0 < val_fraction < 1.0:
                 raise ValueError(f"val_fraction={val_fraction} must be in (0, 1), or set val_path.")
+        if importlib.util.find_spec("datasets") is None:
+            raise ImportError("TextDataModule needs datasets: pip install 'lightning-cp[data]'.")
         self._tokenizer = load_tokenizer(tokenizer, format)
         self.save_hyperparameters()
         self.path, self.tokenizer, self.seq_len, self.format = path, tokenizer, seq_len, format
@@ -272,10 +275,8 @@ class TextDataModule(_CPDataModule):
     def _tokenized(self, file: str) -> Any:
         """The tokenized ``datasets.Dataset`` of ``file`` (``input_ids``, ``length``; chat: ``loss_mask``,
         ``first_target``), from the cache when an equal file, tokenizer and format were tokenized before."""
-        try:
-            import datasets
-        except ImportError as error:
-            raise ImportError("TextDataModule needs datasets: pip install 'lightning-cp[data]'.") from error
+        import datasets
+
         builder = _BUILDERS[os.path.splitext(file)[1]]
         raw = datasets.load_dataset(builder, data_files=file, split="train", cache_dir=self.cache_dir)
         if self.column not in raw.column_names:
