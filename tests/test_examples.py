@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+import yaml
 
 from lightning_cp.data import TokenFileDataset
 
@@ -123,3 +125,142 @@ def test_rl_policy_loss_matches_materialized_logits_and_optimizes():
     assert steps[0]["kl"] == 0 and steps[0]["clip_frac"] == 0
     assert steps[1]["kl"] > 0 and steps[2]["loss"] < steps[0]["loss"]
     assert 0 < steps[0]["entropy"] <= np.log(128)
+
+
+# --- the fine-tuning journey (README "Fine-tuning a chat model in three commands") --------------------------
+
+REPO = EXAMPLES.parent
+SFT_CPU = EXAMPLES / "configs" / "hf_sft_chat_cpu.yaml"
+SFT_GPU = EXAMPLES / "configs" / "hf_sft_chat_gpu.yaml"
+JOURNEY = "## Fine-tuning a chat model in three commands"
+CONSOLE_SCRIPT = str(Path(sys.executable).with_name("lightning-cp"))
+
+
+def _run_in(cwd: Path, *command: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``command`` run in ``cwd`` as a user types it; it must succeed."""
+    result = subprocess.run(
+        list(command), cwd=cwd, env=env, check=False, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _readme_blocks(language: str) -> list[str]:
+    """The ``language`` code blocks of the README's journey section."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index(JOURNEY) :]
+    section = section[: section.index("\n## ", 1)]
+    return re.findall(rf"```{language}\n(.*?)```", section, flags=re.DOTALL)
+
+
+@pytest.fixture(scope="module")
+def journey_dir(tmp_path_factory):
+    """A working directory where the README's first command ran (``runs/tiny``), as a user runs it."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("datasets")
+    directory = tmp_path_factory.mktemp("journey")
+    (command,) = [line for line in _readme_blocks("bash")[0].splitlines() if "make_tiny_hf_model" in line]
+    script, out_dir = command.split()[1:]
+    result = _run_in(directory, sys.executable, str(REPO / script), out_dir)
+    assert "400 conversations (chat.jsonl)" in result.stdout
+    return directory
+
+
+def test_make_tiny_hf_model_writes_a_chat_model_transformers_loads_offline(journey_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tiny = journey_dir / "runs" / "tiny"
+    tokenizer = AutoTokenizer.from_pretrained(tiny, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny, local_files_only=True)
+    assert model.config.vocab_size == len(tokenizer) and model.config.model_type == "llama"
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    assert "{% generation %}" in tokenizer.chat_template
+    conversations = [json.loads(line)["messages"] for line in (tiny / "chat.jsonl").read_text().splitlines()]
+    assert len(conversations) == 400 and len({json.dumps(c) for c in conversations}) > 350
+    for messages in conversations:
+        roles = [m["role"] for m in messages if m["role"] != "system"]
+        assert roles == ["user", "assistant"] * (len(roles) // 2) and roles
+    encoded = tokenizer.apply_chat_template(
+        conversations[0], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    assert 0 < sum(encoded["assistant_masks"]) < len(encoded["input_ids"])
+
+
+def test_the_fine_tuning_journey_runs_in_three_commands(journey_dir, tmp_path):
+    """The README's commands in a fresh directory: the config (a few steps), then its Python generates."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
+    (fit,) = [line for line in _readme_blocks("bash")[0].splitlines() if line.startswith("lightning-cp fit")]
+    args = fit.split()[1:]
+    args[args.index("--config") + 1] = str(SFT_CPU)
+    short = [
+        "--trainer.max_steps",
+        "4",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.enable_progress_bar",
+        "false",
+    ]
+    result = _run_in(journey_dir, CONSOLE_SCRIPT, *args, *short, env=env)
+    assert "training finished after 4 steps" in result.stdout
+    summary = re.search(
+        r"TextDataModule train: 380 documents, \d+ tokens in (\d+) rows of 256, packing efficiency ([\d.]+)%",
+        result.stderr,
+    )
+    assert summary and float(summary.group(2)) > 90, result.stderr[-3000:]
+    export = journey_dir / "runs" / "tiny-sft" / "hf"
+    assert (export / "config.json").is_file() and (export / "chat_template.jinja").is_file()
+
+    (python,) = _readme_blocks("python")
+    generated = _run_in(journey_dir, sys.executable, "-c", python, env=env)
+    assert generated.stdout.endswith("\n")  # the decoded reply (after 4 steps it may be empty)
+
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(export).state_dict()
+    start = AutoModelForCausalLM.from_pretrained(journey_dir / "runs" / "tiny").state_dict()
+    assert trained.keys() == start.keys()
+    assert any(
+        not torch.equal(trained[name], start[name]) for name in start
+    )  # the export holds the trained weights
+
+
+def _print_config(config: Path) -> dict:
+    return yaml.safe_load(
+        _run_in(REPO, CONSOLE_SCRIPT, "fit", "--config", str(config), "--print_config").stdout
+    )
+
+
+@pytest.mark.parametrize("config", [SFT_CPU, SFT_GPU], ids=lambda p: p.stem)
+def test_sft_chat_configs_parse_and_validate(config, journey_dir):
+    """Parsed by the CLI, then every argument built as the run builds it, with the tiny model's files in
+    place of the data and tokenizer paths (the GPU config's 8B directory is not here)."""
+    from lightning_cp import MegatronCPFSDPStrategy
+    from lightning_cp.data import TextDataModule
+    from lightning_cp.hf import ExportHFOnFitEnd
+
+    tree = _print_config(config)
+    trainer, model, data = tree["trainer"], tree["model"]["init_args"], tree["data"]["init_args"]
+    strategy = trainer["strategy"]
+    assert strategy["class_path"] == "lightning_cp.MegatronCPFSDPStrategy"
+    MegatronCPFSDPStrategy(**strategy["init_args"])
+    cp = strategy["init_args"]["cp"]
+    assert (trainer["devices"] * trainer["num_nodes"]) % cp == 0 and data["seq_len"] % (2 * cp) == 0
+    assert tree["model"]["class_path"] == "lightning_cp.models.HFCausalLM"
+    assert model["config"] == data["tokenizer"]  # the pretrained directory's own tokenizer
+    callbacks = {c["class_path"]: c["init_args"] for c in trainer["callbacks"]}
+    ExportHFOnFitEnd(**callbacks["lightning_cp.hf.ExportHFOnFitEnd"])
+    assert tree["data"]["class_path"] == "lightning_cp.data.TextDataModule" and data["format"] == "chat"
+    tiny = journey_dir / "runs" / "tiny"
+    files = {"path": str(tiny / "chat.jsonl"), "tokenizer": str(tiny)}
+    if data["val_path"] is not None:
+        files["val_path"] = str(tiny / "chat.jsonl")
+    TextDataModule(**{**data, **files})  # validates every other argument
+    if config == SFT_CPU:
+        assert (trainer["accelerator"], trainer["devices"], cp) == ("cpu", 2, 2)  # dp1 x cp2
+        assert (model["config"], data["path"]) == ("runs/tiny", "runs/tiny/chat.jsonl")
+        output = callbacks["lightning_cp.hf.ExportHFOnFitEnd"]["output_dir"]
+        assert f'from_pretrained("{output}")' in _readme_blocks("python")[0]
+    else:
+        assert (trainer["accelerator"], trainer["devices"], trainer["precision"]) == ("gpu", 8, "bf16-mixed")
+        assert data["seq_len"] == 131072 and model["gradient_checkpointing"]
+        assert data["seq_len"] // cp <= 32768  # tokens per GPU

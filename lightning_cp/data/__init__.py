@@ -6,6 +6,10 @@
   file (:class:`TokenFileDataset`; fixed windows or EOS-delimited documents; its dtype recorded in the
   sidecar that :func:`write_token_file` writes) or a Megatron-LM / NeMo indexed dataset
   (:class:`MegatronIndexedDataset`, ``prefix.bin`` + ``prefix.idx``; its documents).
+- :class:`TextDataModule`: local text or chat files (``.jsonl`` / ``.json`` / ``.parquet`` / ``.arrow``)
+  tokenized once with a local ``transformers`` tokenizer (``datasets`` caches them), packed into rows of
+  ``seq_len`` tokens best-fit decreasing (:func:`pack_documents`); for chat only the assistant's tokens are
+  targets.
 - :class:`ResumableDataLoader`: a ``DataLoader`` whose position in the epoch is checkpointed, for exact
   mid-epoch resumption.
 - :func:`collate_padded` (``[B, S]``) and :func:`collate_packed` (``[1, T]`` + ``cu_seqlens``).
@@ -18,18 +22,25 @@ Megatron-core, so DataLoader workers stay light.
 from lightning_cp.data.collate import collate_packed, collate_padded
 from lightning_cp.data.datamodule import LongRangeDataModule, TokenFileDataModule
 from lightning_cp.data.megatron_indexed import MegatronIndexedDataset
+from lightning_cp.data.packing import Piece, pack_documents
 from lightning_cp.data.resumable import ResumableDataLoader
 from lightning_cp.data.synthetic import LongRangeCopyDataset
+from lightning_cp.data.text import PackedRows, PackingSummary, TextDataModule
 from lightning_cp.data.token_file import TokenFileDataset, write_token_file
 
 __all__ = [
     "LongRangeCopyDataset",
     "LongRangeDataModule",
     "MegatronIndexedDataset",
+    "PackedRows",
+    "PackingSummary",
+    "Piece",
     "ResumableDataLoader",
+    "TextDataModule",
     "TokenFileDataModule",
     "TokenFileDataset",
     "collate_packed",
     "collate_padded",
+    "pack_documents",
     "write_token_file",
 ]

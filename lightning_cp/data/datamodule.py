@@ -26,6 +26,8 @@ Example (YAML for ``lightning-cp fit``)::
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from lightning.pytorch import LightningDataModule
@@ -40,10 +42,20 @@ from lightning_cp.data.token_file import TokenDType, TokenFileDataset, _check_to
 
 
 class _CPDataModule(LightningDataModule):
-    """DataLoader construction shared by the DataModules (subclasses set ``_train``, ``_val`` in setup)."""
+    """DataLoader construction shared by the DataModules (subclasses set ``_train``, ``_val`` in setup).
+
+    ``collate`` replaces the padded / packed collate function of ``packed`` (a module-level function, so
+    that workers started with ``spawn`` can pickle it).
+    """
 
     def __init__(
-        self, batch_size: int, packed: bool, shuffle: bool, num_workers: int, pad_id: int = 0
+        self,
+        batch_size: int,
+        packed: bool,
+        shuffle: bool,
+        num_workers: int,
+        pad_id: int = 0,
+        collate: Callable[[list[Any]], dict[str, Any]] | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -54,7 +66,9 @@ class _CPDataModule(LightningDataModule):
         self.packed = packed
         self.shuffle = shuffle
         self.num_workers = num_workers
-        self._collate = collate_packed if packed else functools.partial(collate_padded, pad_id=pad_id)
+        if collate is None:
+            collate = collate_packed if packed else functools.partial(collate_padded, pad_id=pad_id)
+        self._collate = collate
         self._train: Dataset | None = None
         self._val: Dataset | None = None
 

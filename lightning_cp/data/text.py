@@ -1,0 +1,328 @@
+"""``TextDataModule``: local text or chat files, tokenized once, packed into rows of ``seq_len`` tokens.
+
+The files (``.jsonl`` / ``.json`` / ``.parquet`` / ``.arrow``) are read with Hugging Face ``datasets`` (the
+``data`` extra) and tokenized by a local ``transformers`` tokenizer (:mod:`lightning_cp.data.tokenization`).
+Tokenization runs once, in ``prepare_data`` (Lightning calls it on each node's local rank 0 before the
+other ranks start ``setup``); ``datasets`` caches the result under a fingerprint of the file, the tokenizer's
+files and the options, and every rank's ``setup`` reads that cache. ``setup`` then splits off the
+validation documents (a seeded fraction, or a file of its own) and packs each split
+(:func:`~lightning_cp.data.packing.pack_documents`), the same way on every rank.
+
+An item of the datasets is one row: the list of its document pieces, each ``{"input_ids": int64 [L],
+"loss_mask": float32 [L]}``. A batch is ``batch_size`` rows as one packed ``[1, T]`` row with
+``cu_seqlens`` (one entry per piece, ``T <= batch_size * seq_len``), so every piece is its own sequence:
+positions restart and no token predicts across a boundary (the strategy's ``shard_batch`` makes the
+next-token labels per sequence).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import Dataset
+
+from lightning_cp.constants import INPUT_IDS, LOSS_MASK
+from lightning_cp.data.collate import collate_packed
+from lightning_cp.data.datamodule import _CPDataModule
+from lightning_cp.data.packing import Piece, pack_documents
+from lightning_cp.data.tokenization import TextFormat, load_tokenizer, tokenize_conversations, tokenize_texts
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+"""File extension -> the ``datasets`` builder that reads it."""
+_TOKENIZER_FILE_PREFIXES = (
+    "tokenizer",
+    "special_tokens_map",
+    "added_tokens",
+    "vocab",
+    "merges",
+    "chat_template",
+)
+"""Files of a tokenizer directory whose content is part of the cache fingerprint."""
+_CACHE_VERSION = "1"
+"""Bumped when the tokenized columns change meaning, so older caches are not read."""
+
+
+@dataclass(frozen=True)
+class PackingSummary:
+    """What a split holds after tokenization and packing (logged at ``setup``)."""
+
+    documents: int
+    """Documents (or conversations) of the split before any was dropped."""
+    dropped: int
+    """Conversations left out: longer than ``seq_len`` (``overlong="drop"``), or without a target token."""
+    truncated: int
+    """Conversations cut to their first ``seq_len`` tokens (``overlong="truncate"``)."""
+    split: int
+    """Documents longer than ``seq_len`` cut into pieces (``format="text"``)."""
+    tokens: int
+    """Tokens in the rows."""
+    rows: int
+    """Packed rows."""
+    seq_len: int
+
+    @property
+    def efficiency(self) -> float:
+        """Real tokens / row capacity (``tokens / (rows * seq_len)``)."""
+        return self.tokens / max(1, self.rows * self.seq_len)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.documents} documents, {self.tokens} tokens in {self.rows} rows of {self.seq_len}, packing "
+            f"efficiency {self.efficiency:.1%}; dropped {self.dropped}, truncated {self.truncated}, split "
+            f"{self.split}"
+        )
+
+
+class PackedRows(Dataset):
+    """Rows of document pieces read from a tokenized ``datasets.Dataset`` (memory-mapped ``arrow``).
+
+    Item ``i`` is a list of ``{"input_ids": int64 [L], "loss_mask": float32 [L]}``, one per piece of row
+    ``i``; ``loss_mask`` is all ones for documents without a ``loss_mask`` column (``format="text"``).
+    """
+
+    def __init__(self, documents: Any, rows: list[list[Piece]]) -> None:
+        self.documents = documents
+        self.rows = rows
+        self._has_mask = LOSS_MASK in documents.column_names
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> list[dict[str, torch.Tensor]]:
+        pieces = []
+        for piece in self.rows[index]:
+            document = self.documents[piece.document]
+            span = slice(piece.start, piece.start + piece.length)
+            ids = torch.tensor(document[INPUT_IDS][span], dtype=torch.int64)
+            if self._has_mask:
+                mask = torch.tensor(document[LOSS_MASK][span], dtype=torch.float32)
+            else:
+                mask = torch.ones(piece.length, dtype=torch.float32)
+            pieces.append({INPUT_IDS: ids, LOSS_MASK: mask})
+        return pieces
+
+
+def collate_rows(rows: list[list[dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """The pieces of ``rows`` (items of :class:`PackedRows`) as one packed batch (:func:`collate_packed`)."""
+    return collate_packed([piece for row in rows for piece in row])
+
+
+class TextDataModule(_CPDataModule):
+    """Fine-tuning or continued pre-training on local text or chat files, packed into rows of ``seq_len``.
+
+    ``format="text"``: a ``text`` column (``column``) of documents, each tokenized with the tokenizer's
+    special tokens and ended by EOS; every token is a target. A document longer than ``seq_len`` is cut
+    into rows of ``seq_len`` tokens and a last piece; the others are packed whole, best-fit decreasing.
+
+    ``format="chat"``: a ``messages`` column of conversations (lists of ``{"role": ..., "content": ...}``),
+    rendered with the tokenizer's chat template; the only targets are the tokens the template's
+    ``{% generation %}`` blocks mark (the assistant's replies). A conversation longer than ``seq_len`` is
+    dropped (``overlong="drop"``) or cut to its first ``seq_len`` tokens (``"truncate"``); one without a
+    target token left is dropped. Each conversation is packed whole.
+
+    Validation: ``val_path``, a file of its own, or else a seeded ``val_fraction`` of the documents (at least
+    one) held out before packing. ``batch_size`` counts rows per data-parallel rank; the loaders are
+    :class:`~lightning_cp.data.ResumableDataLoader` (exact mid-epoch resume). ``setup`` logs a
+    :class:`PackingSummary` per split and keeps it in ``summary``.
+
+    Args:
+        path: the training file: ``.jsonl``, ``.json``, ``.parquet`` or ``.arrow``.
+        tokenizer: a local tokenizer directory (``save_pretrained``; usually the model's own directory).
+        seq_len: tokens per packed row (a multiple of ``2 * cp`` wastes no padding in the CP split).
+        format: ``"text"`` or ``"chat"`` (see above).
+        column: the column to read; ``None``: ``"text"`` or ``"messages"``.
+        val_fraction: share of the documents held out for validation, in ``(0, 1)``; ``None``: 0.01, or
+            none when ``val_path`` is set (both set is an error).
+        val_path: a validation file of the same format and column.
+        overlong: ``format="chat"``: ``"drop"`` or ``"truncate"`` conversations longer than ``seq_len``.
+        batch_size: packed rows per batch on each data-parallel rank.
+        shuffle: shuffle the training rows in a single process (under a distributed strategy Lightning's
+            ``DistributedSampler`` shuffles them, seeded).
+        seed: seed of the validation fraction's draw.
+        cache_dir: where ``datasets`` keeps the tokenized files; ``None``: its default (``HF_DATASETS_CACHE``).
+        num_workers: DataLoader worker processes per rank (0: load in the training process).
+
+    Raises:
+        ImportError: ``datasets`` or ``transformers`` is missing (``pip install 'lightning-cp[hf,data]'``).
+        ValueError: in the constructor, a missing file or one of another type, an unknown ``format`` or
+            ``overlong``, ``seq_len < 2``, a bad ``val_fraction``, both ``val_fraction`` and ``val_path``, a
+            tokenizer directory that does not load, without EOS (``text``) or without a chat template with
+            ``{% generation %}`` blocks (``chat``); at ``prepare_data`` / ``setup``, a missing column, or a
+            split left without documents.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: str,
+        seq_len: int = 2048,
+        format: TextFormat = "text",
+        column: str | None = None,
+        val_fraction: float | None = None,
+        val_path: str | None = None,
+        overlong: Literal["drop", "truncate"] = "drop",
+        batch_size: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        cache_dir: str | None = None,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__(
+            batch_size=batch_size, packed=True, shuffle=shuffle, num_workers=num_workers, collate=collate_rows
+        )
+        if format not in ("text", "chat"):
+            raise ValueError(f"format={format!r} is not supported; use 'text' or 'chat'.")
+        if overlong not in ("drop", "truncate"):
+            raise ValueError(f"overlong={overlong!r} is not supported; use 'drop' or 'truncate'.")
+        if seq_len < 2:
+            raise ValueError(f"seq_len={seq_len} must be at least 2 (a token and its target).")
+        for name, file in (("path", path), ("val_path", val_path)):
+            if file is not None:
+                _check_file(name, file)
+        if val_path is not None and val_fraction is not None:
+            raise ValueError(
+                f"val_fraction={val_fraction} and val_path={val_path!r} are both set; validate on the file "
+                "(val_fraction: null) or on a fraction of path (val_path: null)."
+            )
+        if val_path is None:
+            val_fraction = 0.01 if val_fraction is None else val_fraction
+            if not 0.0 < val_fraction < 1.0:
+                raise ValueError(f"val_fraction={val_fraction} must be in (0, 1), or set val_path.")
+        if importlib.util.find_spec("datasets") is None:
+            raise ImportError("TextDataModule needs datasets: pip install 'lightning-cp[data]'.")
+        self._tokenizer = load_tokenizer(tokenizer, format)
+        self.save_hyperparameters()
+        self.path, self.tokenizer, self.seq_len, self.format = path, tokenizer, seq_len, format
+        self.column = column or ("text" if format == "text" else "messages")
+        self.val_fraction, self.val_path, self.overlong = val_fraction, val_path, overlong
+        self.seed, self.cache_dir = seed, cache_dir
+        self.vocab_size = len(self._tokenizer)
+        self.summary: dict[str, PackingSummary] = {}
+
+    def prepare_data(self) -> None:
+        """Tokenize the files into ``datasets``' cache (each node's local rank 0, before ``setup``)."""
+        for file in (self.path, self.val_path):
+            if file is not None:
+                self._tokenized(file)
+
+    def setup(self, stage: str) -> None:
+        """Read the tokenized files from the cache, split off validation, pack both splits; log the summary."""
+        if self._train is not None:
+            return
+        documents = self._tokenized(self.path)
+        indices = np.arange(len(documents))
+        if self.val_path is None:
+            num_val = max(1, round(self.val_fraction * len(documents)))
+            if num_val >= len(documents):
+                raise ValueError(
+                    f"val_fraction={self.val_fraction} of the {len(documents)} documents of path={self.path!r} "
+                    "leaves none for training; use a smaller val_fraction or a larger file."
+                )
+            order = np.random.default_rng(self.seed).permutation(len(documents))
+            splits = {
+                "train": (documents, np.sort(order[num_val:])),
+                "val": (documents, np.sort(order[:num_val])),
+            }
+        else:
+            val_documents = self._tokenized(self.val_path)
+            splits = {"train": (documents, indices), "val": (val_documents, np.arange(len(val_documents)))}
+        datasets = {}
+        for name, (source, selected) in splits.items():
+            datasets[name], self.summary[name] = self._pack(source, selected)
+            if len(datasets[name]) == 0:
+                raise ValueError(
+                    f"TextDataModule: the {name} split has no document left ({self.summary[name]}); use "
+                    "overlong='truncate', a larger seq_len or more data."
+                )
+            rank_zero_info(f"TextDataModule {name}: {self.summary[name]}")
+        self._train, self._val = datasets["train"], datasets["val"]
+
+    def _pack(self, documents: Any, selected: np.ndarray) -> tuple[PackedRows, PackingSummary]:
+        """Pack ``documents[selected]``: chat conversations kept, cut or dropped by ``overlong``."""
+        lengths = np.asarray(documents["length"], dtype=np.int64)[selected]
+        count, dropped, truncated = len(selected), 0, 0
+        if self.format == "chat":
+            first_target = np.asarray(documents["first_target"], dtype=np.int64)[selected]
+            too_long = lengths > self.seq_len
+            if self.overlong == "truncate":
+                truncated = int((too_long & (first_target < self.seq_len)).sum())
+                lengths = np.minimum(lengths, self.seq_len)
+                keep = (first_target >= 0) & (first_target < self.seq_len)
+            else:
+                keep = (first_target >= 0) & ~too_long
+            dropped = int((~keep).sum())
+            selected, lengths = selected[keep], lengths[keep]
+        rows = pack_documents(lengths.tolist(), self.seq_len)
+        rows = [[Piece(int(selected[p.document]), p.start, p.length) for p in row] for row in rows]
+        summary = PackingSummary(
+            documents=count,
+            dropped=dropped,
+            truncated=truncated,
+            split=int((lengths > self.seq_len).sum()),
+            tokens=int(lengths.sum()),
+            rows=len(rows),
+            seq_len=self.seq_len,
+        )
+        return PackedRows(documents, rows), summary
+
+    def _tokenized(self, file: str) -> Any:
+        """The tokenized ``datasets.Dataset`` of ``file`` (``input_ids``, ``length``; chat: ``loss_mask``,
+        ``first_target``), from the cache when an equal file, tokenizer and format were tokenized before."""
+        import datasets
+
+        builder = _BUILDERS[os.path.splitext(file)[1]]
+        raw = datasets.load_dataset(builder, data_files=file, split="train", cache_dir=self.cache_dir)
+        if self.column not in raw.column_names:
+            raise ValueError(
+                f"{file!r} has no column {self.column!r} (its columns: {raw.column_names}); set column to the "
+                f"one holding the {'conversations' if self.format == 'chat' else 'documents'}."
+            )
+        tokenizer, chat = self._tokenizer, self.format == "chat"
+
+        def tokenize(values: list[Any]) -> dict[str, list]:
+            out = tokenize_conversations(tokenizer, values) if chat else tokenize_texts(tokenizer, values)
+            out["length"] = [len(ids) for ids in out[INPUT_IDS]]
+            if chat:
+                out["first_target"] = [
+                    next((i for i, m in enumerate(mask) if m), -1) for mask in out[LOSS_MASK]
+                ]
+            return out
+
+        return raw.map(
+            tokenize,
+            input_columns=self.column,
+            batched=True,
+            remove_columns=raw.column_names,
+            new_fingerprint=self._fingerprint(raw._fingerprint),
+            desc=f"Tokenizing {os.path.basename(file)} ({self.format})",
+        )
+
+    def _fingerprint(self, source: str) -> str:
+        """The cache key of a tokenized file: its ``datasets`` fingerprint, the tokenizer files' content, the
+        format and column, the ``transformers`` release and the cache version (the same on every rank)."""
+        import transformers
+
+        digest = hashlib.sha256(f"{source}|{self.format}|{self.column}|{transformers.__version__}".encode())
+        digest.update(_CACHE_VERSION.encode())
+        for name in sorted(os.listdir(self.tokenizer)):
+            if name.startswith(_TOKENIZER_FILE_PREFIXES):
+                with open(os.path.join(self.tokenizer, name), "rb") as f:
+                    digest.update(name.encode() + f.read())
+        return digest.hexdigest()[:32]
+
+
+def _check_file(name: str, file: str) -> None:
+    if not os.path.isfile(file):
+        raise ValueError(f"{name}={file!r} does not exist; pass a .jsonl, .json, .parquet or .arrow file.")
+    extension = os.path.splitext(file)[1]
+    if extension not in _BUILDERS:
+        raise ValueError(
+            f"{name}={file!r} has the extension {extension!r}; TextDataModule reads {', '.join(_BUILDERS)} files."
+        )

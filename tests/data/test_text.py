@@ -1,0 +1,289 @@
+"""``TextDataModule``: chat targets against the rendered template text, packed text documents, overlong
+conversations, the validation split, the tokenization cache, exact mid-epoch resume and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from lightning.pytorch import seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_cp.constants import CU_SEQLENS, INPUT_IDS, LOSS_MASK
+from lightning_cp.data import TextDataModule
+from tests._trainer import quiet_trainer
+from tests.data.test_resumable import _Recorder
+
+
+def _module(tiny_chat_dir, tmp_path, file="chat.jsonl", **options) -> TextDataModule:
+    options = {"format": "chat" if file.startswith("chat") else "text", "seq_len": 128, **options}
+    data = TextDataModule(
+        str(tiny_chat_dir / file), str(tiny_chat_dir), cache_dir=str(tmp_path / "cache"), **options
+    )
+    data.prepare_data()
+    data.setup("fit")
+    return data
+
+
+def _records(tiny_chat_dir, file):
+    return [json.loads(line) for line in (tiny_chat_dir / file).read_text().splitlines()]
+
+
+def _pieces(dataset):
+    """``(document, start, input_ids, loss_mask)`` of every piece the dataset serves, row by row."""
+    for index in range(len(dataset)):
+        for piece, sample in zip(dataset.rows[index], dataset[index]):
+            yield piece.document, piece.start, sample[INPUT_IDS].tolist(), sample[LOSS_MASK].tolist()
+
+
+def _reference_chat(tokenizer, messages):
+    """Token ids of the rendered conversation, and 1 on the tokens inside an assistant message's rendered
+    span (its content and the <|im_end|> that closes it, found in the text), via the tokenizer's offsets."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans, cursor = [], 0
+    for message in messages:
+        if message["role"] == "assistant":
+            header = text.index("<|im_start|>assistant\n", cursor) + len("<|im_start|>assistant\n")
+            rendered = message["content"] + "<|im_end|>"
+            assert text.startswith(rendered, header)
+            spans.append((header, header + len(rendered)))
+            cursor = header + len(rendered)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(a <= start and end <= b for a, b in spans)) for start, end in encoded["offset_mapping"]]
+    return encoded["input_ids"], mask
+
+
+def test_chat_targets_are_exactly_the_assistant_tokens(tiny_chat_dir, tmp_path):
+    data = _module(tiny_chat_dir, tmp_path)
+    tokenizer = data._tokenizer
+    records = _records(tiny_chat_dir, "chat.jsonl")
+    seen = []
+    for dataset in (data._train, data._val):
+        for document, start, ids, mask in _pieces(dataset):
+            reference_ids, reference_mask = _reference_chat(tokenizer, records[document]["messages"])
+            assert start == 0 and ids == reference_ids, f"conversation {document} is not whole"
+            assert mask == reference_mask, f"conversation {document}: targets differ from the assistant spans"
+            seen.append(document)
+    assert sorted(seen) == list(range(len(records)))  # each conversation once, in train or in val
+    assert sum(sum(mask) for *_, mask in _pieces(data._train)) > 0
+    assert data.summary["train"].documents + data.summary["val"].documents == len(records)
+    assert data.summary["train"].dropped == data.summary["val"].dropped == 0
+
+
+def test_text_documents_end_with_eos_and_only_longer_ones_are_split(tiny_chat_dir, tmp_path):
+    seq_len = 24
+    data = _module(tiny_chat_dir, tmp_path, file="text.jsonl", seq_len=seq_len, val_fraction=0.1)
+    tokenizer = data._tokenizer
+    texts = [record["text"] for record in _records(tiny_chat_dir, "text.jsonl")]
+    expected = {i: tokenizer(text)["input_ids"] + [tokenizer.eos_token_id] for i, text in enumerate(texts)}
+    assert any(len(ids) > seq_len for ids in expected.values())  # the case is exercised
+    for name, dataset in (("train", data._train), ("val", data._val)):
+        got: dict[int, list[tuple[int, list[int]]]] = {}
+        for document, start, ids, mask in _pieces(dataset):
+            assert mask == [1.0] * len(ids)
+            got.setdefault(document, []).append((start, ids))
+        for document, pieces in got.items():
+            pieces.sort()
+            assert [t for _, ids in pieces for t in ids] == expected[document]
+            if len(expected[document]) <= seq_len:
+                assert len(pieces) == 1, f"document {document} of {len(expected[document])} tokens was split"
+            else:
+                assert [len(ids) for _, ids in pieces[:-1]] == [seq_len] * (len(pieces) - 1)
+        summary = data.summary[name]
+        assert summary.documents == len(got) and summary.rows == len(dataset)
+        assert summary.tokens == sum(len(expected[d]) for d in got)
+        assert summary.split == sum(len(expected[d]) > seq_len for d in got)
+        assert summary.efficiency == pytest.approx(summary.tokens / (summary.rows * seq_len))
+        assert all(
+            sum(len(sample[INPUT_IDS]) for sample in dataset[i]) <= seq_len for i in range(len(dataset))
+        )
+    assert data.summary["train"].efficiency > 0.9
+
+
+def test_a_batch_is_its_rows_pieces_packed_with_cu_seqlens(tiny_chat_dir, tmp_path):
+    data = _module(tiny_chat_dir, tmp_path, batch_size=3, shuffle=False)
+    batch = next(iter(data.train_dataloader()))
+    pieces = [piece for i in range(3) for piece in data._train[i]]
+    lengths = [len(piece[INPUT_IDS]) for piece in pieces]
+    assert batch[CU_SEQLENS].tolist() == [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    assert batch[INPUT_IDS].tolist() == [[t for piece in pieces for t in piece[INPUT_IDS].tolist()]]
+    assert batch[LOSS_MASK].tolist() == [[m for piece in pieces for m in piece[LOSS_MASK].tolist()]]
+
+
+@pytest.mark.parametrize("overlong", ["drop", "truncate"])
+def test_overlong_conversations_are_dropped_or_truncated_and_counted(overlong, tiny_chat_dir, tmp_path):
+    seq_len = 40
+    data = _module(tiny_chat_dir, tmp_path, seq_len=seq_len, overlong=overlong, val_fraction=0.1)
+    records = _records(tiny_chat_dir, "chat.jsonl")
+    references = [_reference_chat(data._tokenizer, r["messages"]) for r in records]
+    for name, dataset in (("train", data._train), ("val", data._val)):
+        kept = {document: (ids, mask) for document, _, ids, mask in _pieces(dataset)}
+        for document, (ids, mask) in kept.items():
+            reference_ids, reference_mask = references[document]
+            assert ids == reference_ids[:seq_len] and mask == reference_mask[:seq_len] and sum(mask) > 0
+            if overlong == "drop":
+                assert len(reference_ids) <= seq_len
+        summary = data.summary[name]
+        assert summary.documents == summary.dropped + len(kept)
+        assert summary.truncated == sum(len(references[d][0]) > seq_len for d in kept)
+    total_long = sum(len(ids) > seq_len for ids, _ in references)
+    assert total_long > 0
+    dropped = data.summary["train"].dropped + data.summary["val"].dropped
+    if overlong == "drop":
+        assert dropped == total_long
+    else:  # truncated conversations keep at least the first reply here, so none is dropped
+        assert dropped == 0 and data.summary["train"].truncated + data.summary["val"].truncated == total_long
+
+
+def test_validation_split_by_fraction_is_seeded_and_by_file(tiny_chat_dir, tmp_path):
+    def documents(dataset):
+        return sorted({document for document, *_ in _pieces(dataset)})
+
+    first = _module(tiny_chat_dir, tmp_path, val_fraction=0.1, seed=1)
+    again = _module(tiny_chat_dir, tmp_path, val_fraction=0.1, seed=1)
+    other = _module(tiny_chat_dir, tmp_path, val_fraction=0.1, seed=2)
+    val = documents(first._val)
+    assert len(val) == 12 and set(val).isdisjoint(documents(first._train))
+    assert documents(again._val) == val and first._train.rows == again._train.rows  # deterministic
+    assert documents(other._val) != val and val != list(range(len(val)))  # drawn, not the head
+
+    val_file = tmp_path / "val.jsonl"
+    val_file.write_text("\n".join((tiny_chat_dir / "chat.jsonl").read_text().splitlines()[:7]) + "\n")
+    by_file = _module(tiny_chat_dir, tmp_path, val_path=str(val_file))
+    assert documents(by_file._val) == list(range(7)) and len(documents(by_file._train)) == 120
+    val_ids = {document: ids for document, _, ids, _ in _pieces(by_file._val)}
+    train_ids = {document: ids for document, _, ids, _ in _pieces(by_file._train)}
+    assert all(val_ids[document] == train_ids[document] for document in range(7))  # the file's 7 lines
+
+
+def test_files_are_tokenized_once_and_read_from_the_cache(tiny_chat_dir, tmp_path, monkeypatch):
+    first = _module(tiny_chat_dir, tmp_path)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("tokenized again although the cache holds the result")
+
+    monkeypatch.setattr("lightning_cp.data.text.tokenize_conversations", fail)
+    second = _module(tiny_chat_dir, tmp_path)
+    assert second._train.rows == first._train.rows
+    assert second._train.documents.cache_files == first._train.documents.cache_files
+
+
+def test_another_tokenizer_is_not_served_from_the_cache(tiny_chat_dir, tmp_path):
+    first = _module(tiny_chat_dir, tmp_path)
+    changed = tmp_path / "changed"
+    shutil.copytree(tiny_chat_dir, changed)
+    template = changed / "chat_template.jinja"
+    template.write_text(template.read_text().replace("'\\n' -}}{%- endfor", "'\\n\\n' -}}{%- endfor"))
+    data = TextDataModule(
+        str(tiny_chat_dir / "chat.jsonl"), str(changed), format="chat", cache_dir=str(tmp_path / "cache")
+    )
+    data.prepare_data()
+    data.setup("fit")
+    assert data._train.documents.cache_files != first._train.documents.cache_files
+    document = data._train.rows[0][0].document
+    assert len(data._train.documents[document][INPUT_IDS]) > len(first._train.documents[document][INPUT_IDS])
+
+
+class _RowRecorder(_Recorder):
+    """Records the first row's token ids of every batch of the data module's training loader."""
+
+    def __init__(self, data: TextDataModule) -> None:
+        super().__init__()
+        self.data = data
+
+    def training_step(self, batch, batch_idx):
+        self.trained.append(batch[INPUT_IDS][0].tolist())
+        return self.layer(batch[LOSS_MASK][:, :1]).sum() * 0.0
+
+    def train_dataloader(self):
+        return self.data.train_dataloader()
+
+
+def _train(tiny_chat_dir, tmp_path, directory, max_steps, ckpt_path=None):
+    seed_everything(0)
+    data = TextDataModule(
+        str(tiny_chat_dir / "chat.jsonl"),
+        str(tiny_chat_dir),
+        format="chat",
+        seq_len=64,
+        batch_size=2,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    data.prepare_data()
+    data.setup("fit")  # a fresh data module, as a resumed run builds it
+    module = _RowRecorder(data)
+    trainer = quiet_trainer(
+        max_steps=max_steps,
+        limit_val_batches=0,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=directory, every_n_train_steps=3, save_top_k=-1)],
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return module.trained
+
+
+def test_resuming_mid_epoch_trains_the_uninterrupted_batches(tiny_chat_dir, tmp_path):
+    uninterrupted = _train(tiny_chat_dir, tmp_path, tmp_path / "once", max_steps=6)
+    first = _train(tiny_chat_dir, tmp_path, tmp_path / "twice", max_steps=3)
+    resumed = _train(
+        tiny_chat_dir, tmp_path, tmp_path / "twice", 6, tmp_path / "twice" / "epoch=0-step=3.ckpt"
+    )
+    assert len(uninterrupted) == 6 and len(set(map(tuple, uninterrupted))) == 6
+    assert first + resumed == uninterrupted
+
+
+def _no_generation_tokenizer(tiny_chat_dir, tmp_path):
+    directory = tmp_path / "plain"
+    shutil.copytree(tiny_chat_dir, directory)
+    template = directory / "chat_template.jinja"
+    template.write_text(
+        template.read_text().replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    )
+    return directory
+
+
+def _no_template_tokenizer(tiny_chat_dir, tmp_path):
+    directory = tmp_path / "bare"
+    shutil.copytree(tiny_chat_dir, directory)
+    (directory / "chat_template.jinja").unlink()
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ({"path": "missing.jsonl"}, "path='missing.jsonl' does not exist"),
+        ({"path": "model.safetensors", "relative": True}, "has the extension '.safetensors'"),
+        ({"format": "markdown"}, "format='markdown' is not supported"),
+        ({"overlong": "wrap"}, "overlong='wrap' is not supported"),
+        ({"seq_len": 1}, "seq_len=1 must be at least 2"),
+        ({"val_fraction": 1.0}, "val_fraction=1.0 must be in (0, 1)"),
+        ({"val_fraction": 0.1, "val_path": "chat.jsonl"}, "are both set"),
+        ({"tokenizer": "missing"}, "tokenizer='missing' is not a directory"),
+        ({"tokenizer": "no_generation"}, "chat template has no {% generation %} block"),
+        ({"tokenizer": "no_template"}, "has no (default) chat template"),
+    ],
+)
+def test_constructor_mistakes_are_one_line_errors(case, expected, tiny_chat_dir, tmp_path):
+    options = {"path": str(tiny_chat_dir / "chat.jsonl"), "tokenizer": str(tiny_chat_dir), "format": "chat"}
+    case = dict(case)
+    if case.pop("relative", False):
+        case["path"] = str(tiny_chat_dir / case["path"])
+    if case.get("val_path"):
+        case["val_path"] = str(tiny_chat_dir / case["val_path"])
+    if case.get("tokenizer") == "no_generation":
+        case["tokenizer"] = str(_no_generation_tokenizer(tiny_chat_dir, tmp_path))
+    if case.get("tokenizer") == "no_template":
+        case["tokenizer"] = str(_no_template_tokenizer(tiny_chat_dir, tmp_path))
+    with pytest.raises(ValueError) as error:
+        TextDataModule(**{**options, **case})
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_missing_column_is_named_at_prepare_data(tiny_chat_dir, tmp_path):
+    data = TextDataModule(
+        str(tiny_chat_dir / "text.jsonl"), str(tiny_chat_dir), format="chat", cache_dir=str(tmp_path)
+    )
+    with pytest.raises(ValueError, match=r"has no column 'messages' \(its columns: \['text'\]\)"):
+        data.prepare_data()
