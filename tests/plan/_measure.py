@@ -10,10 +10,32 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from lightning_cp.plan import ModelShape
+
+
+def llama(
+    *, vocab: int, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int
+) -> tuple[nn.Module, ModelShape]:
+    """A random Llama with ``attn_implementation="lightning_cp"``, and the plan's shape of it."""
+    transformers = pytest.importorskip("transformers")
+    config = {
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+    }
+    hf = transformers.AutoConfig.for_model(**config)
+    model = transformers.AutoModelForCausalLM.from_config(hf, attn_implementation="lightning_cp")
+    return model, ModelShape.from_hf_config(config)
 
 
 def saved_bytes(model: nn.Module, forward: Callable[[], object]) -> int:

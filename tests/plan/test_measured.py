@@ -24,7 +24,7 @@ from lightning_cp.parallel.sharding import shard_batch
 from lightning_cp.parallel.simulated import SimulatedCPGroup
 from lightning_cp.plan import Layout, ModelShape, estimate
 from lightning_cp.strategies._modules import apply_checkpointing
-from tests.plan._measure import PeakTracker, saved_bytes
+from tests.plan._measure import PeakTracker, llama, saved_bytes
 
 TOKENS = 4096
 VOCAB = 512
@@ -38,19 +38,8 @@ def _gpt() -> tuple[nn.Module, ModelShape, type[nn.Module]]:
 
 
 def _llama() -> tuple[nn.Module, ModelShape, type[nn.Module]]:
-    transformers = pytest.importorskip("transformers")
-    config = {
-        "model_type": "llama",
-        "vocab_size": VOCAB,
-        "hidden_size": 128,
-        "intermediate_size": 352,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    }
-    hf = transformers.AutoConfig.for_model(**config)
-    model = transformers.AutoModelForCausalLM.from_config(hf, attn_implementation="lightning_cp")
-    return model, ModelShape.from_hf_config(config), type(model.model.layers[0])
+    model, shape = llama(vocab=VOCAB, hidden=128, ffn=352, layers=2, heads=4, kv_heads=2)
+    return model, shape, type(model.model.layers[0])
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from lightning_cp.ops import linear_cross_entropy
 from lightning_cp.parallel.sharding import shard_batch
 from lightning_cp.plan import Layout, ModelShape, estimate
 from lightning_cp.strategies._modules import apply_checkpointing
+from tests.plan._measure import llama
 
 pytestmark = pytest.mark.gpu
 
@@ -30,19 +31,7 @@ def _gpt() -> tuple[nn.Module, ModelShape]:
 
 
 def _llama() -> tuple[nn.Module, ModelShape]:
-    transformers = pytest.importorskip("transformers")
-    hf = {
-        "model_type": "llama",
-        "vocab_size": VOCAB,
-        "hidden_size": 1024,
-        "intermediate_size": 2816,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-    }
-    config = transformers.AutoConfig.for_model(**hf)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="lightning_cp")
-    return model, ModelShape.from_hf_config(hf)
+    return llama(vocab=VOCAB, hidden=1024, ffn=2816, layers=4, heads=8, kv_heads=2)
 
 
 def _step(model: nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
