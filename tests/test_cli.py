@@ -154,12 +154,13 @@ def test_strategy_help_describes_every_argument(strategy, cli):
 def test_top_level_help_lists_lightnings_subcommands_and_the_packages_commands(cli):
     status, out, _ = cli("--help")
     assert status == 0
-    assert out.splitlines()[0] == "usage: lightning-cp {fit,validate,test,predict,doctor,export-hf} ..."
+    assert out.splitlines()[0] == "usage: lightning-cp {fit,validate,test,predict,doctor,export-hf,plan} ..."
     commands = dict(re.findall(r"^  ([\w-]+) +(.+)$", out, re.MULTILINE))
-    assert set(commands) == {"fit", "validate", "test", "predict", "doctor", "export-hf"}
+    assert set(commands) == {"fit", "validate", "test", "predict", "doctor", "export-hf", "plan"}
     assert commands["fit"] == "Runs the full optimization routine."
     assert commands["doctor"].startswith("Check that lightning-cp computes exactly on this machine")
     assert commands["export-hf"].startswith("Write a trained checkpoint as a transformers directory")
+    assert commands["plan"].startswith("Print the per-rank memory of the layouts")
 
 
 def test_a_package_command_gets_the_rest_of_the_command_line(cli):

@@ -11,7 +11,11 @@ import importlib
 import inspect
 import sys
 
-COMMANDS = {"doctor": "lightning_cp.cli.doctor", "export-hf": "lightning_cp.cli.export_hf"}
+COMMANDS = {
+    "doctor": "lightning_cp.cli.doctor",
+    "export-hf": "lightning_cp.cli.export_hf",
+    "plan": "lightning_cp.cli.plan",
+}
 """The package's own commands: name -> module with ``main(argv: list[str]) -> int`` (the exit status) and a
 module docstring whose first line describes the command."""
 

@@ -1,0 +1,182 @@
+"""Print the per-rank memory of the layouts that train a model at a sequence length, and which fit.
+
+Run::
+
+    lightning-cp plan examples/configs/models/llama3_8b.json --seq-len 1M --gpus 8 --gpu-memory 80GB
+    lightning-cp plan examples/configs/models/llama3_8b.json --gpus 8 --max-seq
+
+``MODEL`` is a ``transformers`` config (a JSON file with its ``model_type``, or a local ``save_pretrained``
+directory; no weights are read) or a JSON file of :class:`~lightning_cp.models.GPTConfig` fields. Every
+layout (cp, DDP or FSDP, checkpointing, offload, tiled MLP) gets its parameters, gradients, optimizer
+state, saved activations, largest transient and reserve per rank (:mod:`lightning_cp.plan`); those that
+fit are listed cheapest in communication first. ``--max-seq`` finds the longest sequence that fits. Bad
+input is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning_cp.plan import Candidate, Layout, ModelShape, layouts, max_seq_len, plan
+from lightning_cp.plan.memory import PRECISIONS
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20}
+_MEMORY_UNITS = {"GB": 10**9, "GIB": 2**30, "": 10**9}
+GiB = 2**30
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``lightning-cp plan MODEL --gpus N [--seq-len S | --max-seq] ...``; returns the exit status (2: bad input)."""
+    args = _parser().parse_args(argv)
+    try:
+        shape = read_model(args.model)
+        gpu_bytes = _memory(args.gpu_memory)
+        if args.gpus < 1:
+            raise ValueError(f"--gpus {args.gpus}: give a positive number of GPUs.")
+        if args.max_seq:
+            _print_max_seq(shape, args, gpu_bytes)
+        else:
+            if args.seq_len is None:
+                raise ValueError("give --seq-len (e.g. 128K, 1M) or --max-seq.")
+            _print_plan(shape, _tokens(args.seq_len), args, gpu_bytes)
+    except ValueError as error:
+        print(f"lightning-cp plan: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def read_model(model: str) -> ModelShape:
+    """The :class:`ModelShape` of ``MODEL``: a directory or JSON file of a ``transformers`` config, or a JSON
+    file of ``GPTConfig`` fields; a ``ValueError`` with one line otherwise."""
+    path = Path(model)
+    if path.is_dir():
+        return ModelShape.from_hf_config(path)
+    if not path.is_file():
+        raise ValueError(f"model {model!r}: no such file or directory; give a config JSON file or directory.")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"model {model!r}: not JSON ({error}).") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"model {model!r}: not a JSON object of config fields.")  # noqa: TRY004
+    if "model_type" in config:
+        return ModelShape.from_hf_config(config)
+    from lightning_cp.models.gpt import GPTConfig
+
+    try:
+        return ModelShape.from_gpt_config(GPTConfig(**config))
+    except TypeError as error:
+        raise ValueError(
+            f"model {model!r}: neither a transformers config (no model_type) nor GPTConfig fields ({error})."
+        ) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-cp plan", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "model", help="a transformers config (JSON file or directory) or a GPTConfig JSON file"
+    )
+    parser.add_argument("--seq-len", help="tokens per sequence: 131072, 128K, 1M")
+    parser.add_argument("--gpus", type=int, default=8, help="GPUs in all, dp * cp (default: 8)")
+    parser.add_argument(
+        "--gpu-memory", default="80GB", help="memory of one GPU: 80GB, 141GB, 79.6GiB (default: 80GB)"
+    )
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, default="bf16-mixed", help="Trainer(precision=...)"
+    )
+    parser.add_argument(
+        "--loss-chunk", type=int, help="tokens per chunk of the fused loss (default: automatic)"
+    )
+    parser.add_argument("--max-seq", action="store_true", help="find the longest sequence that fits instead")
+    parser.add_argument("--all", action="store_true", help="list the layouts that do not fit too")
+    return parser
+
+
+def _tokens(text: str) -> int:
+    match = re.fullmatch(r"(\d+)([KkMm]?)", text.strip())
+    if match is None or int(match[1]) == 0:
+        raise ValueError(f"--seq-len {text!r}: give a positive token count, e.g. 131072, 128K or 1M.")
+    return int(match[1]) * _UNITS[match[2].upper()]
+
+
+def _memory(text: str) -> int:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(GB|GiB|)", text.strip(), flags=re.IGNORECASE)
+    if match is None or float(match[1]) <= 0:
+        raise ValueError(f"--gpu-memory {text!r}: give the memory of one GPU, e.g. 80GB or 79.6GiB.")
+    return int(float(match[1]) * _MEMORY_UNITS[match[2].upper()])
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GiB:.1f}"
+
+
+def _describe(shape: ModelShape) -> str:
+    kind = "package GPT" if shape.architecture == "gpt" else "transformers"
+    return (
+        f"{kind}: {shape.params / 1e9:.2f}B parameters, {shape.layers} layers, hidden {shape.hidden}, "
+        f"{shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, ffn {shape.ffn}, vocab {shape.vocab}"
+    )
+
+
+_HEADER = (
+    f"{'layout':<38}{'params':>7}{'grads':>7}{'optim':>7}{'fsdp':>6}{'saved':>7}{'transient':>20}"
+    f"{'reserve':>8}{'peak':>7}{'host':>7}{'comm':>8}"
+)
+
+
+def _row(candidate: Candidate) -> str:
+    e = candidate.estimate
+    transient = f"{_gib(e.transient)} {e.largest_transient}"
+    return (
+        f"{candidate.layout.name():<38}{_gib(e.parameters):>7}{_gib(e.gradients):>7}{_gib(e.optimizer):>7}"
+        f"{_gib(e.fsdp_gathered):>6}{_gib(e.activations):>7}{transient:>20}{_gib(e.reserve):>8}"
+        f"{_gib(e.peak):>7}{_gib(e.host):>7}{_gib(e.communication):>8}"
+    )
+
+
+def _print_plan(shape: ModelShape, seq_len: int, args: argparse.Namespace, gpu_bytes: int) -> None:
+    candidates = plan(shape, seq_len, args.gpus, precision=args.precision, loss_chunk=args.loss_chunk)
+    fitting = [c for c in candidates if c.fits(gpu_bytes)]
+    print(_describe(shape))
+    print(
+        f"{seq_len:,} tokens per sequence on {args.gpus} GPUs of {_gib(gpu_bytes)} GiB, {args.precision}; "
+        "GiB per rank, comm = GiB sent per step"
+    )
+    print()
+    print(_HEADER)
+    for candidate in candidates if args.all else fitting:
+        print(_row(candidate) + ("" if candidate.fits(gpu_bytes) else "  does not fit"))
+    if not fitting:
+        best = min(candidates, key=lambda c: c.estimate.peak)
+        print(
+            f"no layout fits {_gib(gpu_bytes)} GiB; the smallest peak is {_gib(best.estimate.peak)} GiB "
+            f"({best.layout.name()}): more GPUs, a shorter sequence, or try --max-seq."
+        )
+    else:
+        print(f"\n{len(fitting)} of {len(candidates)} layouts fit, cheapest in communication first.")
+
+
+def _print_max_seq(shape: ModelShape, args: argparse.Namespace, gpu_bytes: int) -> None:
+    lengths: dict[Layout, int] = {
+        layout: max_seq_len(shape, layout, gpu_bytes, precision=args.precision, loss_chunk=args.loss_chunk)
+        for layout in layouts(args.gpus)
+    }
+    longest = max(lengths.values())
+    print(_describe(shape))
+    if longest == 0:
+        print(f"not even 1,024 tokens fit on {args.gpus} GPUs of {_gib(gpu_bytes)} GiB ({args.precision}).")
+        return
+    best = plan(shape, longest, args.gpus, precision=args.precision, loss_chunk=args.loss_chunk)
+    best = [c for c in best if lengths[c.layout] == longest]
+    print(
+        f"longest sequence on {args.gpus} GPUs of {_gib(gpu_bytes)} GiB ({args.precision}): {longest:,} tokens"
+    )
+    print()
+    print(_HEADER)
+    for candidate in best:
+        print(_row(candidate))

@@ -1,0 +1,295 @@
+"""Per-rank memory of one training step of a decoder under a layout: pure arithmetic over a ModelShape.
+
+Every term counts the tensors the package's code holds (see docs/design.md, "Memory plan"); the saved
+activations are the tensors autograd keeps per token and layer in the package GPT and in a
+``transformers`` Llama-style layer, as ``tests/plan/test_measured.py`` measures them. One sequence of
+``seq_len`` tokens per rank and micro-batch (packed documents count the same), ``tp = 1``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from lightning_cp.plan.shape import ModelShape
+
+Precision = Literal["bf16-mixed", "bf16-true", "32-true"]
+PRECISIONS: tuple[Precision, ...] = ("bf16-mixed", "bf16-true", "32-true")
+
+GiB = 2**30
+RESERVE_BYTES = 2 * GiB
+"""Reserve for what the allocator's count misses: the CUDA context, NCCL's buffers, the caching allocator's
+own fragmentation floor."""
+RESERVE_FRACTION = 0.05
+"""... plus this fraction of everything counted (fragmentation grows with the allocations)."""
+CUDA_LOSS_CHUNK_TOKENS = 8192
+"""The fused loss's automatic chunk on CUDA: 8192 tokens, with the fp32 ``[chunk, vocab]`` block within
+``[512 MiB, 4 GiB]`` (``lightning_cp.ops._plan.auto_chunk_size``; its share of the free memory aside)."""
+_CUDA_LOSS_BLOCK_BYTES = (512 * 2**20, 4 * GiB)
+CPU_SCORE_BLOCK_BYTES = 64 * 2**20
+"""The blocked attention kernel's ``[heads, block, keys]`` fp32 score block (CPU, and CUDA without flash);
+its backward holds two at a time."""
+TOKEN_BYTES = 8
+"""Saved per token outside the layers: the embedding's int64 ids."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to train on ``gpus`` ranks: the CP size (``dp = gpus // cp``), the wrapper, and the
+    activation-memory savings."""
+
+    gpus: int
+    """Ranks in all (``dp * cp``)."""
+    cp: int
+    """Context-parallel size; every sequence is split over ``cp`` ranks."""
+    fsdp: bool = False
+    """FSDP2 over the ``dp * cp`` ranks (``MegatronCPFSDPStrategy``) instead of DDP."""
+    checkpointing: bool = False
+    """Activation checkpointing of every decoder layer (``activation_checkpointing=[<layer class>]``)."""
+    offload: bool = False
+    """The checkpointed layers' inputs moved to host memory (needs ``checkpointing``)."""
+    tiled_mlp: bool = False
+    """``lightning_cp.memory.tile_mlps``: the MLP's ``[tokens, ffn]`` intermediates recomputed per tile."""
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.cp < 1 or self.gpus % self.cp:
+            raise ValueError(f"Layout: gpus={self.gpus} must be a positive multiple of cp={self.cp}.")
+        if self.offload and not self.checkpointing:
+            raise ValueError("Layout: offload moves the checkpointed layers' inputs; set checkpointing=True.")
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // self.cp
+
+    def name(self) -> str:
+        """e.g. ``dp2 x cp4 FSDP +ckpt +offload +tiled``."""
+        extras = [
+            flag
+            for flag, on in (
+                ("+ckpt", self.checkpointing),
+                ("+offload", self.offload),
+                ("+tiled", self.tiled_mlp),
+            )
+            if on
+        ]
+        return " ".join([f"dp{self.dp} x cp{self.cp}", "FSDP" if self.fsdp else "DDP", *extras])
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank, by what holds them; :attr:`peak` is what the device must hold."""
+
+    parameters: int
+    """Master weights (sharded over ``dp * cp`` under FSDP)."""
+    gradients: int
+    """Gradients, plus DDP's bucket copy when DDP wraps the model (``gradient_as_bucket_view`` off)."""
+    optimizer: int
+    """AdamW's two states per parameter, in the master weights' dtype."""
+    fsdp_gathered: int
+    """FSDP only: the unsharded root (embedding, head) in the compute dtype for the step, and two decoder
+    units' parameters plus one unit's gradients (in compute dtype and fp32 for the reduce-scatter)."""
+    activations: int
+    """Saved for backward over the whole forward: every layer's saved tensors, or only each layer's input
+    under checkpointing (none of them on the device under offload); the final norm's and the embedding's
+    (:data:`TOKEN_BYTES`); under ``bf16-mixed`` with DDP and without checkpointing, autocast's bf16 copies
+    of the layers' weights, which the projections save (FSDP gathers them in bf16). The loss's own
+    buffers are in :attr:`loss`."""
+    attention: int
+    """Transient of one layer's attention backward: its local gradients (``dq``, ``dout``, ``dk``, ``dv``);
+    under CP two sequence-sized copies of the gathered K and V, and on the blocked kernel its score blocks."""
+    mlp: int
+    """Transient of one layer's MLP backward: the gradient of its ``[T_local, ffn]`` intermediate (two for
+    a gated MLP), or one tile's forward and backward."""
+    loss: int
+    """Transient of the fused loss: two fp32 ``[chunk, vocab]`` blocks, and its preallocated gradients of
+    the hidden states and of the head weight."""
+    recompute: int
+    """Checkpointing only: one layer's saved tensors, rebuilt in its backward, and the larger of its
+    attention and MLP transients."""
+    reserve: int
+    """:data:`RESERVE_BYTES` plus :data:`RESERVE_FRACTION` of the rest."""
+    host: int
+    """Host memory of the offloaded layer inputs (not on the device)."""
+    communication: int
+    """Bytes each rank sends per step: the gradient all-reduce (DDP) or FSDP's gathers and reduce-scatter,
+    and CP attention's K/V all-gathers and dK/dV reduce-scatters (ring volumes)."""
+
+    @property
+    def transient(self) -> int:
+        """The largest of the transients (they never coexist)."""
+        return max(self.attention, self.mlp, self.loss, self.recompute)
+
+    @property
+    def largest_transient(self) -> str:
+        """Which transient is :attr:`transient`."""
+        names = ("attention", "mlp", "loss", "recompute")
+        return max(names, key=lambda name: getattr(self, name))
+
+    @property
+    def peak(self) -> int:
+        """Static state, saved activations, the largest transient and the reserve."""
+        return self.counted + self.reserve
+
+    @property
+    def counted(self) -> int:
+        """Everything but the reserve."""
+        static = self.parameters + self.gradients + self.optimizer + self.fsdp_gathered
+        return static + self.activations + self.transient
+
+    def as_dict(self) -> dict[str, int]:
+        """The fields and :attr:`peak`, in bytes."""
+        return {field.name: getattr(self, field.name) for field in fields(self)} | {"peak": self.peak}
+
+
+def local_tokens(seq_len: int, cp: int) -> int:
+    """Tokens on one CP rank: the sequence padded to a multiple of ``2 * cp``, over ``cp``."""
+    return math.ceil(seq_len / (2 * cp)) * 2
+
+
+def saved_per_token(shape: ModelShape, *, cp: int = 1, tiled_mlp: bool = False) -> tuple[int, int]:
+    """Elements one decoder layer saves for backward per local token: ``(residual, compute)``.
+
+    ``residual``: the norms' inputs, normalized inputs and reciprocal RMS, in the master dtype (the residual
+    stream is fp32 under ``bf16-mixed``); ``compute``: what the projections read and the attention's and the
+    MLP's tensors, in the compute dtype. Per layer, ``d`` the hidden size:
+
+    - both: two RMSNorms keep their input, the normalized input and the reciprocal RMS (``2d + 1`` each), and
+      their weighted output, the projections' input (``d`` each);
+    - attention of a ``transformers`` layer: the rotated ``q`` and ``k`` (token-major copies under CP),
+      ``v`` (the projection's output), the attention output (which the output projection reads in place)
+      and the log-sum-exp per head;
+    - attention of the package GPT: the same, but ``v`` is a view of the fused QKV output, which it keeps
+      whole; at ``cp = 1`` (the fused SDPA kernel) also the output's ``[S, heads * D]`` copy for the
+      output projection;
+    - MLP: GELU's input and output (``2 ffn``), or a gated MLP's gate, up, activation and product
+      (``4 ffn``); none with the tiled MLP (it saves only its input, the second norm's output).
+    """
+    residual = 2 * (2 * shape.hidden + 1)
+    norm_outputs = 2 * shape.hidden
+    attention = 2 * shape.q_dim + 2 * shape.kv_dim + shape.heads
+    if shape.architecture == "gpt":
+        attention += shape.q_dim + shape.kv_dim + (shape.q_dim if cp == 1 else 0)
+    mlp = (2 if shape.architecture == "gpt" else 4) * shape.ffn
+    return residual, norm_outputs + attention + (0 if tiled_mlp else mlp)
+
+
+def loss_chunk_tokens(shape: ModelShape, tokens: int, device: str = "cuda") -> int:
+    """The fused loss's automatic chunk (tokens) for ``tokens`` local tokens (see
+    :data:`CUDA_LOSS_CHUNK_TOKENS`; on the CPU a 256 MiB block)."""
+    block = 4 * shape.vocab
+    if device == "cpu":
+        chunk = 256 * 2**20 // block
+    else:
+        low, high = _CUDA_LOSS_BLOCK_BYTES
+        chunk = min(max(CUDA_LOSS_CHUNK_TOKENS, low // block), high // block)
+    return max(1, min(tokens, max(128, chunk)))
+
+
+def estimate(
+    shape: ModelShape,
+    seq_len: int,
+    layout: Layout,
+    *,
+    precision: Precision = "bf16-mixed",
+    loss_chunk: int | None = None,
+    device: str = "cuda",
+    flash: bool = True,
+) -> MemoryEstimate:
+    """Per-rank bytes of one training step (forward, backward, AdamW step) of ``shape`` on ``layout``.
+
+    Args:
+        shape: the model.
+        seq_len: tokens per sequence (one sequence per rank and micro-batch; split over ``layout.cp``).
+        layout: ranks, CP size, wrapper and memory savings.
+        precision: ``Trainer(precision=...)``: ``bf16-mixed`` keeps fp32 master weights, AdamW state and
+            gradients and computes in bf16; ``bf16-true`` keeps everything in bf16; ``32-true`` in fp32.
+        loss_chunk: tokens per chunk of the fused loss (``chunk_size``); ``None``: the automatic one.
+        device: ``"cuda"`` or ``"cpu"`` (the loss's automatic chunk and the attention kernel differ).
+        flash: the attention runs FlashAttention-2 (CUDA, bf16/fp16); else the blocked kernel, whose
+            score blocks count.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: choose one of {', '.join(PRECISIONS)}.")
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be positive.")
+    master = 2 if precision == "bf16-true" else 4
+    compute = 4 if precision == "32-true" else 2
+    shards = layout.gpus if layout.fsdp else 1
+    params = shape.params
+    tokens = local_tokens(seq_len, layout.cp)
+    padded = tokens * layout.cp
+
+    parameters = math.ceil(params / shards) * master
+    buckets = params * master if (not layout.fsdp and layout.gpus > 1) else 0
+    gradients = math.ceil(params / shards) * master + buckets
+    optimizer = 2 * math.ceil(params / shards) * master
+    gathered = 0
+    if layout.fsdp:
+        root = params - shape.layers * shape.layer_params
+        gathered = root * compute + shape.layer_params * (3 * compute + 4)
+
+    residual, per_compute = saved_per_token(shape, cp=layout.cp, tiled_mlp=layout.tiled_mlp)
+    layer_bytes = tokens * (residual * master + per_compute * compute)
+    weight_copies = shape.layer_params * compute if precision == "bf16-mixed" and not layout.fsdp else 0
+    final = tokens * (TOKEN_BYTES + (2 * shape.hidden + 1) * master)  # the final norm's input and RMS
+    layer_input = tokens * shape.hidden * master
+    host = 0
+    if layout.offload:
+        saved = final
+        host = shape.layers * layer_input
+    elif layout.checkpointing:
+        saved = final + shape.layers * layer_input
+    else:
+        saved = final + shape.layers * (layer_bytes + weight_copies)
+
+    kv = 2 * padded * shape.kv_dim * compute
+    local_grads = 2 * tokens * (shape.q_dim + shape.kv_dim) * compute
+    if layout.cp == 1:
+        attention = local_grads  # the fused SDPA kernel: its gradients, no K/V copy
+    else:
+        attention = 2 * kv + local_grads
+        if not flash:  # a score block and its softmax gradient, for a piece of tokens / 2 queries
+            attention += 2 * min(CPU_SCORE_BLOCK_BYTES, 4 * shape.heads * (tokens // 2) * padded)
+    if layout.tiled_mlp:
+        tile = math.ceil(tokens / math.ceil(shape.ffn / shape.hidden))
+        mlp = (7 if shape.architecture == "hf" else 4) * tile * shape.ffn * compute
+    else:
+        mlp = (2 if shape.architecture == "hf" else 1) * tokens * shape.ffn * compute
+    chunk = loss_chunk or loss_chunk_tokens(shape, tokens, device)
+    head = shape.vocab * shape.hidden
+    loss = 2 * min(chunk, tokens) * shape.vocab * 4 + tokens * shape.hidden * compute + head * master
+    # A checkpointed layer's backward holds its recomputed tensors (its input is already saved, or back from
+    # the host) besides the attention's or the MLP's own transient.
+    recompute = 0
+    if layout.checkpointing:
+        recompute = layer_bytes + weight_copies - (0 if layout.offload else layer_input) + max(attention, mlp)
+
+    if layout.fsdp:
+        wrapper = 2 * _ring(layout.gpus, params * compute) + _ring(layout.gpus, params * 4)
+    else:
+        wrapper = 2 * _ring(layout.gpus, params * master)
+    kv_rounds = 4 if layout.checkpointing else 3
+    communication = wrapper + kv_rounds * shape.layers * _ring(layout.cp, kv)
+
+    counted = parameters + gradients + optimizer + gathered + saved + max(attention, mlp, loss, recompute)
+    return MemoryEstimate(
+        parameters=parameters,
+        gradients=gradients,
+        optimizer=optimizer,
+        fsdp_gathered=gathered,
+        activations=saved,
+        attention=attention,
+        mlp=mlp,
+        loss=loss,
+        recompute=recompute,
+        reserve=RESERVE_BYTES + int(RESERVE_FRACTION * counted),
+        host=host,
+        communication=communication,
+    )
+
+
+def _ring(group: int, nbytes: int) -> int:
+    """Bytes one rank sends in a ring all-gather or reduce-scatter of ``nbytes`` over ``group`` ranks
+    (an all-reduce is two of them)."""
+    return (group - 1) * nbytes // group

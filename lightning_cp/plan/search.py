@@ -1,0 +1,94 @@
+"""Which layouts fit: every candidate on a number of GPUs, ordered by communication, and the longest
+sequence that fits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_cp.plan.memory import Layout, MemoryEstimate, Precision, estimate
+from lightning_cp.plan.shape import ModelShape
+
+SAVINGS: tuple[tuple[bool, bool, bool], ...] = (
+    (False, False, False),
+    (False, False, True),
+    (True, False, False),
+    (True, False, True),
+    (True, True, False),
+    (True, True, True),
+)
+"""``(checkpointing, offload, tiled_mlp)`` combinations tried, from no recomputation to the most."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout and its estimate."""
+
+    layout: Layout
+    estimate: MemoryEstimate
+
+    def fits(self, gpu_bytes: int) -> bool:
+        """The peak (reserve included) is within ``gpu_bytes``."""
+        return self.estimate.peak <= gpu_bytes
+
+    def cost(self) -> tuple[int, int, int]:
+        """Sort key: bytes communicated per step, then recomputation (checkpointing, tiles), then host copies."""
+        layout = self.layout
+        return (self.estimate.communication, layout.checkpointing + layout.tiled_mlp, int(layout.offload))
+
+
+def layouts(gpus: int) -> list[Layout]:
+    """Every candidate on ``gpus`` ranks: ``cp`` a power of two dividing ``gpus``, DDP or FSDP, and each
+    combination of :data:`SAVINGS`."""
+    if gpus < 1:
+        raise ValueError(f"gpus={gpus} must be positive.")
+    sizes = [cp for cp in (2**i for i in range(gpus.bit_length())) if gpus % cp == 0]
+    return [
+        Layout(gpus, cp, fsdp, checkpointing, offload, tiled)
+        for cp in sizes
+        for fsdp in (False, True)
+        for checkpointing, offload, tiled in SAVINGS
+    ]
+
+
+def plan(
+    shape: ModelShape,
+    seq_len: int,
+    gpus: int,
+    *,
+    precision: Precision = "bf16-mixed",
+    loss_chunk: int | None = None,
+) -> list[Candidate]:
+    """Every candidate of :func:`layouts`, cheapest in communication first (see :meth:`Candidate.cost`)."""
+    found = [
+        Candidate(layout, estimate(shape, seq_len, layout, precision=precision, loss_chunk=loss_chunk))
+        for layout in layouts(gpus)
+    ]
+    return sorted(found, key=Candidate.cost)
+
+
+def max_seq_len(
+    shape: ModelShape,
+    layout: Layout,
+    gpu_bytes: int,
+    *,
+    precision: Precision = "bf16-mixed",
+    loss_chunk: int | None = None,
+    step: int = 1024,
+) -> int:
+    """The longest sequence, a multiple of ``step``, whose peak on ``layout`` is within ``gpu_bytes``
+    (0 when not even ``step`` tokens fit). The peak grows with the length, so a bisection finds it."""
+
+    def fits(tokens: int) -> bool:
+        return estimate(shape, tokens, layout, precision=precision, loss_chunk=loss_chunk).peak <= gpu_bytes
+
+    if not fits(step):
+        return 0
+    low, high = 1, 2
+    while fits(high * step):
+        low, high = high, 2 * high
+        if high > 2**40 // step:
+            raise ValueError("max_seq_len: the peak does not grow with the length; check the model shape.")
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle * step) else (low, middle)
+    return low * step

@@ -1,0 +1,136 @@
+"""The memory plan against measurement: tiny GPT and Llama training steps on the CPU, fp32.
+
+Parameters, gradients and AdamW state are counted exactly from the tensors after a real optimizer step;
+saved activations through ``saved_tensors_hooks``; the step's peak through a dispatch mode that tracks
+live storages (``_measure.PeakTracker``); with and without checkpointing and the tiled MLP, at cp = 1
+and as rank 0 of a simulated CP group of 2 (``SimulatedCPGroup``: the other rank's K/V are zeros, which
+changes no byte).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_cp.memory import tile_mlps
+from lightning_cp.models.gpt import GPT, GPTConfig
+from lightning_cp.ops import linear_cross_entropy
+from lightning_cp.parallel import attention
+from lightning_cp.parallel.sharding import shard_batch
+from lightning_cp.parallel.simulated import SimulatedCPGroup
+from lightning_cp.plan import Layout, ModelShape, estimate
+from lightning_cp.strategies._modules import apply_checkpointing
+from tests.plan._measure import PeakTracker, llama, saved_bytes
+
+TOKENS = 4096
+VOCAB = 512
+TOLERANCE = 0.10
+
+
+def _gpt() -> tuple[nn.Module, ModelShape, type[nn.Module]]:
+    config = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=128, mlp_ratio=4, tie_embeddings=False)
+    model = GPT(config)
+    return model, ModelShape.from_gpt_config(config), type(model.blocks[0])
+
+
+def _llama() -> tuple[nn.Module, ModelShape, type[nn.Module]]:
+    model, shape = llama(vocab=VOCAB, hidden=128, ffn=352, layers=2, heads=4, kv_heads=2)
+    return model, shape, type(model.model.layers[0])
+
+
+@contextlib.contextmanager
+def _simulated_cp_rank0(cp: int) -> Iterator[None]:
+    """Every CP attention call runs as rank 0 of ``cp`` simulated ranks (no process group)."""
+    if cp == 1:
+        yield
+        return
+    group = SimulatedCPGroup(cp)
+    with pytest.MonkeyPatch.context() as patch, group.recording():
+        patch.setattr(attention, "_group_coordinates", lambda _: (cp, 0))
+        patch.setattr(attention, "GroupExchange", lambda _: group.exchange(0))
+        yield
+
+
+class _Step:
+    """One model's forward on CP rank 0's shard of one sequence, the fused loss, backward and AdamW."""
+
+    def __init__(self, build: Callable, checkpointing: bool, tiled: bool, cp: int = 1) -> None:
+        torch.manual_seed(0)
+        self.model, self.shape, layer = build()
+        if tiled:
+            tile_mlps(self.model)
+        if checkpointing:
+            apply_checkpointing(self.model, [layer])
+        self.tokens = TOKENS // cp  # the blocked kernel of CP ranks is slow on the CPU
+        self.batch = shard_batch({"input_ids": torch.randint(0, VOCAB, (1, self.tokens))}, cp, 0)
+        self.optimizer = torch.optim.AdamW(self.model.parameters())
+
+    def hidden(self) -> torch.Tensor:
+        ids, pos, shard = self.batch["input_ids"], self.batch["position_ids"], self.batch["cp_shard"]
+        if isinstance(self.model, GPT):
+            return self.model(ids, pos, cp_shard=shard)
+        return self.model.model(
+            input_ids=ids, position_ids=pos, cp_shard=shard, use_cache=False
+        ).last_hidden_state
+
+    def head(self) -> torch.Tensor:
+        return self.model.lm_head_weight if isinstance(self.model, GPT) else self.model.lm_head.weight
+
+    def __call__(self) -> None:
+        loss = linear_cross_entropy(self.hidden().flatten(0, 1), self.head(), self.batch["labels"].flatten())
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
+def _bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("build", [_gpt, _llama], ids=["gpt", "llama"])
+def test_static_bytes_exact(build: Callable) -> None:
+    step = _Step(build, checkpointing=False, tiled=False)
+    loss = linear_cross_entropy(step.hidden().flatten(0, 1), step.head(), step.batch["labels"].flatten())
+    loss.backward()
+    step.optimizer.step()
+    planned = estimate(
+        step.shape, TOKENS, Layout(gpus=1, cp=1), precision="32-true", device="cpu", flash=False
+    )
+    params = list(step.model.parameters())
+    states = [t for state in step.optimizer.state.values() for t in state.values() if t.dim() > 0]
+    assert planned.parameters == _bytes(params)
+    assert planned.gradients == _bytes(p.grad for p in params)
+    assert planned.optimizer == _bytes(states)
+
+
+@pytest.mark.parametrize("build", [_gpt, _llama], ids=["gpt", "llama"])
+@pytest.mark.parametrize("cp", [1, 2], ids=["cp1", "cp2"])
+@pytest.mark.parametrize(
+    ("checkpointing", "tiled"),
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["plain", "ckpt", "tiled", "ckpt+tiled"],
+)
+def test_activations_and_peak_within_10_percent(
+    build: Callable, cp: int, checkpointing: bool, tiled: bool
+) -> None:
+    step = _Step(build, checkpointing, tiled, cp)
+    with _simulated_cp_rank0(cp):
+        step()  # AdamW's state exists from here on, as in every later step
+    layout = Layout(gpus=cp, cp=cp, checkpointing=checkpointing, tiled_mlp=tiled)
+    planned = estimate(step.shape, step.tokens, layout, precision="32-true", device="cpu", flash=False)
+
+    with _simulated_cp_rank0(cp):
+        saved = saved_bytes(step.model, step.hidden)
+        tracker = PeakTracker()
+        with tracker:
+            step()
+    # The tracker sees what the step allocates: gradients, activations and transients (parameters and
+    # AdamW's state were allocated before). The simulated rank has no DDP wrapper, so no bucket copy.
+    buckets = planned.gradients - planned.parameters
+    planned_step = planned.counted - planned.parameters - planned.optimizer - buckets
+    assert abs(planned.activations - saved) <= TOLERANCE * saved, (planned.activations, saved)
+    assert abs(planned_step - tracker.peak) <= TOLERANCE * tracker.peak, (planned_step, tracker.peak)

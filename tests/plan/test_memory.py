@@ -1,0 +1,140 @@
+"""The plan's arithmetic: how each layout choice moves bytes between the terms (tests/plan/test_measured.py
+holds the terms themselves against measurement)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_cp.models.gpt import GPTConfig
+from lightning_cp.plan import Layout, ModelShape, estimate, local_tokens
+
+LLAMA_8B = {
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+}
+
+
+@pytest.fixture(scope="module")
+def llama() -> ModelShape:
+    pytest.importorskip("transformers")
+    return ModelShape.from_hf_config(LLAMA_8B)
+
+
+def test_llama_3_8b_shape_and_parameter_count(llama: ModelShape) -> None:
+    assert (llama.q_dim, llama.kv_dim, llama.head_dim) == (4096, 1024, 128)
+    assert llama.params == 8_030_261_248  # Meta's published count for Llama-3-8B
+    assert not llama.tied
+
+
+def test_local_tokens_pad_to_two_chunks_per_rank() -> None:
+    assert local_tokens(1 << 20, 8) == 1 << 17
+    assert local_tokens(10, 4) == 4  # padded to 16 tokens, 2 chunks of 2 per rank
+    assert local_tokens(1, 1) == 2
+
+
+def test_fsdp_divides_static_bytes_by_every_rank_and_ddp_adds_buckets(llama: ModelShape) -> None:
+    ddp = estimate(llama, 8192, Layout(gpus=8, cp=4))
+    fsdp = estimate(llama, 8192, Layout(gpus=8, cp=4, fsdp=True))
+    single = estimate(llama, 8192, Layout(gpus=1, cp=1))
+    params = llama.params
+    assert ddp.parameters == 4 * params and ddp.optimizer == 8 * params
+    assert ddp.gradients == 8 * params  # fp32 gradients and DDP's bucket copy of them
+    assert single.gradients == 4 * params  # one replica: no DDP wrapper, no buckets
+    assert fsdp.parameters == 4 * -(-params // 8) and fsdp.optimizer == 8 * -(-params // 8)
+    assert fsdp.fsdp_gathered > 0 and ddp.fsdp_gathered == 0
+    true_bf16 = estimate(llama, 8192, Layout(gpus=8, cp=4, fsdp=True), precision="bf16-true")
+    assert true_bf16.parameters * 2 == fsdp.parameters and true_bf16.optimizer * 2 == fsdp.optimizer
+
+
+def test_checkpointing_keeps_layer_inputs_and_offload_moves_them_to_the_host(llama: ModelShape) -> None:
+    seq, cp = 1 << 17, 8
+    tokens = local_tokens(seq, cp)
+    plain = estimate(llama, seq, Layout(gpus=8, cp=cp))
+    ckpt = estimate(llama, seq, Layout(gpus=8, cp=cp, checkpointing=True))
+    offload = estimate(llama, seq, Layout(gpus=8, cp=cp, checkpointing=True, offload=True))
+    inputs = llama.layers * tokens * llama.hidden * 4  # fp32 residual stream under bf16-mixed
+    assert ckpt.activations - offload.activations == inputs == offload.host
+    assert plain.activations > 10 * ckpt.activations
+    assert plain.recompute == 0 < ckpt.recompute
+    assert ckpt.communication > plain.communication  # the recomputed forward gathers K/V once more
+
+
+def test_tiled_mlp_removes_the_ffn_intermediates(llama: ModelShape) -> None:
+    seq = 1 << 16
+    tokens = local_tokens(seq, 8)
+    plain = estimate(llama, seq, Layout(gpus=8, cp=8))
+    tiled = estimate(llama, seq, Layout(gpus=8, cp=8, tiled_mlp=True))
+    # SwiGLU saves gate, up, activation and product per layer in bf16.
+    assert plain.activations - tiled.activations == llama.layers * tokens * 4 * llama.ffn * 2
+    assert tiled.mlp < plain.mlp
+
+
+def test_attention_transient_is_two_copies_of_the_whole_sequences_kv(llama: ModelShape) -> None:
+    seq = 1 << 20
+    est = estimate(llama, seq, Layout(gpus=8, cp=8))
+    kv = 2 * seq * llama.kv_dim * 2  # K and V of every token, bf16
+    local = 2 * local_tokens(seq, 8) * (llama.q_dim + llama.kv_dim) * 2
+    assert est.attention == 2 * kv + local
+    assert estimate(llama, seq, Layout(gpus=8, cp=1)).attention == local * 8  # no K/V copies without CP
+
+
+def test_loss_transient_follows_the_chunk(llama: ModelShape) -> None:
+    small = estimate(llama, 1 << 17, Layout(gpus=8, cp=8), loss_chunk=1024)
+    large = estimate(llama, 1 << 17, Layout(gpus=8, cp=8), loss_chunk=4096)
+    assert large.loss - small.loss == 2 * 3072 * llama.vocab * 4  # two fp32 [chunk, vocab] blocks
+
+
+def test_peak_is_the_sum_with_the_largest_transient_and_the_reserve(llama: ModelShape) -> None:
+    est = estimate(llama, 1 << 17, Layout(gpus=8, cp=8, fsdp=True, checkpointing=True))
+    assert est.transient == getattr(est, est.largest_transient)
+    static = est.parameters + est.gradients + est.optimizer + est.fsdp_gathered
+    assert est.counted == static + est.activations + est.transient
+    assert est.peak == est.counted + est.reserve and est.reserve >= 2 * 2**30
+    assert est.as_dict()["peak"] == est.peak
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"gpus": 6, "cp": 4}, "multiple of cp=4"),
+        ({"gpus": 4, "cp": 2, "offload": True}, "checkpointing=True"),
+    ],
+)
+def test_bad_layouts_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Layout(**kwargs)
+
+
+def test_bad_estimate_arguments_are_refused() -> None:
+    shape = ModelShape.from_gpt_config(GPTConfig())
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        estimate(shape, 1024, Layout(1, 1), precision="fp8")
+    with pytest.raises(ValueError, match="seq_len=0"):
+        estimate(shape, 0, Layout(1, 1))
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"hidden_size": 64}, "no 'model_type'"),
+        ({"model_type": "lama"}, "lama"),
+        ({"model_type": "mixtral", "num_local_experts": 8}, "mixture of experts"),
+    ],
+)
+def test_bad_hf_configs_are_one_line_errors(config: dict, message: str) -> None:
+    pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match=message) as error:
+        ModelShape.from_hf_config(config)
+    assert "\n" not in str(error.value)
+
+
+def test_hf_directory_without_config_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no config.json"):
+        ModelShape.from_hf_config(tmp_path)
