@@ -1,4 +1,4 @@
-"""``offload_activations=True`` under both strategies at dp=1 x cp=2: the unsharded model's training.
+"""``offload_activations=True`` (and ``tile_mlps``) under both strategies at dp=1 x cp=2: the unsharded model's training.
 
 The references are the hand-written single-process loops of the strategy tests (the GPT's
 ``F.cross_entropy`` on materialized logits, ``transformers``' own ``labels=`` loss for the tiny Llama),
@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from lightning_cp import MegatronCPStrategy
 from lightning_cp.data import collate_padded
-from lightning_cp.memory import offload
+from lightning_cp.memory import offload, tile_mlps
 from lightning_cp.models import GPTModule, HFCausalLM
 from tests._trainer import cp_trainer
 from tests.hf import test_training as hf_training
@@ -58,8 +58,9 @@ class _Counts(Callback):
         }
 
 
-def _fit(model, fsdp):
-    """Train with checkpointing + offload (every saved input offloaded: ``MIN_OFFLOAD_BYTES`` 0)."""
+def _fit(model, fsdp, tiled):
+    """Train with checkpointing + offload (every saved input offloaded: ``MIN_OFFLOAD_BYTES`` 0) and, if
+    ``tiled``, every MLP over tiles of 4 tokens (several tiles per rank's shard)."""
     seed_everything(0)
     if model == "gpt":
         module, layer_class = GPTModule(gpt_training.CONFIG, lr=gpt_training.LR), "_Block"
@@ -74,6 +75,8 @@ def _fit(model, fsdp):
             hf_training._dataset(), batch_size=hf_training.GLOBAL_BATCH, collate_fn=collate_padded
         )
         steps = hf_training.STEPS
+    if tiled:
+        tile_mlps(module.model, tile_tokens=4)
     strategy = MegatronCPStrategy(
         cp=2, fsdp=fsdp, activation_checkpointing=[layer_class], offload_activations=True
     )
@@ -82,16 +85,29 @@ def _fit(model, fsdp):
     return counts.losses, counts.weights, counts.input_bytes, counts.stats
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
-@pytest.mark.parametrize("model", ["gpt", "llama"])
-def test_offloaded_training_equals_the_unsharded_model(world2, model, fsdp):
+@pytest.mark.parametrize(
+    "model, fsdp, tiled",
+    [
+        ("gpt", False, False),
+        ("gpt", True, False),
+        ("llama", False, False),
+        ("llama", True, False),
+        ("gpt", False, True),
+        ("llama", True, True),
+    ],
+    ids=["gpt-ddp", "gpt-fsdp", "llama-ddp", "llama-fsdp", "gpt-ddp-tiled", "llama-fsdp-tiled"],
+)
+def test_offloaded_training_equals_the_unsharded_model(world2, model, fsdp, tiled):
+    """Also with the tiled MLP (``tile_mlps``) inside the checkpointed layers, under DDP and FSDP2."""
     if model == "gpt":
         ref_losses, ref_weights = gpt_training._reference(False)
         names = [f"model.blocks.{i}" for i in range(gpt_training.CONFIG.n_layer)]
     else:
         ref_losses, ref_weights = hf_training._reference("llama")
         names = [f"model.model.layers.{i}" for i in range(CONFIGS["llama"]["num_hidden_layers"])]
-    for losses, weights, input_bytes, (offloaded, by_module, prefetched) in world2.run(_fit, model, fsdp):
+    for losses, weights, input_bytes, (offloaded, by_module, prefetched) in world2.run(
+        _fit, model, fsdp, tiled
+    ):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
         for key, value in ref_weights.items():
             torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=5e-5, msg=key)
