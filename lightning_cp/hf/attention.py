@@ -44,6 +44,12 @@ ATTN_IMPLEMENTATION = "lightning_cp"
 # without cp_shard they run the model's own eager attention, as transformers runs such models.
 _NOT_IN_SDPA = ("softcap", "s_aux")
 
+_WITHOUT_SHARD = (
+    "The model was called on a batch sharded for context parallelism without its shard: each rank would "
+    "attend only within its own tokens. Pass the batch's shard with its position_ids: "
+    "model(input_ids=batch['input_ids'], position_ids=batch['position_ids'], cp_shard=batch['cp_shard'])."
+)
+
 # Attention variants the CP kernels do not compute, with what to set instead.
 _UNSUPPORTED = {
     "position_bias": "additive position biases are not supported; use a rotary-embedding model",
@@ -196,6 +202,34 @@ def hf_context_parallel_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def refuse_calls_without_shard(module: nn.Module) -> None:
+    """Make every ``transformers`` model in ``module`` (a causal LM and its decoder body alike) refuse a
+    call whose ``input_ids`` are a batch's shard (:func:`~lightning_cp.parallel.sharding.sharded_under_cp`)
+    without the batch's ``cp_shard``: such a call passes neither the shard nor its ``position_ids`` to the
+    attention, which would then attend within the rank's own tokens. A forward pre-hook per model, once;
+    other calls (another batch, ``generate``, no CP) are not affected. No communication.
+
+    Raises (from the hook, at the call):
+        ValueError: saying what to pass.
+    """
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None:  # transformers never loaded: no model of it can exist
+        return
+    for model in module.modules():
+        if isinstance(model, modeling.PreTrainedModel) and not getattr(model, _GUARDED, False):
+            model.register_forward_pre_hook(_refuse_without_shard, with_kwargs=True)
+            setattr(model, _GUARDED, True)
+
+
+_GUARDED = "_lightning_cp_refuses_calls_without_shard"
+
+
+def _refuse_without_shard(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if kwargs.get(CP_SHARD) is None and sharded_under_cp(input_ids):
+        raise ValueError(f"{type(module).__name__}: {_WITHOUT_SHARD}")
+
+
 def _sdpa(
     module: nn.Module,
     query: Tensor,
@@ -208,11 +242,8 @@ def _sdpa(
 ) -> tuple[Tensor, None]:
     if sharded_under_cp(kwargs.get("position_ids")):
         raise ValueError(
-            "The model was called on a batch sharded for context parallelism without its shard: each rank "
-            "would attend only within its own tokens. Pass the batch's shard with its position_ids: "
-            "model(input_ids=batch['input_ids'], position_ids=batch['position_ids'], "
-            f"cp_shard=batch['cp_shard']). (If you did, {type(module).__name__} does not hand the decoder's "
-            "keyword arguments on to its attention function, and cannot be trained under CP.)"
+            f"{_WITHOUT_SHARD} (If you did, {type(module).__name__} does not hand the decoder's keyword "
+            "arguments on to its attention function, and cannot be trained under CP.)"
         )
     if any(kwargs.get(variant) is not None for variant in _NOT_IN_SDPA):
         return _eager(module, query, key, value, attention_mask, scaling, dropout, kwargs)

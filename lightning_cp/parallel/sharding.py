@@ -43,19 +43,20 @@ from lightning_cp.parallel.layout import check_size
 
 _PACKED_KEYS = (CU_SEQLENS, CU_SEQLENS_PADDED)
 _DERIVED_KEYS = (LABELS, LOSS_MASK, INPUT_MASK, POSITION_IDS, CP_SHARD)
-# An attribute of the position_ids tensor of a batch split over cp > 1 ranks (see sharded_under_cp).
+# An attribute of the position_ids and input_ids tensors of a batch split over cp > 1 ranks (sharded_under_cp).
 _SHARDED_UNDER_CP = "_lightning_cp_sharded_under_cp"
 
 
-def sharded_under_cp(position_ids: Any) -> bool:
-    """Whether ``position_ids`` is the ``position_ids`` tensor of a batch :func:`shard_batch` split over
-    ``cp_size > 1`` ranks.
+def sharded_under_cp(tensor: Any) -> bool:
+    """Whether ``tensor`` is the ``position_ids`` or the ``input_ids`` tensor of a batch :func:`shard_batch`
+    split over ``cp_size > 1`` ranks.
 
     A model called on such a batch without its ``cp_shard`` would attend within this rank's shard only;
-    attention uses this to refuse. The mark is an attribute of that tensor object: it lives and dies with
-    the batch, and no other tensor (another batch, a copy) carries it. Local, no communication.
+    attention (``position_ids``) and a check of the model's call (``input_ids``) use this to refuse. The
+    mark is an attribute of those tensor objects: it lives and dies with the batch, and no other tensor
+    (another batch, a copy) carries it. Local, no communication.
     """
-    return getattr(position_ids, _SHARDED_UNDER_CP, False)
+    return getattr(tensor, _SHARDED_UNDER_CP, False)
 
 
 @dataclass(frozen=True)
@@ -331,7 +332,9 @@ def shard_batch(
         position_ids = torch.where(valid.view(rows, -1), gather(batch[POSITION_IDS], 0), position_ids)
     out[POSITION_IDS] = position_ids = position_ids.to(torch.int64).contiguous()
     if cp_size > 1:
-        setattr(position_ids, _SHARDED_UNDER_CP, True)
+        for marked in (position_ids, out.get(INPUT_IDS)):
+            if isinstance(marked, Tensor):
+                setattr(marked, _SHARDED_UNDER_CP, True)
     out[CP_SHARD] = replace(shard, position_ids=position_ids)
     if packed:
         out[CU_SEQLENS] = shard.cu_seqlens

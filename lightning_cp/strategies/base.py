@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightning_cp.hf.attention import refuse_calls_without_shard
 from lightning_cp.hf.probe import check_models
 from lightning_cp.memory.offload import ActivationOffload
 from lightning_cp.parallel import groups
@@ -60,7 +61,9 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
       ``dataloader_iter`` (whose batches Lightning never hands to the strategy) are refused at setup;
     - refuse at ``setup`` any model whose training under this layout could differ from the unsharded
       model's (:func:`lightning_cp.hf.check_models`: attention that would see only the local shard, other
-      token mixing, length-dependent positions, output transforms the loss would not apply);
+      token mixing, length-dependent positions, output transforms the loss would not apply), and make its
+      ``transformers`` models refuse a call on a batch's shard without the batch's ``cp_shard``
+      (:func:`lightning_cp.hf.attention.refuse_calls_without_shard`);
     - recompute the ``activation_checkpointing`` modules' activations in backward and, with
       ``offload_activations``, keep their saved inputs in host memory until then
       (:attr:`activation_offload`);
@@ -206,6 +209,8 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         assert isinstance(self.model, LightningModule)
         _check_steps_take_batches(self.model)
         self._check_models()
+        if self.layout.cp > 1:
+            refuse_calls_without_shard(self.model)
         if self.activation_checkpointing:
             owner = type(self).__name__
             classes = resolve_classes(

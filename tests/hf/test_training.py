@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy
 from lightning_cp.data import LongRangeCopyDataset, collate_padded
+from lightning_cp.hf import decoder
 from lightning_cp.models import HFCausalLM
 from lightning_cp.parallel import shard_batch
 from tests._trainer import cp_trainer as _trainer
@@ -225,3 +226,25 @@ def test_the_weight_of_a_scaled_head_alone_is_refused(world2, fsdp):
     where the weight a step sees is the one FSDP gathers (marked by the probe run after sharding)."""
     for message in world2.run(_bare_weight_error, fsdp):
         assert message is not None and "CohereForCausalLM (its logits apply logit_scale=0.125)" in message
+
+
+class _CausalLMWithoutShard(HFCausalLM):
+    """The plain ``transformers`` recipe unchanged: the shard's tokens alone, neither cp_shard nor position_ids."""
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["input_ids"]).logits.float().mean()
+
+
+class _DecoderWithoutShard(HFCausalLM):
+    def training_step(self, batch, batch_idx):
+        return decoder(self.model)(batch["input_ids"]).last_hidden_state.mean()
+
+
+@pytest.mark.parametrize("module_class", [_CausalLMWithoutShard, _DecoderWithoutShard], ids=["lm", "decoder"])
+def test_a_call_on_the_shard_without_cp_shard_or_positions_is_refused(world2, module_class):
+    """Without the batch's position_ids the attention cannot tell the shard from a whole sequence (each rank
+    would attend within its own tokens): the model's call itself refuses the shard's input_ids."""
+    for message in world2.run(_fit_error, module_class):
+        assert (
+            message is not None and "without its shard" in message and "cp_shard=batch['cp_shard']" in message
+        )
