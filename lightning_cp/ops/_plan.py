@@ -41,7 +41,7 @@ def auto_chunk_size(
 ) -> int:
     """Tokens per chunk of the loss when the caller gives none, within ``[128, n_tokens]``.
 
-    The chunk is sized by the bytes of one fp32 ``[chunk, local_vocab]`` block:
+    The chunk is sized by the bytes of one fp32 ``[chunk, local_vocab]`` block (:func:`chunk_budget`):
 
     - CPU: 256 MiB;
     - CUDA: enough for 8192 tokens, but at most 1/8 of the memory free for this process (the device's
@@ -53,21 +53,38 @@ def auto_chunk_size(
       exchanges statistics per chunk, so its ranks must agree on the chunk: it depends on the shapes only.
     """
     device = torch.device(device)
-    if device.type == "cpu":
-        budget = _CPU_CHUNK_BYTES
-    elif device.type == "cuda" and not sharded:
-        budget = _cuda_chunk_bytes(device, local_vocab)
-    else:
-        budget = _ACCELERATOR_CHUNK_BYTES
+    available = _cuda_available_bytes(device) if device.type == "cuda" and not sharded else None
+    budget = chunk_budget(device.type, local_vocab, sharded=sharded, available=available)
+    return chunk_tokens(n_tokens, local_vocab, budget)
+
+
+def chunk_budget(
+    device_type: str, local_vocab: int, *, sharded: bool = False, available: int | None = None
+) -> int:
+    """Bytes of the fp32 ``[chunk, local_vocab]`` block of :func:`auto_chunk_size` on a ``device_type``
+    device; ``available``: the bytes free for this process on a CUDA device, ``None`` for no such cap (a
+    plan made away from the device)."""
+    if device_type == "cpu":
+        return _CPU_CHUNK_BYTES
+    if device_type != "cuda" or sharded:
+        return _ACCELERATOR_CHUNK_BYTES
+    wanted = min(_CUDA_CHUNK_TOKENS * 4 * local_vocab, _CUDA_MAX_CHUNK_BYTES)
+    if available is not None:
+        wanted = min(wanted, available // _CUDA_FREE_SHARE)
+    return max(_ACCELERATOR_CHUNK_BYTES, wanted)
+
+
+def chunk_tokens(n_tokens: int, local_vocab: int, budget: int) -> int:
+    """Tokens per chunk whose fp32 ``[chunk, local_vocab]`` block fits ``budget`` bytes, within
+    ``[128, n_tokens]`` (at least 1)."""
     return max(1, min(n_tokens, max(_MIN_CHUNK, budget // (4 * local_vocab))))
 
 
-def _cuda_chunk_bytes(device: torch.device, local_vocab: int) -> int:
-    """The fp32 block budget on a CUDA device (see :func:`auto_chunk_size`)."""
+def _cuda_available_bytes(device: torch.device) -> int:
+    """The memory free for this process on ``device``: the device's free memory and what torch's caching
+    allocator holds unused."""
     free, _ = torch.cuda.mem_get_info(device)
-    available = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    wanted = _CUDA_CHUNK_TOKENS * 4 * local_vocab
-    return max(_ACCELERATOR_CHUNK_BYTES, min(wanted, available // _CUDA_FREE_SHARE, _CUDA_MAX_CHUNK_BYTES))
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 @dataclass(frozen=True)

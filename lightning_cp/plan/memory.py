@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from lightning_cp.ops._plan import chunk_budget, chunk_tokens
 from lightning_cp.plan.shape import ModelShape
 
 Precision = Literal["bf16-mixed", "bf16-true", "32-true"]
@@ -23,10 +24,6 @@ RESERVE_BYTES = 2 * GiB
 own fragmentation floor."""
 RESERVE_FRACTION = 0.05
 """... plus this fraction of everything counted (fragmentation grows with the allocations)."""
-CUDA_LOSS_CHUNK_TOKENS = 8192
-"""The fused loss's automatic chunk on CUDA: 8192 tokens, with the fp32 ``[chunk, vocab]`` block within
-``[512 MiB, 4 GiB]`` (``lightning_cp.ops._plan.auto_chunk_size``; its share of the free memory aside)."""
-_CUDA_LOSS_BLOCK_BYTES = (512 * 2**20, 4 * GiB)
 CPU_SCORE_BLOCK_BYTES = 64 * 2**20
 """The blocked attention kernel's ``[heads, block, keys]`` fp32 score block (CPU, and CUDA without flash);
 its backward holds two at a time."""
@@ -175,15 +172,10 @@ def saved_per_token(shape: ModelShape, *, cp: int = 1, tiled_mlp: bool = False) 
 
 
 def loss_chunk_tokens(shape: ModelShape, tokens: int, device: str = "cuda") -> int:
-    """The fused loss's automatic chunk (tokens) for ``tokens`` local tokens (see
-    :data:`CUDA_LOSS_CHUNK_TOKENS`; on the CPU a 256 MiB block)."""
-    block = 4 * shape.vocab
-    if device == "cpu":
-        chunk = 256 * 2**20 // block
-    else:
-        low, high = _CUDA_LOSS_BLOCK_BYTES
-        chunk = min(max(CUDA_LOSS_CHUNK_TOKENS, low // block), high // block)
-    return max(1, min(tokens, max(128, chunk)))
+    """The fused loss's automatic chunk (tokens) for ``tokens`` local tokens: the rule of
+    :func:`lightning_cp.ops._plan.auto_chunk_size` without its cap by the device's free memory, which only
+    the running process knows."""
+    return chunk_tokens(tokens, shape.vocab, chunk_budget(device, shape.vocab))
 
 
 def estimate(
