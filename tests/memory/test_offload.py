@@ -45,12 +45,12 @@ def _step(model, tokens=None):
 
 def _input_bytes(model):
     """Bytes of the distinct positional tensor inputs of the model's blocks in one forward, per block."""
-    seen, per_block = set(), {}
+    seen, per_block = [], {}  # the tensors themselves: a freed tensor's id() can be reused by the next block's
 
     def record(name):
         def hook(module, args):
-            tensors = [a for a in args if isinstance(a, torch.Tensor) and id(a) not in seen]
-            seen.update(id(a) for a in tensors)
+            tensors = [a for a in args if isinstance(a, torch.Tensor) and all(a is not s for s in seen)]
+            seen.extend(tensors)
             per_block[name] = per_block.get(name, 0) + sum(a.numel() * a.element_size() for a in tensors)
 
         return hook
