@@ -26,6 +26,7 @@ therefore returns a :class:`DeferredMask` that only records what ``sdpa_mask`` w
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any
 
@@ -202,12 +203,20 @@ def hf_context_parallel_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def refuse_calls_without_shard(module: nn.Module) -> None:
-    """Make every ``transformers`` model in ``module`` (a causal LM and its decoder body alike) refuse a
-    call whose ``input_ids`` are a batch's shard (:func:`~lightning_cp.parallel.sharding.sharded_under_cp`)
-    without the batch's ``cp_shard``: such a call passes neither the shard nor its ``position_ids`` to the
-    attention, which would then attend within the rank's own tokens. A forward pre-hook per model, once;
-    other calls (another batch, ``generate``, no CP) are not affected. No communication.
+def guard_sharded_calls(module: nn.Module) -> None:
+    """Put a forward pre-hook on every ``transformers`` model in ``module`` (a causal LM and its decoder body
+    alike), once, that checks each call against the batch's shard:
+
+    * a call whose ``input_ids`` are a batch's shard
+      (:func:`~lightning_cp.parallel.sharding.sharded_under_cp`) without the batch's ``cp_shard`` is refused:
+      it passes neither the shard nor its ``position_ids`` to the attention, which would then attend within
+      the rank's own tokens;
+    * a call with ``cp_shard`` and no ``use_cache`` runs with ``use_cache=False``: a KV cache of a shard
+      cannot be continued, and ``transformers`` would otherwise build one (its config's default) that keeps
+      every layer's K/V of the shard alive until the step's outputs are freed (what ``transformers`` does
+      itself under its own gradient checkpointing). An explicit ``use_cache`` is left as given.
+
+    Other calls (another batch, ``generate``, no CP) are not affected. No communication.
 
     Raises (from the hook, at the call):
         ValueError: saying what to pass.
@@ -217,17 +226,26 @@ def refuse_calls_without_shard(module: nn.Module) -> None:
         return
     for model in module.modules():
         if isinstance(model, modeling.PreTrainedModel) and not getattr(model, _GUARDED, False):
-            model.register_forward_pre_hook(_refuse_without_shard, with_kwargs=True)
+            model.register_forward_pre_hook(_guard_sharded_call, with_kwargs=True)
             setattr(model, _GUARDED, True)
 
 
-_GUARDED = "_lightning_cp_refuses_calls_without_shard"
+_GUARDED = "_lightning_cp_guards_sharded_calls"
 
 
-def _refuse_without_shard(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    input_ids = kwargs.get("input_ids", args[0] if args else None)
-    if kwargs.get(CP_SHARD) is None and sharded_under_cp(input_ids):
-        raise ValueError(f"{type(module).__name__}: {_WITHOUT_SHARD}")
+def _guard_sharded_call(
+    module: nn.Module, args: tuple, kwargs: dict[str, Any]
+) -> tuple[tuple, dict[str, Any]] | None:
+    if kwargs.get(CP_SHARD) is None:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if sharded_under_cp(input_ids):
+            raise ValueError(f"{type(module).__name__}: {_WITHOUT_SHARD}")
+        return None
+    parameters = list(inspect.signature(module.forward).parameters)
+    # use_cache neither given by keyword nor positionally
+    if kwargs.get("use_cache") is None and "use_cache" in parameters[len(args) :]:
+        return args, {**kwargs, "use_cache": False}
+    return None
 
 
 def _sdpa(

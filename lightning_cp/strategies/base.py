@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_cp.hf.attention import refuse_calls_without_shard
+from lightning_cp.hf.attention import guard_sharded_calls
 from lightning_cp.hf.probe import check_models
 from lightning_cp.memory.offload import ActivationOffload
 from lightning_cp.parallel import groups
@@ -62,8 +62,9 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
     - refuse at ``setup`` any model whose training under this layout could differ from the unsharded
       model's (:func:`lightning_cp.hf.check_models`: attention that would see only the local shard, other
       token mixing, length-dependent positions, output transforms the loss would not apply), and make its
-      ``transformers`` models refuse a call on a batch's shard without the batch's ``cp_shard``
-      (:func:`lightning_cp.hf.attention.refuse_calls_without_shard`);
+      ``transformers`` models refuse a call on a batch's shard without the batch's ``cp_shard``, and run a
+      call with it without a KV cache unless ``use_cache`` is given
+      (:func:`lightning_cp.hf.attention.guard_sharded_calls`);
     - recompute the ``activation_checkpointing`` modules' activations in backward and, with
       ``offload_activations``, keep their saved inputs in host memory until then
       (:attr:`activation_offload`);
@@ -210,7 +211,7 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         _check_steps_take_batches(self.model)
         self._check_models()
         if self.layout.cp > 1:
-            refuse_calls_without_shard(self.model)
+            guard_sharded_calls(self.model)
         if self.activation_checkpointing:
             owner = type(self).__name__
             classes = resolve_classes(

@@ -248,3 +248,36 @@ def test_a_call_on_the_shard_without_cp_shard_or_positions_is_refused(world2, mo
         assert (
             message is not None and "without its shard" in message and "cp_shard=batch['cp_shard']" in message
         )
+
+
+class _CacheOfTheStep(HFCausalLM):
+    """The README's recipe without ``use_cache=False``: which cache the decoder's call returns, per step."""
+
+    def __init__(self, config, use_cache):
+        super().__init__(config)
+        self.use_cache, self.caches = use_cache, []
+
+    def training_step(self, batch, batch_idx):
+        extra = {} if self.use_cache is None else {"use_cache": self.use_cache}
+        out = decoder(self.model)(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            cp_shard=batch["cp_shard"],
+            **extra,
+        )
+        self.caches.append(type(out.past_key_values).__name__)
+        return out.last_hidden_state.float().mean()
+
+
+def _caches(use_cache):
+    module = _CacheOfTheStep(CONFIGS["qwen3"], use_cache)
+    _trainer(2, max_steps=2).fit(module, DataLoader(_dataset(), batch_size=2, collate_fn=collate_padded))
+    assert module.model.config.use_cache  # transformers' default: a cache for every call that gives none
+    return module.caches
+
+
+def test_a_call_with_cp_shard_keeps_no_kv_cache_unless_asked(world2):
+    """A cache of a shard cannot be continued and would keep every layer's K/V of the shard to the end of
+    the step: a call with cp_shard and no use_cache runs without one; an explicit use_cache is kept."""
+    assert world2.run(_caches, None) == [["NoneType", "NoneType"]] * 2
+    assert world2.run(_caches, True) == [["DynamicCache", "DynamicCache"]] * 2
