@@ -109,7 +109,8 @@ def _build(
         attn_implementation="sdpa",
     )
     llama = LlamaForCausalLM(config)
-    return llama, list(llama.model.layers), lambda ids: llama(input_ids=ids, labels=ids).loss
+    # use_cache=False as HFCausalLM calls it: else a DynamicCache keeps every layer's K/V to the end of the step
+    return llama, list(llama.model.layers), lambda ids: llama(input_ids=ids, labels=ids, use_cache=False).loss
 
 
 def _measure(spec: dict[str, Any]) -> dict[str, Any]:

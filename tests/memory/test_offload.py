@@ -45,7 +45,10 @@ def _step(model, tokens=None):
 
 def _input_bytes(model):
     """Bytes of the distinct positional tensor inputs of the model's blocks in one forward, per block."""
-    seen, per_block = [], {}  # the tensors themselves: a freed tensor's id() can be reused by the next block's
+    seen, per_block = (
+        [],
+        {},
+    )  # the tensors themselves: a freed tensor's id() can be reused by the next block's
 
     def record(name):
         def hook(module, args):
