@@ -119,6 +119,11 @@ def probe_models(module: nn.Module, layout: ParallelLayout, device: torch.device
         _probe(model, where, layout, device)
 
 
+def holds_transformers_models(module: nn.Module) -> bool:
+    """Whether ``module`` holds a ``transformers`` model: one :func:`probe_models` would probe. No communication."""
+    return next(_transformers_models(module), None) is not None
+
+
 def _transformers_models(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     modeling = sys.modules.get("transformers.modeling_utils")
     if modeling is None:  # transformers never loaded: no model of it can exist

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_cp.hf.loading import deferred_loading, materialize_pretrained
-from lightning_cp.hf.probe import check_configs, probe_models
+from lightning_cp.hf.probe import check_configs, holds_transformers_models, probe_models
 from lightning_cp.strategies import _fsdp
 from lightning_cp.strategies._modules import ModuleSpec, check_module_specs, resolve_classes
 from lightning_cp.strategies.base import MegatronCPBase, broadcast_from_first
@@ -161,7 +161,8 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
             materialize_pretrained(self.model, self.root_device)
             self.model_to_device()
         module = self.lightning_module
-        _fsdp.call_in_root(self.model, lambda: probe_models(module, self.layout, self.root_device))
+        if holds_transformers_models(module):
+            _fsdp.call_in_root(self.model, lambda: probe_models(module, self.layout, self.root_device))
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

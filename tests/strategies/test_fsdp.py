@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy
 from lightning_cp.models import GPTModule
-from lightning_cp.strategies import consolidate_checkpoint
+from lightning_cp.strategies import _fsdp, consolidate_checkpoint
 from lightning_cp.strategies._fsdp import default_wrap, mixed_precision_policy
 from tests._trainer import cp_trainer as _trainer
 from tests.strategies.test_megatron_cp import (
@@ -219,6 +219,25 @@ def test_a_wrap_name_matching_no_module_is_a_clear_error_at_setup(world4):
     for message in world4.run(_fit_with_bad_wrap):
         assert "fsdp_wrap=...): 'Block' matches no module of GPTModule" in message
         assert "_Block" in message and "Embedding" in message  # the classes that are there
+
+
+def _root_calls_at_setup():
+    """How often the setup ran a function as the FSDP root's forward (the HF probe's route), for the GPT."""
+    calls, original = [], _fsdp.call_in_root
+    _fsdp.call_in_root = lambda root, function: calls.append(function) or original(root, function)
+    try:
+        _trainer(2, dist.get_world_size(), strategy=MegatronCPFSDPStrategy(cp=2), max_steps=1).fit(
+            GPTModule(CONFIG), _loader(2, False)
+        )
+    finally:
+        _fsdp.call_in_root = original
+    return len(calls)
+
+
+def test_a_module_without_transformers_models_is_not_probed_through_the_root(world4):
+    """The probe's forward of the root unit gathers the root's parameters (the embedding and head of a
+    large vocabulary): only modules holding a transformers model pay it."""
+    assert world4.run(_root_calls_at_setup) == [0] * 4
 
 
 @pytest.mark.parametrize(
