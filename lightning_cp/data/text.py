@@ -32,7 +32,13 @@ from lightning_cp.constants import INPUT_IDS, LOSS_MASK
 from lightning_cp.data.collate import collate_packed
 from lightning_cp.data.datamodule import _CPDataModule
 from lightning_cp.data.packing import Piece, pack_documents
-from lightning_cp.data.tokenization import TextFormat, load_tokenizer, tokenize_conversations, tokenize_texts
+from lightning_cp.data.tokenization import (
+    TextFormat,
+    chat_targets,
+    load_tokenizer,
+    tokenize_conversations,
+    tokenize_texts,
+)
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 """File extension -> the ``datasets`` builder that reads it."""
@@ -122,8 +128,10 @@ class TextDataModule(_CPDataModule):
     into rows of ``seq_len`` tokens and a last piece; the others are packed whole, best-fit decreasing.
 
     ``format="chat"``: a ``messages`` column of conversations (lists of ``{"role": ..., "content": ...}``),
-    rendered with the tokenizer's chat template; the only targets are the tokens the template's
-    ``{% generation %}`` blocks mark (the assistant's replies). A conversation longer than ``seq_len`` is
+    rendered with the tokenizer's chat template; the only targets are the assistant's replies: the tokens
+    the template's ``{% generation %}`` blocks mark, or, for a template without them, the tokens each
+    assistant message adds to the rendering, up to its end-of-turn (EOS) token
+    (:data:`~lightning_cp.data.tokenization.ChatTargets`; which one is logged). A conversation longer than ``seq_len`` is
     dropped (``overlong="drop"``) or cut to its first ``seq_len`` tokens (``"truncate"``); one without a
     target token left is dropped. Each conversation is packed whole.
 
@@ -153,9 +161,10 @@ class TextDataModule(_CPDataModule):
         ImportError: ``datasets`` or ``transformers`` is missing (``pip install 'lightning-cp[hf,data]'``).
         ValueError: in the constructor, a missing file or one of another type, an unknown ``format`` or
             ``overlong``, ``seq_len < 2``, a bad ``val_fraction``, both ``val_fraction`` and ``val_path``, a
-            tokenizer directory that does not load, without EOS (``text``) or without a chat template with
-            ``{% generation %}`` blocks (``chat``); at ``prepare_data`` / ``setup``, a missing column, or a
-            split left without documents.
+            tokenizer directory that does not load, without EOS (``text``) or without a chat template
+            (``chat``); at ``prepare_data`` / ``setup``, a missing column, a conversation whose assistant
+            turns a template without ``{% generation %}`` blocks does not render as prefixes, or a split left
+            without documents.
     """
 
     def __init__(
@@ -198,6 +207,7 @@ class TextDataModule(_CPDataModule):
         if importlib.util.find_spec("datasets") is None:
             raise ImportError("TextDataModule needs datasets: pip install 'lightning-cp[data]'.")
         self._tokenizer = load_tokenizer(tokenizer, format)
+        self.chat_targets = chat_targets(self._tokenizer, tokenizer) if format == "chat" else None
         self.save_hyperparameters()
         self.path, self.tokenizer, self.seq_len, self.format = path, tokenizer, seq_len, format
         self.column = column or ("text" if format == "text" else "messages")
@@ -216,6 +226,8 @@ class TextDataModule(_CPDataModule):
         """Read the tokenized files from the cache, split off validation, pack both splits; log the summary."""
         if self._train is not None:
             return
+        if self.chat_targets is not None:
+            rank_zero_info(f"TextDataModule chat targets: {_CHAT_TARGETS[self.chat_targets]}")
         documents = self._tokenized(self.path)
         indices = np.arange(len(documents))
         if self.val_path is None:
@@ -286,8 +298,11 @@ class TextDataModule(_CPDataModule):
             )
         tokenizer, chat = self._tokenizer, self.format == "chat"
 
-        def tokenize(values: list[Any]) -> dict[str, list]:
-            out = tokenize_conversations(tokenizer, values) if chat else tokenize_texts(tokenizer, values)
+        def tokenize(values: list[Any], indices: list[int]) -> dict[str, list]:
+            if chat:
+                out = tokenize_conversations(tokenizer, values, self.chat_targets, indices)
+            else:
+                out = tokenize_texts(tokenizer, values)
             out["length"] = [len(ids) for ids in out[INPUT_IDS]]
             if chat:
                 out["first_target"] = [
@@ -298,6 +313,7 @@ class TextDataModule(_CPDataModule):
         return raw.map(
             tokenize,
             input_columns=self.column,
+            with_indices=True,
             batched=True,
             remove_columns=raw.column_names,
             new_fingerprint=self._fingerprint(raw._fingerprint),
@@ -316,6 +332,13 @@ class TextDataModule(_CPDataModule):
                 with open(os.path.join(self.tokenizer, name), "rb") as f:
                     digest.update(name.encode() + f.read())
         return digest.hexdigest()[:32]
+
+
+_CHAT_TARGETS = {
+    "generation": "the tokens the chat template's {% generation %} blocks mark",
+    "turns": "each assistant message's tokens in the rendered conversation, up to its end-of-turn token (the "
+    "chat template has no {% generation %} blocks)",
+}
 
 
 def _check_file(name: str, file: str) -> None:

@@ -233,14 +233,50 @@ def test_resuming_mid_epoch_trains_the_uninterrupted_batches(tiny_chat_dir, tmp_
     assert first + resumed == uninterrupted
 
 
-def _no_generation_tokenizer(tiny_chat_dir, tmp_path):
-    directory = tmp_path / "plain"
+def _tokenizer_with_template(tiny_chat_dir, tmp_path, edit):
+    """A copy of the tiny tokenizer and its data whose chat template is ``edit(template)``."""
+    directory = tmp_path / "edited"
     shutil.copytree(tiny_chat_dir, directory)
     template = directory / "chat_template.jinja"
-    template.write_text(
-        template.read_text().replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    )
+    template.write_text(edit(template.read_text()))
     return directory
+
+
+def _without_generation_blocks(template):
+    return template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+
+def test_without_generation_blocks_the_targets_are_still_exactly_the_assistant_tokens(
+    tiny_chat_dir, tmp_path
+):
+    """Llama 3's, Qwen 2.5's and Mistral's templates have no {% generation %} blocks: each assistant turn is
+    found from renderings of the conversation's prefixes, up to its end-of-turn token (<|im_end|>, the EOS),
+    and equals the spans found in the text (the "\n" the template writes after <|im_end|> is no target)."""
+    directory = _tokenizer_with_template(tiny_chat_dir, tmp_path, _without_generation_blocks)
+    data = _module(directory, tmp_path)
+    assert data.chat_targets == "turns"
+    records = _records(directory, "chat.jsonl")
+    pieces = [p for dataset in (data._train, data._val) for p in _pieces(dataset)]
+    assert sorted(document for document, *_ in pieces) == list(range(len(records)))
+    assert max(sum(m["role"] == "assistant" for m in records[d]["messages"]) for d, *_ in pieces) > 1
+    for document, start, ids, mask in pieces:
+        reference_ids, reference_mask = _reference_chat(data._tokenizer, records[document]["messages"])
+        assert start == 0 and ids == reference_ids and mask == reference_mask, f"conversation {document}"
+
+
+def _drops_earlier_replies(template):
+    """A template that renders only the last assistant reply's content (as some drop earlier reasoning)."""
+    return _without_generation_blocks(template).replace(
+        "message['content'] + '<|im_end|>' -}}{%- else -%}",
+        "(message['content'] if loop.last else '...') + '<|im_end|>' -}}{%- else -%}",
+    )
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_conversation(tiny_chat_dir, tmp_path):
+    directory = _tokenizer_with_template(tiny_chat_dir, tmp_path, _drops_earlier_replies)
+    assert "loop.last" in (directory / "chat_template.jinja").read_text()
+    with pytest.raises(ValueError, match=r"conversation \d+: the chat template does not render its first"):
+        _module(directory, tmp_path)
 
 
 def _no_template_tokenizer(tiny_chat_dir, tmp_path):
@@ -261,7 +297,6 @@ def _no_template_tokenizer(tiny_chat_dir, tmp_path):
         ({"val_fraction": 1.0}, "val_fraction=1.0 must be in (0, 1)"),
         ({"val_fraction": 0.1, "val_path": "chat.jsonl"}, "are both set"),
         ({"tokenizer": "missing"}, "tokenizer='missing' is not a directory"),
-        ({"tokenizer": "no_generation"}, "chat template has no {% generation %} block"),
         ({"tokenizer": "no_template"}, "has no (default) chat template"),
     ],
 )
@@ -272,8 +307,6 @@ def test_constructor_mistakes_are_one_line_errors(case, expected, tiny_chat_dir,
         case["path"] = str(tiny_chat_dir / case["path"])
     if case.get("val_path"):
         case["val_path"] = str(tiny_chat_dir / case["val_path"])
-    if case.get("tokenizer") == "no_generation":
-        case["tokenizer"] = str(_no_generation_tokenizer(tiny_chat_dir, tmp_path))
     if case.get("tokenizer") == "no_template":
         case["tokenizer"] = str(_no_template_tokenizer(tiny_chat_dir, tmp_path))
     with pytest.raises(ValueError) as error:
