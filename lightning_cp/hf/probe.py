@@ -15,7 +15,8 @@ Mamba mixer, a short convolution, linear attention, an attention class outside `
 attention interface, ALiBi, a position encoding computed from the tokens a rank sees. A crash of the
 sharded path is a refusal with the exception's first line. The output path is checked on every CP size:
 the model's own logits against what the loss computes from the last hidden states with
-:func:`~lightning_cp.hf.output_head` (weight, bias, logit scale, softcap); a transform it misses is a
+:func:`~lightning_cp.hf.output_head` (weight, bias, logit scale, softcap), after checking that the output
+embeddings are a plain linear layer (no parameters or forward of their own); a transform it misses is a
 refusal, and a head that needs transforms is marked so that the loss refuses its bare weight.
 
 What a short probe cannot show is checked on the config (:mod:`lightning_cp.hf.check`): RoPE scalings
@@ -157,6 +158,7 @@ def _check(model: nn.Module, where: str, layout: ParallelLayout, device: torch.d
     ids = torch.randint(0, vocab, (1, sum(PROBE_LENGTHS)), generator=generator).to(device)
     cu_seqlens = torch.tensor([0, *PROBE_LENGTHS], device=device).cumsum(0).to(torch.int32)
     documents = ids.split(list(PROBE_LENGTHS), dim=1)
+    _check_head_is_linear(name, model.get_output_embeddings())
     reference, hidden, logits = _unsharded(name, model, body, documents)
     _check_output_path(name, head, hidden, logits)
     head.mark_weight(type(model).__name__)
@@ -304,6 +306,21 @@ def _differs(actual: Tensor, expected: Tensor, dtype: torch.dtype) -> bool:
     actual, expected = actual.double(), expected.double()
     error = torch.linalg.vector_norm(actual - expected)
     return not bool(error <= tolerance * torch.linalg.vector_norm(expected) + 1e-30)
+
+
+def _check_head_is_linear(name: str, embeddings: nn.Module) -> None:
+    """Refuse output embeddings that compute more than ``hidden @ weight.T + bias``: parameters of their own
+    (a learned logit scale, LoRA) or a forward of their own, which the fused loss would not apply. A
+    transform that is the identity at initialization (a learned scale starting at 1) gives the model's own
+    logits in the probe, yet its parameters would never train."""
+    extra = sorted(n for n, _ in embeddings.named_parameters() if n not in ("weight", "bias"))
+    if extra or type(embeddings).forward is not nn.Linear.forward:
+        what = f"parameters {', '.join(extra)}" if extra else "a forward of their own"
+        raise ValueError(
+            f"{name}: its output embeddings ({type(embeddings).__name__}) are not a plain nn.Linear ({what}): "
+            "the fused loss computes only their weight and bias (then the config's logit scale and softcap), "
+            "so the rest would not be applied or trained. Train it without lightning_cp's loss."
+        )
 
 
 def _check_output_path(name: str, head, hidden: Tensor, logits: Tensor) -> None:

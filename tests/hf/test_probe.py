@@ -37,6 +37,19 @@ class RefusesTheShard(nn.Module):
         return self.layer(*args, **kwargs)
 
 
+class LearnedScaleHead(nn.Linear):
+    """An LM head with a learned per-token logit scale that starts at 1 (as transformers 5.24's Dory has):
+    the model's logits equal the plain head's at initialization, but the scale must train."""
+
+    def __init__(self, linear):
+        super().__init__(linear.in_features, linear.out_features, bias=False)
+        self.weight = linear.weight
+        self.logit_scale = nn.Parameter(torch.ones(linear.out_features))
+
+    def forward(self, hidden):
+        return super().forward(hidden) * self.logit_scale
+
+
 def _llama(change):
     torch.manual_seed(0)
     model = build("llama", "lightning_cp")
@@ -44,6 +57,8 @@ def _llama(change):
         model.model.layers[1].mlp = TokenMixer()
     elif change == "scaled logits":
         model.lm_head.register_forward_hook(lambda module, args, out: out * 2.0)
+    elif change == "learned head scale":
+        model.lm_head = LearnedScaleHead(model.lm_head)
     elif change == "crash":
         model.model.layers[0] = RefusesTheShard(model.model.layers[0])
     elif change == "rank weights":
@@ -89,6 +104,15 @@ def test_weights_that_differ_between_cp_ranks_are_rank_0_s_before_the_probe(worl
 def test_logits_the_loss_would_not_compute_are_refused_on_any_cp(world2, cp):
     for message in world2.run(_check, "scaled logits", cp):
         assert "llm (LlamaForCausalLM): its logits are not what the fused loss computes" in message
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_head_with_parameters_of_its_own_is_refused_though_its_logits_match_at_init(world2, cp):
+    for message in world2.run(_check, "learned head scale", cp):
+        assert (
+            "llm (LlamaForCausalLM): its output embeddings (LearnedScaleHead) are not a plain nn.Linear "
+            "(parameters logit_scale)" in message
+        )
 
 
 def test_the_probe_leaves_a_training_model_in_training_and_marks_a_transformed_head():
