@@ -301,6 +301,11 @@ def _eager(
     return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
+def _describe(value: Any) -> str:
+    """A value for an error message: a tensor by its shape, not its values."""
+    return f"<a tensor of shape {tuple(value.shape)}>" if isinstance(value, Tensor) else repr(value)
+
+
 def _check_supported(
     module: nn.Module, query: Tensor, key: Tensor, dropout: float, kwargs: dict[str, Any]
 ) -> None:
@@ -309,7 +314,7 @@ def _check_supported(
         if kwargs.get(variant) is not None:
             raise ValueError(
                 f'attn_implementation="lightning_cp" computes plain causal attention, but {name} passed '
-                f"{variant}={kwargs[variant]!r}: {instead}."
+                f"{variant}={_describe(kwargs[variant])}: {instead}."
             )
     if dropout:
         raise ValueError(
