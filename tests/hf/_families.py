@@ -59,6 +59,8 @@ _SIZES = {
     "sliding_window": 8,
     # Gemma-3n / Gemma-4 per-layer input embeddings
     "vocab_size_per_layer_input": VOCAB,
+    # an output vocabulary of its own (Inkling-2: the LM head has unpadded_vocab_size rows)
+    "unpadded_vocab_size": VOCAB,
     "hidden_size_per_layer_input": 8,
     # mixture of experts: groups of the group-limited routing, tokens per expert choice
     "moe_k": 2,
