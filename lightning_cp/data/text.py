@@ -131,9 +131,9 @@ class TextDataModule(_CPDataModule):
     rendered with the tokenizer's chat template; the only targets are the assistant's replies: the tokens
     the template's ``{% generation %}`` blocks mark, or, for a template without them, the tokens each
     assistant message adds to the rendering, up to its end-of-turn (EOS) token
-    (:data:`~lightning_cp.data.tokenization.ChatTargets`; which one is logged). A conversation longer than ``seq_len`` is
-    dropped (``overlong="drop"``) or cut to its first ``seq_len`` tokens (``"truncate"``); one without a
-    target token left is dropped. Each conversation is packed whole.
+    (:data:`~lightning_cp.data.tokenization.ChatTargets`; ``setup`` logs which). A conversation longer
+    than ``seq_len`` is dropped (``overlong="drop"``) or cut to its first ``seq_len`` tokens
+    (``"truncate"``); one without a target token left is dropped. Each conversation is packed whole.
 
     Validation: ``val_path``, a file of its own, or else a seeded ``val_fraction`` of the documents (at least
     one) held out before packing. ``batch_size`` counts rows per data-parallel rank; the loaders are
