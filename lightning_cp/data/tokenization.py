@@ -40,8 +40,8 @@ def load_tokenizer(path: str, format: TextFormat) -> Any:
 
     Raises:
         ImportError: ``transformers`` is not installed.
-        ValueError: ``path`` is not a directory, ``transformers`` cannot load a tokenizer from it, it has no
-            EOS token (``text``), or no chat template with ``{% generation %}`` blocks (``chat``).
+        ValueError: ``path`` is not a directory, ``transformers`` cannot load a tokenizer from it, or it has
+            no EOS token (``text``). Its chat template (``chat``) is :func:`chat_targets`'s to check.
     """
     if not os.path.isdir(path):
         raise ValueError(
@@ -67,8 +67,6 @@ def load_tokenizer(path: str, format: TextFormat) -> Any:
             f"tokenizer={path!r} has no eos_token, which ends every document of format='text'; set "
             "eos_token in its tokenizer_config.json."
         )
-    if format == "chat":
-        chat_targets(tokenizer, path)
     return tokenizer
 
 

@@ -26,6 +26,7 @@ therefore returns a :class:`DeferredMask` that only records what ``sdpa_mask`` w
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from typing import Any
@@ -241,11 +242,19 @@ def _guard_sharded_call(
         if sharded_under_cp(input_ids):
             raise ValueError(f"{type(module).__name__}: {_WITHOUT_SHARD}")
         return None
-    parameters = list(inspect.signature(module.forward).parameters)
+    position = _use_cache_position(type(module))
     # use_cache neither given by keyword nor positionally
-    if kwargs.get("use_cache") is None and "use_cache" in parameters[len(args) :]:
+    if kwargs.get("use_cache") is None and position is not None and position >= len(args):
         return args, {**kwargs, "use_cache": False}
     return None
+
+
+@functools.cache
+def _use_cache_position(model_class: type) -> int | None:
+    """The position of ``use_cache`` among the arguments of ``model_class.forward`` (after ``self``), or
+    ``None`` when it takes none: read once per class, not at every call."""
+    parameters = list(inspect.signature(model_class.forward).parameters)[1:]
+    return parameters.index("use_cache") if "use_cache" in parameters else None
 
 
 def _sdpa(
