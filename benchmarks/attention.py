@@ -40,7 +40,7 @@ import importlib
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,7 @@ from _report import CASE, STATUS, Column, publish, ratio_column, shape_column
 from torch import Tensor
 
 from lightning_cp.parallel import CPShard, CPSplit, shard_batch
-from lightning_cp.parallel.attention import GroupExchange
+from lightning_cp.parallel.exchange import GroupExchange
 from lightning_cp.parallel.simulated import SimulatedCPGroup, rank_attention
 
 LAYOUTS = ("padded", "docs8", "mixed")
@@ -124,14 +124,14 @@ class _Problem:
     def scale(self) -> float:
         return self.shape.head_dim**-0.5
 
-    def attention_exchange(self) -> GroupExchange:
-        """This rank's exchange for ``lightning_cp``'s attention: a simulated group in which every rank's
-        forward was recorded (untimed), whose reduce-scatter keeps this rank's share."""
+    def attention_shard(self) -> CPShard:
+        """This rank's shard for ``lightning_cp``'s attention, carrying a simulated group in which every
+        rank's forward was recorded (untimed), whose reduce-scatter keeps this rank's share."""
         peers = SimulatedCPGroup(self.shape.cp, sum_key_gradients=False)
         with peers.recording(), torch.no_grad():
             for rank, (q, k, v, shard) in enumerate(self.ranks):
-                rank_attention(q, k, v, shard, peers.exchange(rank), self.scale)
-        return peers.exchange(self.shard.split.cp_rank)
+                rank_attention(q, k, v, replace(shard, exchange=peers.exchange(rank)), self.scale)
+        return replace(self.shard, exchange=peers.exchange(self.shard.split.cp_rank))
 
     def kv_exchange(self) -> GroupExchange:
         """This rank's exchange of ``_kv(k, v)`` (the previous implementation's and the peers' gather)."""
@@ -197,8 +197,8 @@ def _make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, rank: 
 
 
 def _build_ours(p: _Problem) -> Callable[[], Tensor]:
-    exchange = p.attention_exchange()
-    return lambda: rank_attention(p.q, p.k, p.v, p.shard, exchange, p.scale, window=p.shape.window)
+    shard = p.attention_shard()
+    return lambda: rank_attention(p.q, p.k, p.v, shard, p.scale, window=p.shape.window)
 
 
 def _build_previous(p: _Problem) -> Callable[[], Tensor]:

@@ -13,10 +13,10 @@ changes, all in ``training_step`` and the ``Trainer``:
 3. No logits: ``self.lm_loss(hidden, self.head.weight, batch)`` fuses the head matmul with the loss, chunk
    by chunk, on this rank's tokens; nothing of size ``[tokens, vocab]`` is ever built.
 4. The model gets ``batch["position_ids"]`` (a rank's tokens are not contiguous, so positions cannot be
-   ``arange``), the batch's ``cp_shard`` and the CP group for its attention. ``lightning_cp.models.GPT``
-   is such a model; in your own, replace ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` with
-   ``context_parallel_attention(q, k, v, cp_shard=batch["cp_shard"], cp_group=layout.cp_group)``
-   (``layout = lightning_cp.parallel.current_layout()``). A Hugging Face model needs
+   ``arange``) and the batch's ``cp_shard`` for its attention (the shard carries the CP group).
+   ``lightning_cp.models.GPT`` is such a model; in your own, replace
+   ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` with
+   ``context_parallel_attention(q, k, v, cp_shard=batch["cp_shard"])``. A Hugging Face model needs
    ``attn_implementation="lightning_cp"`` and ``cp_shard=batch["cp_shard"]`` in its call (see the README).
 5. No ``self.log("train/loss", ...)``: the mixin logs ``train/loss`` (the mean over every target token of
    the global batch), perplexity, accuracy and token counts, reduced over all ranks.
@@ -43,7 +43,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_cp import CPLossMixin, MegatronCPStrategy
 from lightning_cp.models import GPT, GPTConfig
-from lightning_cp.parallel import current_layout
 
 CONFIG = GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32)
 STEPS = 6
@@ -99,12 +98,7 @@ class AfterLM(CPLossMixin, BeforeLM):  # CHANGE 1: the mixin first
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         # CHANGE 2 and 4: `batch` is this CP rank's shard, with next-token labels and true positions.
-        hidden = self.body(
-            batch["input_ids"],
-            batch["position_ids"],
-            cp_shard=batch["cp_shard"],
-            cp_group=current_layout().cp_group,
-        )
+        hidden = self.body(batch["input_ids"], batch["position_ids"], cp_shard=batch["cp_shard"])
         # CHANGE 3 and 5: no logits, no shift, no self.log; the loss is normalized over the global batch.
         return self.lm_loss(hidden, self.head.weight, batch)
 

@@ -25,7 +25,7 @@ from lightning_cp.doctor._compare import MAX_TOLERANCE, CheckResult, compare, re
 from lightning_cp.doctor.attention import attention_checks
 from lightning_cp.doctor.loss import loss_checks
 from lightning_cp.parallel import _varlen
-from lightning_cp.parallel.attention import GroupExchange
+from lightning_cp.parallel.exchange import GroupExchange
 from lightning_cp.parallel.sharding import CPShard
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("lightning-cp")

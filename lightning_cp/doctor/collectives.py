@@ -21,7 +21,7 @@ from torch import Tensor
 from lightning_cp.doctor._compare import CheckResult, compare, run_check
 from lightning_cp.doctor.attention import LAYOUTS, attention_inputs, kernel_name, sdpa_reference
 from lightning_cp.parallel import context_parallel_attention, groups, shard_batch
-from lightning_cp.parallel.attention import GroupExchange
+from lightning_cp.parallel.exchange import GroupExchange
 from lightning_cp.parallel.layout import ProcessGroup
 
 TIMEOUT = timedelta(minutes=2)
@@ -107,7 +107,9 @@ def _check_reduce_scatter(name: str, exchange: GroupExchange, device: torch.devi
     return CheckResult(name, "PASS" if ok else "FAIL", f"[{world * rows}, 2, 3] fp32")
 
 
-def _shard(tensors: dict[str, Tensor], cu: Tensor | None, cp: int, rank: int) -> dict:
+def _shard(
+    tensors: dict[str, Tensor], cu: Tensor | None, cp: int, rank: int, group: ProcessGroup | None = None
+) -> dict:
     """This rank's shard of ``[B, H, S, D]`` tensors (as ``[B, H, S_local, D]``), with the batch's layout."""
     first = next(iter(tensors.values()))
     batch: dict = {
@@ -116,7 +118,7 @@ def _shard(tensors: dict[str, Tensor], cu: Tensor | None, cp: int, rank: int) ->
     batch.update({name: t.transpose(1, 2) for name, t in tensors.items()})
     if cu is not None:
         batch["cu_seqlens"] = cu
-    shard = shard_batch(batch, cp, rank)
+    shard = shard_batch(batch, cp, rank, cp_group=group)
     return {**shard, **{name: shard[name].transpose(1, 2).contiguous() for name in tensors}}
 
 
@@ -131,9 +133,9 @@ def _check_attention(
     expected = {f"ref_{n}": t for n, t in zip(quantities, reference)}
     expected.update({f"torch_{n}": t.cpu().double() for n, t in zip(quantities, torchs)})
     expected = _shard(expected, cu, world, rank)
-    mine = _shard({n: t.to(device) for n, t in zip("qkvg", (q, k, v, grad_out))}, cu, world, rank)
+    mine = _shard({n: t.to(device) for n, t in zip("qkvg", (q, k, v, grad_out))}, cu, world, rank, group)
     lq, lk, lv = (mine[n].requires_grad_() for n in "qkv")
-    out = context_parallel_attention(lq, lk, lv, cp_shard=mine["cp_shard"], cp_group=group)
+    out = context_parallel_attention(lq, lk, lv, cp_shard=mine["cp_shard"])
     out.backward(mine["g"])
     valid = expected["input_mask"].bool()  # [B, S_local]: padding added by the split is not compared
 

@@ -10,8 +10,8 @@ function registered under its config's ``_attn_implementation``. The batch's
     )
 
 Given ``cp_shard``, :func:`hf_context_parallel_attention` calls
-:func:`~lightning_cp.parallel.context_parallel_attention` with it and the CP group of
-:func:`~lightning_cp.parallel.current_layout` (only the key/value heads are all-gathered), with the
+:func:`~lightning_cp.parallel.context_parallel_attention` with it, over the CP group the shard carries
+(only the key/value heads are all-gathered), with the
 layer's variants: its ``scaling``, its ``sliding_window`` (per layer), its logit ``softcap`` (Gemma-2),
 its attention sinks (``s_aux``, gpt-oss) and a value head dim of its own (DeepSeek's MLA). Without it,
 the function is exactly ``transformers``' ``"sdpa"`` attention, so the same model runs anywhere: in a
@@ -36,7 +36,6 @@ from torch import Tensor, nn
 
 from lightning_cp.constants import CP_SHARD
 from lightning_cp.parallel.attention import context_parallel_attention
-from lightning_cp.parallel.layout import current_layout
 from lightning_cp.parallel.sharding import CPShard, sharded_under_cp
 
 ATTN_IMPLEMENTATION = "lightning_cp"
@@ -173,7 +172,7 @@ def hf_context_parallel_attention(
     Returns:
         ``([B, S_local, Hq, Dv], None)``: the output in ``query``'s dtype, and no attention weights.
 
-    Communication: with ``cp_shard``, that of ``context_parallel_attention`` over the current layout's CP
+    Communication: with ``cp_shard``, that of ``context_parallel_attention`` over the shard's CP
     group (one all-gather of K and V forward; the same again and one reduce-scatter backward; none
     without CP). Without ``cp_shard`` none: this is ``transformers``' SDPA attention.
 
@@ -195,7 +194,6 @@ def hf_context_parallel_attention(
         key,
         value,
         cp_shard=cp_shard,
-        cp_group=current_layout().cp_group,
         scale=scaling,
         window=kwargs.get("sliding_window"),
         softcap=kwargs.get("softcap"),

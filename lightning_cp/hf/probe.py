@@ -220,7 +220,9 @@ def _sharded(
     body: nn.Module, ids: Tensor, cu_seqlens: Tensor, layout: ParallelLayout
 ) -> tuple[_Recorded | None, str | None]:
     """The training path on this rank's shard of the packed probe; or the first line of its exception."""
-    batch = shard_batch({INPUT_IDS: ids, CU_SEQLENS: cu_seqlens}, layout.cp, layout.cp_rank)
+    batch = shard_batch(
+        {INPUT_IDS: ids, CU_SEQLENS: cu_seqlens}, layout.cp, layout.cp_rank, cp_group=layout.cp_group
+    )
     try:
         with _recording(body, batch[INPUT_IDS].shape[1]) as recorded:
             body(

@@ -14,7 +14,6 @@ import torch
 from torch import Tensor, nn
 
 from lightning_cp.parallel.attention import context_parallel_attention
-from lightning_cp.parallel.layout import ProcessGroup
 from lightning_cp.parallel.sharding import CPShard
 
 
@@ -61,13 +60,11 @@ class _Attention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, shard: CPShard | None, cp_group: ProcessGroup | None
-    ) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, shard: CPShard | None) -> Tensor:
         batch, seq, width = x.shape
         q, k, v = self.qkv(x).view(batch, seq, 3, self.n_head, width // self.n_head).permute(2, 0, 3, 1, 4)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = context_parallel_attention(q, k, v, cp_shard=shard, cp_group=cp_group)
+        out = context_parallel_attention(q, k, v, cp_shard=shard)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, width))
 
 
@@ -83,10 +80,8 @@ class _Block(nn.Module):
             nn.Linear(config.mlp_ratio * config.n_embd, config.n_embd, bias=False),
         )
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, shard: CPShard | None, cp_group: ProcessGroup | None
-    ) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, shard, cp_group)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, shard: CPShard | None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, shard)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -124,22 +119,14 @@ class GPT(nn.Module):
         """``[vocab_size, n_embd]``: the output projection (the embedding when tied)."""
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(
-        self,
-        input_ids: Tensor,
-        position_ids: Tensor,
-        *,
-        cp_shard: CPShard | None = None,
-        cp_group: ProcessGroup | None = None,
-    ) -> Tensor:
+    def forward(self, input_ids: Tensor, position_ids: Tensor, *, cp_shard: CPShard | None = None) -> Tensor:
         """Hidden states of this rank's tokens.
 
         Args:
             input_ids: ``[B, S_local]`` int64, this rank's tokens (``shard_batch`` layout).
             position_ids: ``[B, S_local]`` int64, each token's position in its sequence (drives RoPE).
-            cp_shard: the batch's ``batch["cp_shard"]`` (required for packed batches and under CP;
-                without it every row is one causal sequence).
-            cp_group: the context-parallel group; ``None`` for no CP.
+            cp_shard: the batch's ``batch["cp_shard"]``, which carries its CP group (required for packed
+                batches and under CP; without it every row is one causal sequence).
 
         Returns:
             ``[B, S_local, n_embd]`` after the final norm.
@@ -149,5 +136,5 @@ class GPT(nn.Module):
         x = self.embed(input_ids)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.blocks:
-            x = block(x, cos, sin, cp_shard, cp_group)
+            x = block(x, cos, sin, cp_shard)
         return self.norm(x)

@@ -11,7 +11,6 @@ from torch import Tensor
 from lightning_cp.constants import CP_SHARD, INPUT_IDS, POSITION_IDS
 from lightning_cp.loss import CPLossMixin
 from lightning_cp.models.gpt import GPT, GPTConfig
-from lightning_cp.parallel.layout import current_layout
 
 
 class GPTModule(CPLossMixin, LightningModule):
@@ -43,12 +42,7 @@ class GPTModule(CPLossMixin, LightningModule):
 
     def forward(self, batch: dict[str, Tensor]) -> Tensor:
         """Hidden states ``[B, S_local, n_embd]`` of this rank's tokens of a sharded batch."""
-        return self.model(
-            batch[INPUT_IDS],
-            batch[POSITION_IDS],
-            cp_shard=batch.get(CP_SHARD),
-            cp_group=current_layout().cp_group,
-        )
+        return self.model(batch[INPUT_IDS], batch[POSITION_IDS], cp_shard=batch.get(CP_SHARD))
 
     def _loss(self, batch: dict[str, Tensor]) -> Tensor:
         return self.lm_loss(self(batch), self.model.lm_head_weight, batch, chunk_size=self.hparams.chunk_size)

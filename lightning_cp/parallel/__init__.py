@@ -2,7 +2,8 @@
 
 - :class:`ParallelLayout`, :func:`current_layout`: sizes, coordinates and groups of the DP x CP x TP grid.
 - :class:`CPSplit`, :func:`shard_batch`, :func:`unshard`, :class:`CPShard`: the load-balanced split of
-  sequences over CP ranks, and what attention needs of it (computed once per batch).
+  sequences over CP ranks, and what attention needs of it (computed once per batch, carrying its CP group).
+- :class:`GroupExchange`: the collectives of a CP group, the one seam through which layers reach peers.
 - :func:`context_parallel_attention`: causal attention over whole sequences from each rank's shard.
 
 The modules the strategy drives are imported from themselves: :mod:`~lightning_cp.parallel.groups`
@@ -11,12 +12,15 @@ strategy makes current).
 """
 
 from lightning_cp.parallel.attention import context_parallel_attention
+from lightning_cp.parallel.exchange import GroupExchange
 from lightning_cp.parallel.layout import ParallelLayout, current_layout
-from lightning_cp.parallel.sharding import CPShard, CPSplit, shard_batch, unshard
+from lightning_cp.parallel.sharding import CPShard, shard_batch, unshard
+from lightning_cp.parallel.split import CPSplit
 
 __all__ = [
     "CPShard",
     "CPSplit",
+    "GroupExchange",
     "ParallelLayout",
     "context_parallel_attention",
     "current_layout",

@@ -30,15 +30,12 @@ batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from lightning_cp.parallel._varlen import Pieces
-
-if TYPE_CHECKING:
-    from lightning_cp.parallel.sharding import CPSplit
+from lightning_cp.parallel.split import CPSplit
 
 Rows = slice | Tensor
 """Rows of a token-major tensor: a contiguous range, or an int64 index ``[n]`` on the tensors' device."""

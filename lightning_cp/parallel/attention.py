@@ -25,13 +25,12 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_cp.parallel import _varlen
 from lightning_cp.parallel._key_selection import KeySelection, Rows, select_row_keys
-from lightning_cp.parallel.layout import ProcessGroup
+from lightning_cp.parallel.exchange import GroupExchange
 from lightning_cp.parallel.sharding import CPShard
 
 
@@ -41,7 +40,6 @@ def context_parallel_attention(
     v: Tensor,
     *,
     cp_shard: CPShard | None = None,
-    cp_group: ProcessGroup | None = None,
     scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
@@ -57,10 +55,10 @@ def context_parallel_attention(
         k: ``[B, Hkv, S_local, D]`` with ``Hkv`` dividing ``Hq`` (grouped- or multi-query attention when
             smaller); same dtype and device as ``q``.
         v: ``[B, Hkv, S_local, Dv]``; ``Dv`` may differ from ``D`` (DeepSeek's multi-head latent attention).
-        cp_shard: the batch's ``batch["cp_shard"]`` from :func:`~lightning_cp.parallel.shard_batch`.
-            Required under CP and for packed batches; without it (and without CP) every row is one
-            sequence and this is plain causal attention over the local tokens.
-        cp_group: the context-parallel group (``strategy.layout.cp_group``); ``None``: no CP.
+        cp_shard: the batch's ``batch["cp_shard"]`` from :func:`~lightning_cp.parallel.shard_batch`, which
+            carries the CP group the batch was split over (``cp_shard.exchange``). Required for packed
+            batches and under CP; without it every row is one whole sequence and this is plain causal
+            attention over the local tokens.
         scale: softmax scale, default ``D ** -0.5`` (Gemma's ``query_pre_attn_scalar ** -0.5``, Granite's
             ``attention_multiplier``); a positive number.
         window: sliding window in tokens, ``transformers``' ``sliding_window``: the query at position ``i``
@@ -85,41 +83,31 @@ def context_parallel_attention(
     (slower than FlashAttention on CUDA). The choice is logged once per process. Without CP or a shard,
     rows that are whole sequences with none of ``window``, ``softcap``, ``sinks`` take the fused causal SDPA.
 
-    Communication: one all-gather of K and V over ``cp_group`` in the forward; in the backward the same
+    Communication: one all-gather of K and V over the shard's CP group in the forward; in the backward the same
     all-gather again and one reduce-scatter (NCCL) or all-reduce (gloo) of their gradients. With a window
     the whole K/V are still gathered; only the keys each piece reaches are selected.
 
     Raises:
-        ValueError: on inconsistent shapes, a shard of another CP split than ``cp_group``'s, CP without a
-            shard, or a ``scale``, ``window``, ``softcap`` or ``sinks`` that is not as described above.
+        ValueError: on inconsistent shapes, a shard of another batch, or a ``scale``, ``window``,
+            ``softcap`` or ``sinks`` that is not as described above.
     """
-    cp_size, cp_rank = _group_coordinates(cp_group)
     batch, heads, local_len = _check_shapes(q, k, v)
     scale = _check_variants(q, scale, window, softcap, sinks)
     # Without softcap and sinks, a window that covers the whole row changes nothing.
     plain = softcap is None and sinks is None and (window is None or window >= local_len)
     if cp_shard is None:
-        if cp_size > 1:
-            raise ValueError(
-                f"context_parallel_attention over a CP group of {cp_size} ranks needs the batch's shard: pass "
-                "cp_shard=batch['cp_shard'] (set by shard_batch / MegatronCPStrategy)."
-            )
         if plain:
             return _causal_rows(q, k, v, scale)
+        exchange = GroupExchange()
     else:
-        split = cp_shard.split
-        if (split.cp_size, split.cp_rank) != (cp_size, cp_rank):
-            raise ValueError(
-                f"cp_shard was made for CP rank {split.cp_rank} of {split.cp_size}, but this is rank {cp_rank} "
-                f"of cp_group's {cp_size}; shard the batch with the group's size and rank."
-            )
         if cp_shard.local_tokens != batch * local_len:
             raise ValueError(
                 f"cp_shard describes {cp_shard.local_tokens} local tokens but q holds B * S_local = "
                 f"{batch} * {local_len}; pass the shard of the batch these tensors come from."
             )
-        if plain and cp_size == 1 and cp_shard.num_sequences == batch:
+        if plain and cp_shard.split.cp_size == 1 and cp_shard.num_sequences == batch:
             return _causal_rows(q, k, v, scale)  # one sequence per row, all local: the fused causal kernel
+        exchange = cp_shard.group_exchange()
     if batch * local_len == 0:
         return q.new_empty((batch, heads, local_len, v.shape[-1]))
     keys = select_row_keys(batch, local_len, window, q.device) if cp_shard is None else cp_shard.keys(window)
@@ -127,16 +115,8 @@ def context_parallel_attention(
     def tokens(x: Tensor) -> Tensor:  # [B, H, S, d] -> [B * S, H, d]
         return x.transpose(1, 2).reshape(batch * local_len, x.shape[1], x.shape[3])
 
-    out = _CPAttention.apply(
-        tokens(q), tokens(k), tokens(v), sinks, keys, GroupExchange(cp_group), scale, softcap
-    )
+    out = _CPAttention.apply(tokens(q), tokens(k), tokens(v), sinks, keys, exchange, scale, softcap)
     return out.view(batch, local_len, heads, v.shape[-1]).transpose(1, 2)
-
-
-def _group_coordinates(group: ProcessGroup | None) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int]:
@@ -192,40 +172,6 @@ def _causal_rows(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return F.scaled_dot_product_attention(
         q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
     )
-
-
-class GroupExchange:
-    """How the CP ranks exchange keys and values: collectives over ``group`` (``None``: one rank).
-
-    :class:`_CPAttention` only talks to its peers through these two methods, so a benchmark can stand in
-    for the peers on one device (``benchmarks/attention.py``).
-    """
-
-    def __init__(self, group: ProcessGroup | None) -> None:
-        self.group = group
-
-    def all_gather(self, local: Tensor) -> Tensor:
-        """``[cp * T_local, ...]``: every rank's ``local`` ``[T_local, ...]``, in rank order."""
-        if self.group is None:
-            return local
-        gathered = local.new_empty((dist.get_world_size(self.group) * local.shape[0], *local.shape[1:]))
-        dist.all_gather_single(gathered, local.contiguous(), group=self.group)
-        return gathered
-
-    def reduce_scatter(self, full: Tensor) -> Tensor:
-        """This rank's ``[T_local, ...]`` slice of the sum over ranks of ``full`` ``[cp * T_local, ...]``."""
-        if self.group is None:
-            return full
-        size = dist.get_world_size(self.group)
-        local = full.shape[0] // size
-        if dist.get_backend(self.group) == "nccl":
-            out = full.new_empty((local, *full.shape[1:]))
-            dist.reduce_scatter_single(out, full, group=self.group)
-            return out
-        # gloo has no reduce-scatter: all-reduce, then keep this rank's slice (twice the traffic).
-        dist.all_reduce(full, group=self.group)
-        rank = dist.get_rank(self.group)
-        return full[rank * local : (rank + 1) * local].clone()
 
 
 def _ordered_keys(k: Tensor, v: Tensor, keys: KeySelection, exchange: GroupExchange) -> tuple[Tensor, Tensor]:

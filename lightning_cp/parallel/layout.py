@@ -57,7 +57,7 @@ class ParallelLayout:
 
         layout = trainer.strategy.layout        # or lightning_cp.parallel.current_layout()
         if layout.cp > 1:
-            out = context_parallel_attention(q, k, v, cp_shard=batch["cp_shard"], cp_group=layout.cp_group)
+            shard = shard_batch(batch, layout.cp, layout.cp_rank, cp_group=layout.cp_group)
     """
 
     dp: int = 1

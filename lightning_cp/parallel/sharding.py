@@ -39,7 +39,9 @@ from lightning_cp.constants import (
     POSITION_IDS,
 )
 from lightning_cp.parallel._key_selection import KeySelection, effective_window, select_keys
-from lightning_cp.parallel.layout import check_size
+from lightning_cp.parallel.exchange import GroupExchange
+from lightning_cp.parallel.layout import ProcessGroup
+from lightning_cp.parallel.split import CPSplit
 
 _PACKED_KEYS = (CU_SEQLENS, CU_SEQLENS_PADDED)
 _DERIVED_KEYS = (LABELS, LOSS_MASK, INPUT_MASK, POSITION_IDS, CP_SHARD)
@@ -59,81 +61,15 @@ def sharded_under_cp(tensor: Any) -> bool:
     return getattr(tensor, _SHARDED_UNDER_CP, False)
 
 
-@dataclass(frozen=True)
-class CPSplit:
-    """The load-balanced split of sequences over a CP group, for one rank.
-
-    Every sequence is padded to a multiple of ``2 * cp_size`` and cut into ``2 * cp_size`` equal chunks;
-    rank ``r`` keeps chunks ``r`` and ``2 * cp_size - 1 - r`` (a cheap early chunk and an expensive late
-    one, which balances causal attention). This is the only place that knows the rule: ``shard_batch``,
-    ``unshard``, the attention metadata (:class:`CPShard`) and the attention kernels all ask it.
-
-    Raises:
-        TypeError / ValueError: ``cp_size`` is not an integer >= 1, or ``cp_rank`` not in ``[0, cp_size)``.
-    """
-
-    cp_size: int
-    cp_rank: int
-
-    def __post_init__(self) -> None:
-        check_size("cp_size", self.cp_size)
-        if isinstance(self.cp_rank, bool) or not isinstance(self.cp_rank, int):
-            raise TypeError(f"cp_rank={self.cp_rank!r} must be an integer in [0, {self.cp_size}).")
-        if not 0 <= self.cp_rank < self.cp_size:
-            raise ValueError(f"cp_rank={self.cp_rank} must be in [0, cp_size={self.cp_size}).")
-
-    @property
-    def kept_chunks(self) -> tuple[int, int]:
-        """The indices (of ``2 * cp_size``) of the two chunks this rank keeps, in local order."""
-        return self.cp_rank, 2 * self.cp_size - 1 - self.cp_rank
-
-    def owner(self, chunk: Tensor) -> tuple[Tensor, Tensor]:
-        """Who keeps each of the global chunk indices ``chunk`` (any shape, in ``[0, 2 * cp_size)``).
-
-        Returns:
-            ``(rank, slot)``, both shaped like ``chunk`` (int64): the CP rank that keeps the chunk, and
-            whether it is that rank's first (0) or second (1) kept chunk.
-        """
-        second = chunk >= self.cp_size
-        return torch.where(second, 2 * self.cp_size - 1 - chunk, chunk), second.long()
-
-    def chunk_lengths(self, lengths: Tensor) -> Tensor:
-        """``[n]`` chunk length of each sequence: ``ceil(length / (2 * cp_size))``."""
-        return torch.div(lengths + 2 * self.cp_size - 1, 2 * self.cp_size, rounding_mode="floor")
-
-    def positions(self, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Which tokens of each sequence this rank keeps, in its local order.
-
-        Args:
-            lengths: ``[n]`` int64, the unpadded length of each sequence.
-
-        Returns:
-            ``(sequence, offset, local_lengths)``: for each local token, the index of its sequence
-            ``[T_local]`` and its position inside that sequence after padding ``[T_local]``
-            (``offset >= length`` marks padding); and the number of local tokens of each sequence ``[n]``
-            (``2 * chunk_length``).
-        """
-        chunk = self.chunk_lengths(lengths)
-        local_lengths = 2 * chunk
-        total = int(local_lengths.sum())
-        sequence = torch.repeat_interleave(
-            torch.arange(len(lengths), device=lengths.device), local_lengths, output_size=total
-        )
-        starts = torch.cumsum(local_lengths, 0) - local_lengths
-        j = torch.arange(total, device=lengths.device) - starts[sequence]
-        c = chunk[sequence]
-        first, second = self.kept_chunks
-        offset = torch.where(j >= c, second * c + (j - c), first * c + j)
-        return sequence, offset, local_lengths
-
-
 @dataclass(frozen=True, eq=False)
 class CPShard:
     """This rank's shard of a batch's sequences under a :class:`CPSplit`: its tokens and their keys.
 
     Built once per batch by :func:`shard_batch` (``batch["cp_shard"]``) and passed to the model as an
     argument (``cp_shard=batch["cp_shard"]``), which hands it to every attention layer; the loss metrics
-    read its :attr:`sequence_index`, and ``shard_batch`` gathers the tokens it lists. A *sequence* is a
+    read its :attr:`sequence_index`, and ``shard_batch`` gathers the tokens it lists. It carries the CP group
+    the batch was split over (:attr:`exchange`), so a layer that reaches its peers finds them here, with the
+    tokens they belong to, and no layer looks the group up elsewhere. A *sequence* is a
     row of a padded ``[B, S]`` batch or a document of a packed ``[1, T]`` one; this rank's ``T_local``
     tokens (the batch flattened row-major) hold, sequence after sequence, the two kept chunks of each.
     Attention splits them into *pieces* (one per kept chunk, ``2 * n`` in all): piece ``(i, h)`` holds
@@ -157,6 +93,9 @@ class CPShard:
     position_ids: Tensor | None = None
     """``[B, S_local]`` int64: the batch's ``position_ids`` (the same tensor), which a model must be given
     with this shard; ``None`` for a shard built without a batch."""
+    exchange: GroupExchange | None = None
+    """The collectives of the CP group the batch was split over (``split.cp_size`` ranks, this one
+    ``split.cp_rank``); ``None`` for a shard built without its group (only a split over one rank needs none)."""
     _keys: dict[int | None, KeySelection] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -186,6 +125,22 @@ class CPShard:
         if window not in self._keys:
             self._keys[window] = select_keys(self.split, self.chunk_lengths, window, self.cu_seqlens.device)
         return self._keys[window]
+
+    def group_exchange(self) -> GroupExchange:
+        """:attr:`exchange`, the shard's CP group, which layers that reach their peers use.
+
+        Raises:
+            ValueError: the shard is one of a split over several ranks but was built without its group.
+        """
+        if self.exchange is not None:
+            return self.exchange
+        if self.split.cp_size > 1:
+            raise ValueError(
+                f"This cp_shard splits the batch over {self.split.cp_size} CP ranks but carries no CP group: "
+                "shard the batch with shard_batch(batch, cp, cp_rank, cp_group=layout.cp_group) (as "
+                "MegatronCPStrategy does), so that attention reaches the other ranks' tokens."
+            )
+        return GroupExchange()
 
     @property
     def num_sequences(self) -> int:
@@ -247,7 +202,13 @@ def _gather_tokens(value: Tensor, src: Tensor, valid: Tensor, rows: int, fill: f
 
 
 def shard_batch(
-    batch: Mapping[str, Any], cp_size: int, cp_rank: int, *, ignore_index: int = IGNORE_INDEX, pad_id: int = 0
+    batch: Mapping[str, Any],
+    cp_size: int,
+    cp_rank: int,
+    *,
+    cp_group: ProcessGroup | GroupExchange | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    pad_id: int = 0,
 ) -> dict[str, Any]:
     """Shift labels to the next token, pad and keep this CP rank's two chunks of every sequence.
 
@@ -262,6 +223,10 @@ def shard_batch(
             anything else passes through unchanged.
         cp_size: number of ranks in the context-parallel group.
         cp_rank: this rank's index in it.
+        cp_group: the CP process group (``layout.cp_group``) or its :class:`GroupExchange`, which the
+            shard carries to every layer that reaches the other ranks (attention). Needed to run a model
+            on the shard when ``cp_size > 1``; its size and this rank's index in it must be ``cp_size`` and
+            ``cp_rank``. ``None``: a shard of the data only (under CP, attention refuses it).
         ignore_index: label of positions that are not targets.
         pad_id: token id used to pad sequences to a multiple of ``2 * cp_size``.
 
@@ -277,9 +242,11 @@ def shard_batch(
 
     Raises:
         ValueError: no ``input_ids``, wrong shapes or dtypes, or ``cu_seqlens`` that do not cover the tokens.
-        TypeError / ValueError: a ``cp_size`` / ``cp_rank`` that is not a valid split (see :class:`CPSplit`).
+        TypeError / ValueError: a ``cp_size`` / ``cp_rank`` that is not a valid split (see :class:`CPSplit`),
+            or a ``cp_group`` of another size or rank.
     """
     split = CPSplit(cp_size, cp_rank)
+    exchange = _check_group(cp_group, split)
     if not isinstance(batch, Mapping) or INPUT_IDS not in batch:
         keys = list(batch) if isinstance(batch, Mapping) else type(batch).__name__
         raise ValueError(
@@ -335,11 +302,25 @@ def shard_batch(
         for marked in (position_ids, out.get(INPUT_IDS)):
             if isinstance(marked, Tensor):
                 setattr(marked, _SHARDED_UNDER_CP, True)
-    out[CP_SHARD] = replace(shard, position_ids=position_ids)
+    out[CP_SHARD] = replace(shard, position_ids=position_ids, exchange=exchange)
     if packed:
         out[CU_SEQLENS] = shard.cu_seqlens
         out[CU_SEQLENS_PADDED] = _cumulative(2 * shard.chunk_lengths * cp_size).to(device)
     return out
+
+
+def _check_group(group: ProcessGroup | GroupExchange | None, split: CPSplit) -> GroupExchange | None:
+    """``group`` as the exchange of ``split``'s CP group, checked to have its size and rank."""
+    if group is None:
+        return None
+    exchange = group if isinstance(group, GroupExchange) else GroupExchange(group)
+    if (exchange.size, exchange.rank) != (split.cp_size, split.cp_rank):
+        raise ValueError(
+            f"shard_batch(cp_size={split.cp_size}, cp_rank={split.cp_rank}) was given a cp_group of "
+            f"{exchange.size} ranks in which this is rank {exchange.rank}: pass the layout's cp, cp_rank and "
+            "cp_group together."
+        )
+    return exchange
 
 
 def _cumulative(lengths: Tensor) -> Tensor:

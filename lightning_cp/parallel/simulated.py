@@ -1,6 +1,6 @@
 """Every rank of a CP group in one process: CP attention through the ``GroupExchange`` seam, without peers.
 
-:class:`~lightning_cp.parallel.attention.GroupExchange` is the only way CP attention reaches its peers:
+:class:`~lightning_cp.parallel.exchange.GroupExchange` is the only way CP attention reaches its peers:
 an all-gather of the local keys and values in the forward and the backward, a reduce-scatter of their
 gradients. A :class:`SimulatedCPGroup` stands in for those collectives for ``cp`` ranks run one after the
 other in this process. It learns what each rank sends by watching it: inside :meth:`SimulatedCPGroup.recording`
@@ -22,7 +22,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from lightning_cp.parallel.attention import GroupExchange, _CPAttention
+from lightning_cp.parallel.attention import _CPAttention
+from lightning_cp.parallel.exchange import GroupExchange
 from lightning_cp.parallel.sharding import CPShard, shard_batch, unshard
 
 
@@ -84,6 +85,14 @@ class _SimulatedExchange(GroupExchange):
         self._group = group
         self._rank = rank
 
+    @property
+    def size(self) -> int:
+        return self._group.cp_size
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
     def all_gather(self, local: Tensor) -> Tensor:
         group = self._group
         group._gathered[self._rank] = local.detach()
@@ -108,26 +117,26 @@ def rank_attention(
     k: Tensor,
     v: Tensor,
     shard: CPShard,
-    exchange: GroupExchange,
     scale: float,
     *,
     window: int | None = None,
 ) -> Tensor:
-    """One CP rank's attention with its peers behind ``exchange``, as ``context_parallel_attention`` runs it.
+    """One CP rank's attention with its peers behind the shard's exchange, as ``context_parallel_attention``
+    runs it.
 
     Args:
         q: ``[T_local, Hq, D]``, the rank's queries token-major (``[B, Hq, S_local, D]`` with ``B`` and
             ``S_local`` flattened).
         k, v: ``[T_local, Hkv, D]``.
-        shard: the rank's ``CPShard`` of the batch.
-        exchange: how it reaches its peers (a :class:`SimulatedCPGroup`'s, or ``GroupExchange(group)``).
+        shard: the rank's ``CPShard`` of the batch, carrying how it reaches its peers (a
+            :class:`SimulatedCPGroup`'s exchange, given to ``shard_batch(..., cp_group=...)``).
         scale: softmax scale.
         window: sliding window in tokens (``None``: causal over the whole sequence).
 
     Returns:
         ``[T_local, Hq, D]``, differentiable w.r.t. ``q``, ``k``, ``v``.
     """
-    return _CPAttention.apply(q, k, v, None, shard.keys(window), exchange, scale, None)
+    return _CPAttention.apply(q, k, v, None, shard.keys(window), shard.group_exchange(), scale, None)
 
 
 def simulate_cp_attention(
@@ -165,17 +174,17 @@ def simulate_cp_attention(
     batch.update({name: t.transpose(1, 2) for name, t in zip("qkvg", (q, k, v, grad_out))})  # [B, S, H, D]
     if cu_seqlens is not None:
         batch["cu_seqlens"] = cu_seqlens
-    shards = [shard_batch(batch, cp_size, rank) for rank in range(cp_size)]
+    group = SimulatedCPGroup(cp_size)
+    shards = [shard_batch(batch, cp_size, rank, cp_group=group.exchange(rank)) for rank in range(cp_size)]
 
     def tokens(shard: dict, name: str) -> Tensor:  # [B, S_local, H, D] -> [B * S_local, H, D]
         return shard[name].flatten(0, 1).contiguous()
 
     leaves = [tuple(tokens(s, name).requires_grad_() for name in "qkv") for s in shards]
     grads_out = [tokens(s, "g") for s in shards]
-    group = SimulatedCPGroup(cp_size)
 
     def forward(rank: int) -> Tensor:
-        return rank_attention(*leaves[rank], shards[rank]["cp_shard"], group.exchange(rank), scale)
+        return rank_attention(*leaves[rank], shards[rank]["cp_shard"], scale)
 
     with group.recording(), torch.no_grad():
         for rank in range(cp_size):

@@ -227,7 +227,7 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Move the batch (user transfer hooks see the full batch), then keep this CP rank's shard."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        return shard_batch(batch, self.layout.cp, self.layout.cp_rank)
+        return shard_batch(batch, self.layout.cp, self.layout.cp_rank, cp_group=self.layout.cp_group)
 
     @override
     def teardown(self) -> None:

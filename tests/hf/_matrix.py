@@ -62,7 +62,8 @@ def _case(model_type: str, fields: dict, *, reference: bool, layout) -> dict:
     initial = copy.deepcopy(module.model.state_dict())
     try:
         module.train()
-        loss = module.training_step(shard_batch(batch(), layout.cp, layout.cp_rank), 0)
+        sharded = shard_batch(batch(), layout.cp, layout.cp_rank, cp_group=layout.cp_group)
+        loss = module.training_step(sharded, 0)
         loss.backward()
     except Exception as error:  # noqa: BLE001 - reported as the family's crash
         return {"crash": f"step: {type(error).__name__}: {error}"}

@@ -58,7 +58,7 @@ def _packed_documents(name, cp):
     def run(rank):
         torch.manual_seed(0)
         model = build(name, "lightning_cp")
-        losses = _nll(model, shard_batch(_inputs()[0], cp, rank))
+        losses = _nll(model, shard_batch(_inputs()[0], cp, rank, cp_group=current_layout().cp_group))
         losses.sum().backward()
         return _summed_over_cp([losses], [model])
 
@@ -88,7 +88,7 @@ def _variant_documents(name, cp):
     def run(rank):
         torch.manual_seed(0)
         model = build_variant(name, "lightning_cp")
-        batch = shard_batch(_inputs()[0], cp, rank)
+        batch = shard_batch(_inputs()[0], cp, rank, cp_group=current_layout().cp_group)
         hidden = decoder(model)(
             input_ids=batch["input_ids"],
             position_ids=batch["position_ids"],
@@ -126,7 +126,8 @@ def _two_models(cp):
     def run(rank):
         torch.manual_seed(0)
         llama, qwen3 = build("llama", "lightning_cp"), build("qwen3", "lightning_cp")
-        packed, padded = (shard_batch(batch, cp, rank) for batch in _inputs())
+        group = current_layout().cp_group
+        packed, padded = (shard_batch(batch, cp, rank, cp_group=group) for batch in _inputs())
         losses = [_nll(llama, packed), _nll(qwen3, padded)]
         sum(loss.sum() for loss in losses).backward()
         return _summed_over_cp(losses, [llama, qwen3])
@@ -154,7 +155,7 @@ def _without_position_ids(cp):
     def run(rank):
         torch.manual_seed(0)
         model = build("qwen3", "lightning_cp")
-        batch = shard_batch(_inputs()[1], cp, rank)
+        batch = shard_batch(_inputs()[1], cp, rank, cp_group=current_layout().cp_group)
         try:
             model.model(input_ids=batch["input_ids"], cp_shard=batch["cp_shard"])
         except ValueError as error:

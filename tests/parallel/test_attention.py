@@ -60,12 +60,12 @@ def _reference(q, k, v, dout, cu_seqlens):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _shard_heads(x, cp, rank, cu_seqlens):
+def _shard_heads(x, cp, rank, cu_seqlens, group=None):
     """Shard a [B, H, S, D] tensor along S with shard_batch's layout (as an extra per-token key)."""
     batch = {"input_ids": torch.zeros(x.shape[0], x.shape[2], dtype=torch.long), "x": x.transpose(1, 2)}
     if cu_seqlens is not None:
         batch["cu_seqlens"] = cu_seqlens
-    shard = shard_batch(batch, cp, rank)
+    shard = shard_batch(batch, cp, rank, cp_group=group)
     return shard["x"].transpose(1, 2).contiguous(), shard["cp_shard"]
 
 
@@ -77,10 +77,10 @@ def _run_cp_attention(packed, kv_heads):
     results = {}
     for cp in (1, 2, 4):
         layout = groups.initialize(tp=1, cp=cp)
-        lq, shard = _shard_heads(q, cp, layout.cp_rank, cu)
+        lq, shard = _shard_heads(q, cp, layout.cp_rank, cu, layout.cp_group)
         lk, lv, ldout = (_shard_heads(t, cp, layout.cp_rank, cu)[0] for t in (k, v, dout))
         lq, lk, lv = (t.requires_grad_() for t in (lq, lk, lv))
-        out = context_parallel_attention(lq, lk, lv, cp_shard=shard, cp_group=layout.cp_group)
+        out = context_parallel_attention(lq, lk, lv, cp_shard=shard)
         out.backward(ldout)
         results[cp] = (layout.cp_rank, out.detach(), lq.grad, lk.grad, lv.grad)
         groups.destroy()
@@ -141,24 +141,26 @@ def test_attention_rejects_bad_input():
         context_parallel_attention(q, q[:, :2, :4], q[:, :2, :4], cp_shard=shard)
     with pytest.raises(ValueError, match="describes 6 local tokens"):
         context_parallel_attention(q[:, :, :4], q[:, :, :4], q[:, :, :4], cp_shard=shard)
-    _, other = _shard_heads(q, 2, 1, torch.tensor([0, 2, 6]))
-    with pytest.raises(ValueError, match="rank 1 of 2"):
-        context_parallel_attention(q, q, q, cp_shard=other)
+    local, data_only = _shard_heads(q, 2, 1, torch.tensor([0, 2, 6]))  # a split over 2 ranks, no group
+    with pytest.raises(ValueError, match="carries no CP group"):
+        context_parallel_attention(local, local, local, cp_shard=data_only)
 
 
-def _attention_without_layout_under_cp():
+def _shard_with_another_group():
     layout = groups.initialize(tp=1, cp=2)
     q = torch.randn(1, 2, 4, 8)
     try:
-        context_parallel_attention(q, q, q, cp_group=layout.cp_group)
+        _shard_heads(q, 4, layout.cp_rank, None, layout.cp_group)
     except ValueError as error:
         return str(error)
+    finally:
+        groups.destroy()
     return None
 
 
-def test_cp_without_the_batch_layout_is_an_error_on_every_rank(world2):
-    for message in world2.run(_attention_without_layout_under_cp):
-        assert message is not None and "cp_shard=batch['cp_shard']" in message
+def test_a_shard_and_a_cp_group_of_other_sizes_are_an_error_on_every_rank(world2):
+    for message in world2.run(_shard_with_another_group):
+        assert message is not None and "cp_group of 2 ranks" in message
 
 
 _LONG_PACKED = """
@@ -231,7 +233,7 @@ def _grads_and_future_warnings(reduce_scatter):
     NCCL branch of the gradient exchange (gloo implements reduce-scatter too in torch 2.13)."""
     layout = groups.initialize(tp=1, cp=2)
     q, k, v, dout = _inputs(*PADDED_SHAPE)
-    lq, shard = _shard_heads(q, 2, layout.cp_rank, None)
+    lq, shard = _shard_heads(q, 2, layout.cp_rank, None, layout.cp_group)
     lk, lv, ldout = (_shard_heads(t, 2, layout.cp_rank, None)[0] for t in (k, v, dout))
     lq, lk, lv = (t.requires_grad_() for t in (lq, lk, lv))
     get_backend = dist.get_backend
@@ -240,7 +242,7 @@ def _grads_and_future_warnings(reduce_scatter):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out = context_parallel_attention(lq, lk, lv, cp_shard=shard, cp_group=layout.cp_group)
+            out = context_parallel_attention(lq, lk, lv, cp_shard=shard)
             out.backward(ldout)
     finally:
         dist.get_backend = get_backend

@@ -131,13 +131,11 @@ def _run_variants(packed, budget, rows=PADDED_SHAPE[0], flash=False):
             layout = groups.initialize(tp=1, cp=cp)
             for index, variant in enumerate(VARIANTS):
                 q, k, v, sinks, dout = _inputs(rows, total, variant)
-                lq, shard = _shard_heads(q, cp, layout.cp_rank, cu)
+                lq, shard = _shard_heads(q, cp, layout.cp_rank, cu, layout.cp_group)
                 lk, lv, ldout = (_shard_heads(t, cp, layout.cp_rank, cu)[0] for t in (k, v, dout))
                 leaves = [t.requires_grad_() for t in (lq, lk, lv)]
                 ls = None if sinks is None else sinks.clone().requires_grad_()
-                out = context_parallel_attention(
-                    *leaves, cp_shard=shard, cp_group=layout.cp_group, **variant.kwargs(ls)
-                )
+                out = context_parallel_attention(*leaves, cp_shard=shard, **variant.kwargs(ls))
                 out.backward(ldout)
                 grads = [t.grad for t in leaves]
                 results[cp, index] = (layout.cp_rank, out.detach(), *grads, None if ls is None else ls.grad)

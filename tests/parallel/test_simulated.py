@@ -66,21 +66,14 @@ def test_one_rank_timed_like_the_benchmark_computes_its_rows_of_full_attention()
     full = _reference(q, k, v, dout, None)[0][0].transpose(0, 1)  # [T, H, D]
     q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
     batch = {"input_ids": torch.zeros(1, total, dtype=torch.long), "token": torch.arange(total)[None]}
-    shards = [shard_batch(batch, 2, rank) for rank in range(2)]
-    mine = [s["token"][0] for s in shards]
     group = SimulatedCPGroup(2, sum_key_gradients=False)
+    shards = [shard_batch(batch, 2, rank, cp_group=group.exchange(rank)) for rank in range(2)]
+    mine = [s["token"][0] for s in shards]
     with group.recording(), torch.no_grad():
         for rank in range(2):
-            rank_attention(
-                q[mine[rank]],
-                k[mine[rank]],
-                v[mine[rank]],
-                shards[rank]["cp_shard"],
-                group.exchange(rank),
-                DIM**-0.5,
-            )
+            rank_attention(q[mine[rank]], k[mine[rank]], v[mine[rank]], shards[rank]["cp_shard"], DIM**-0.5)
     lq = q[mine[1]].requires_grad_()
-    out = rank_attention(lq, k[mine[1]], v[mine[1]], shards[1]["cp_shard"], group.exchange(1), DIM**-0.5)
+    out = rank_attention(lq, k[mine[1]], v[mine[1]], shards[1]["cp_shard"], DIM**-0.5)
     torch.testing.assert_close(out, full[mine[1]], rtol=1e-10, atol=1e-10)
     out.sum().backward()
     assert lq.grad is not None

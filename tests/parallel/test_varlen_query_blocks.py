@@ -78,13 +78,12 @@ DOCS = [8, 20, 12]
 """Packed document lengths, multiples of 2 * cp = 4 (no padding); the longest spans more than a chunk."""
 
 
-def _packed(tensors: dict[str, torch.Tensor], cp_rank: int) -> dict[str, torch.Tensor]:
+def _packed(tensors: dict[str, torch.Tensor], cp_rank: int, group=None) -> dict[str, torch.Tensor]:
     """``shard_batch`` of the packed documents ``DOCS`` with the ``[1, T, heads, D]`` ``tensors``, at cp = 2."""
     total = sum(DOCS)
     cu = torch.tensor([0, *itertools.accumulate(DOCS)])
-    return shard_batch(
-        {"input_ids": torch.zeros(1, total, dtype=torch.long), "cu_seqlens": cu, **tensors}, 2, cp_rank
-    )
+    batch = {"input_ids": torch.zeros(1, total, dtype=torch.long), "cu_seqlens": cu, **tensors}
+    return shard_batch(batch, 2, cp_rank, cp_group=group)
 
 
 def _inputs() -> dict[str, torch.Tensor]:
@@ -98,12 +97,12 @@ def _inputs() -> dict[str, torch.Tensor]:
 def _cp_attention_with_a_small_budget() -> list[torch.Tensor]:
     """This rank's output and dQ, dK, dV at cp = 2, with one query per block of scores."""
     layout = groups.initialize(tp=1, cp=2)
-    batch = _packed(_inputs(), layout.cp_rank)
+    batch = _packed(_inputs(), layout.cp_rank, layout.cp_group)
     q, k, v = (batch[name].transpose(1, 2).contiguous().requires_grad_() for name in ("q", "k", "v"))
     budget = _varlen._SCORE_BUDGET_BYTES
     _varlen._SCORE_BUDGET_BYTES = 4 * HEADS  # one query per block: every piece of 2 or more spans several
     try:
-        out = context_parallel_attention(q, k, v, cp_shard=batch["cp_shard"], cp_group=layout.cp_group)
+        out = context_parallel_attention(q, k, v, cp_shard=batch["cp_shard"])
         out.backward(batch["dout"].transpose(1, 2))
     finally:
         _varlen._SCORE_BUDGET_BYTES = budget

@@ -9,8 +9,7 @@ changes no byte).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ from torch import nn
 from lightning_cp.memory import tile_mlps
 from lightning_cp.models.gpt import GPT, GPTConfig
 from lightning_cp.ops import linear_cross_entropy
-from lightning_cp.parallel import attention
 from lightning_cp.parallel.sharding import shard_batch
 from lightning_cp.parallel.simulated import SimulatedCPGroup
 from lightning_cp.plan import Layout, ModelShape, estimate
@@ -42,19 +40,6 @@ def _llama() -> tuple[nn.Module, ModelShape, type[nn.Module]]:
     return model, shape, type(model.model.layers[0])
 
 
-@contextlib.contextmanager
-def _simulated_cp_rank0(cp: int) -> Iterator[None]:
-    """Every CP attention call runs as rank 0 of ``cp`` simulated ranks (no process group)."""
-    if cp == 1:
-        yield
-        return
-    group = SimulatedCPGroup(cp)
-    with pytest.MonkeyPatch.context() as patch, group.recording():
-        patch.setattr(attention, "_group_coordinates", lambda _: (cp, 0))
-        patch.setattr(attention, "GroupExchange", lambda _: group.exchange(0))
-        yield
-
-
 class _Step:
     """One model's forward on CP rank 0's shard of one sequence, the fused loss, backward and AdamW."""
 
@@ -66,7 +51,10 @@ class _Step:
         if checkpointing:
             apply_checkpointing(self.model, [layer])
         self.tokens = TOKENS // cp  # the blocked kernel of CP ranks is slow on the CPU
-        self.batch = shard_batch({"input_ids": torch.randint(0, VOCAB, (1, self.tokens))}, cp, 0)
+        # Rank 0 of cp simulated ranks (no process group): every exchange records, peers' tokens are zeros.
+        self.peers = SimulatedCPGroup(cp)
+        ids = {"input_ids": torch.randint(0, VOCAB, (1, self.tokens))}
+        self.batch = shard_batch(ids, cp, 0, cp_group=self.peers.exchange(0))
         self.optimizer = torch.optim.AdamW(self.model.parameters())
 
     def hidden(self) -> torch.Tensor:
@@ -118,12 +106,12 @@ def test_activations_and_peak_within_10_percent(
     build: Callable, cp: int, checkpointing: bool, tiled: bool
 ) -> None:
     step = _Step(build, checkpointing, tiled, cp)
-    with _simulated_cp_rank0(cp):
+    with step.peers.recording():
         step()  # AdamW's state exists from here on, as in every later step
     layout = Layout(gpus=cp, cp=cp, checkpointing=checkpointing, tiled_mlp=tiled)
     planned = estimate(step.shape, step.tokens, layout, precision="32-true", device="cpu", flash=False)
 
-    with _simulated_cp_rank0(cp):
+    with step.peers.recording():
         saved = saved_bytes(step.model, step.hidden)
         tracker = PeakTracker()
         with tracker:
