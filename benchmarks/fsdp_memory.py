@@ -1,7 +1,7 @@
 """Per-rank bytes of parameters, gradients and AdamW state: DDP vs FSDP over DP x CP, on the package GPT.
 
 Spawns ``--world`` gloo processes on the CPU. For each (dp, cp) layout and each of DDP and
-``MegatronCPStrategy(fsdp=True)``'s sharding (the same ``fully_shard`` units and root), it builds the GPT,
+``MegatronCPFSDPStrategy``'s sharding (the same ``fully_shard`` units and root), it builds the GPT,
 takes one AdamW step on random tokens, and counts on every rank the bytes of the tensors it holds:
 parameters (the local shard under FSDP), their gradients and the optimizer state. The ideal is DDP's
 bytes divided by ``dp * cp``; FSDP's excess over it is the padding of uneven shards. Activations and the

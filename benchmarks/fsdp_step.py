@@ -1,4 +1,4 @@
-"""Time and peak memory of a training step under ``MegatronCPStrategy(fsdp=True)``, bf16-mixed, one process.
+"""Time and peak memory of a training step under ``MegatronCPFSDPStrategy``, bf16-mixed, one process.
 
 A Lightning ``Trainer`` (one device, world size 1: gloo on the CPU, NCCL on CUDA) fits the package's
 ``GPTModule`` on random tokens with FSDP2 (``fully_shard`` units of the GPT blocks), activation
@@ -8,7 +8,7 @@ memory high-water mark during it; the first ``--warmup`` steps are dropped. This
 lists as never run on a GPU: FSDP's bf16 all-gathers and reduce-scatters and the DTensor head of the loss.
 
 =========  ===============================================================================================
-``fsdp``   ``MegatronCPStrategy(cp=1, fsdp=True, activation_checkpointing=["_Block"])``
+``fsdp``   ``MegatronCPFSDPStrategy(cp=1, activation_checkpointing=["_Block"])``
 ``ddp``    the same model and step under ``MegatronCPStrategy(cp=1)`` (DDP), for comparison
 =========  ===============================================================================================
 
@@ -56,9 +56,10 @@ def _strategy_builder(fsdp: bool) -> Callable[[None], Callable[[], Any]]:
     """The case's ``build``: what makes the strategy of the worker's Trainer."""
 
     def build(_: None) -> Callable[[], Any]:
-        from lightning_cp import MegatronCPStrategy
+        from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy
 
-        return lambda: MegatronCPStrategy(cp=1, fsdp=fsdp, activation_checkpointing=["_Block"])
+        strategy = MegatronCPFSDPStrategy if fsdp else MegatronCPStrategy
+        return lambda: strategy(cp=1, activation_checkpointing=["_Block"])
 
     return build
 
@@ -73,7 +74,7 @@ def _estimate(shape: ModelShape) -> int:
 _CASES: tuple[Case[None, ModelShape], ...] = (
     Case(
         "fsdp",
-        "MegatronCPStrategy(fsdp=True), activation checkpointing of the blocks",
+        "MegatronCPFSDPStrategy, activation checkpointing of the blocks",
         _strategy_builder(True),
         _estimate,
     ),

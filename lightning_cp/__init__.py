@@ -10,7 +10,8 @@ Public API:
 - :mod:`lightning_cp.parallel`: ``shard_batch``, ``unshard``, ``context_parallel_attention``.
 - :mod:`lightning_cp.loss`: the mixin, the global-token normalization and torchmetrics over DP x CP.
 - :mod:`lightning_cp.hf`: ``attn_implementation="lightning_cp"`` for Hugging Face ``transformers`` models,
-  registered by this import when ``transformers`` is installed (without importing it).
+  registered by this import when ``transformers`` is installed (without importing it), and their checks
+  and loading registered into the strategies' setup (:mod:`lightning_cp.hf.integration`).
 - :func:`load_pretrained`: a pretrained ``transformers`` causal LM in ``configure_model``, read shard by shard
   under :class:`MegatronCPFSDPStrategy`; :func:`export_hf`: a trained checkpoint back to a ``save_pretrained``
   directory (``lightning-cp export-hf``).
@@ -19,9 +20,10 @@ Public API:
 from lightning_cp.callbacks import MemoryProfilerCallback
 from lightning_cp.hf import registration as _hf_registration
 from lightning_cp.hf.export import export_hf
+from lightning_cp.hf.integration import TRANSFORMERS as _TRANSFORMERS
 from lightning_cp.hf.loading import load_pretrained
 from lightning_cp.loss import CPLossMixin
-from lightning_cp.strategies import MegatronCPFSDPStrategy, MegatronCPStrategy
+from lightning_cp.strategies import MegatronCPFSDPStrategy, MegatronCPStrategy, register_integration
 
 __all__ = [
     "CPLossMixin",
@@ -33,4 +35,5 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_hf_registration.install()
+_hf_registration.install()  # attn_implementation="lightning_cp" into transformers
+register_integration(_TRANSFORMERS)  # transformers models into the strategies' setup

@@ -501,11 +501,15 @@ def test_fsdp_configs_are_their_ddp_configs_with_sharding(config, cli):
     # Parsed and validated only; the CPU one also runs below.
     tree = yaml.safe_load(_print_config(cli, "--config", str(config)))
     base = yaml.safe_load(_print_config(cli, "--config", str(FSDP_VARIANTS[config])))
-    strategy = tree["trainer"]["strategy"]
-    assert strategy["init_args"]["fsdp"] is True
-    MegatronCPStrategy(**strategy["init_args"])  # validates fsdp with cp / tp and the module lists
-    for key in ("fsdp", "fsdp_wrap", "activation_checkpointing"):
-        strategy["init_args"][key] = base["trainer"]["strategy"]["init_args"][key]
+    strategy, base_strategy = tree["trainer"]["strategy"], base["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_cp.MegatronCPFSDPStrategy"
+    assert base_strategy["class_path"] == "lightning_cp.MegatronCPStrategy"
+    MegatronCPFSDPStrategy(**strategy["init_args"])  # validates cp / tp and the module lists
+    # The sharding and what it names differ; every argument the two strategies share is the same.
+    for key in ("fsdp_wrap", "activation_checkpointing"):
+        strategy["init_args"].pop(key, None)
+        base_strategy["init_args"].pop(key, None)
+    base_strategy["class_path"] = strategy["class_path"]
     for tree_ in (tree, base):
         for logger in tree_["trainer"]["logger"]:
             logger["init_args"]["save_dir"] = None
@@ -695,7 +699,7 @@ def _late_mistake(case: str, tmp_path: Path) -> tuple[list[str], str]:
             *run,
             "--ckpt_path",
             str(tmp_path / "last.ckpt"),
-        ], "set trainer.strategy.init_args.fsdp: true"
+        ], "set trainer.strategy.class_path: lightning_cp.MegatronCPFSDPStrategy"
     if case == "validate-without-a-checkpoint":
         return ["validate", *run], "ckpt_path: last: no checkpoint of this run matches"
     assert case == "hf-heads-do-not-divide"

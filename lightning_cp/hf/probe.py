@@ -66,26 +66,15 @@ class _Recorded:
 
 def check_models(module: nn.Module, layout: ParallelLayout, device: torch.device) -> None:
     """Refuse, before the first step, anything in ``module`` whose training under ``layout`` could differ
-    from the unsharded model's: :func:`check_configs`, then :func:`probe_models` with the models moved to
-    ``device`` (the strategy's root device, where setup moves them next anyway), so that the probe's
-    collectives run on the CP group's backend.
+    from the unsharded model's: :func:`check_configs`, then :func:`probe_models`. For models every rank
+    holds whole (what ``MegatronCPStrategy`` calls through :mod:`lightning_cp.hf.integration`).
 
     Every rank of the CP group must call this with the same module (the probe's collectives).
 
     Raises:
-        ValueError: naming the model, the module or config attribute, and what to change; also for a model
-            whose parameters are on the meta device (only :class:`~lightning_cp.MegatronCPFSDPStrategy`
-            materializes those, and probes them after sharding).
+        ValueError: naming the model, the module or config attribute, and what to change.
     """
     check_configs(module, layout)
-    for where, model in _transformers_models(module):
-        if any(p.is_meta for p in model.parameters()):
-            raise ValueError(
-                f"{where} ({type(model).__name__}) has parameters on the meta device: only "
-                "MegatronCPFSDPStrategy (fsdp: true) fills a model built by lightning_cp.load_pretrained shard "
-                "by shard; elsewhere build it outside the strategy's model_sharded_context."
-            )
-        model.to(device)
     probe_models(module, layout, device)
 
 
@@ -104,9 +93,11 @@ def check_configs(module: nn.Module, layout: ParallelLayout) -> None:
 
 
 def probe_models(module: nn.Module, layout: ParallelLayout, device: torch.device) -> None:
-    """The behavioural probe of this module's docstring on every ``transformers`` model in ``module``, whose
-    parameters are on ``device``: whole, or sharded by FSDP2, in which case this must run inside the FSDP
-    root's forward (the root unit's parameters gathered; every inner unit gathers its own as it runs).
+    """The behavioural probe of this module's docstring on every ``transformers`` model in ``module``: whole
+    (moved to ``device``, the strategy's root device, where setup moves them next anyway, so that the
+    probe's collectives run on the CP group's backend), or sharded by FSDP2 on ``device``, in which case
+    this must run inside the FSDP root's forward (the root unit's parameters gathered; every inner unit
+    gathers its own as it runs).
 
     Communication over ``layout.cp_group``: one ``all_gather_object`` and one all-gather per compared
     module output; for whole models an all-gather of checksums of the weights (and broadcasts of CP rank
@@ -114,9 +105,18 @@ def probe_models(module: nn.Module, layout: ParallelLayout, device: torch.device
 
     Raises:
         ValueError: naming the model, the first module that differs (or the exception of the sharded
-            pass) and what to change.
+            pass) and what to change; also for a model whose parameters are on the meta device (only
+            :class:`~lightning_cp.MegatronCPFSDPStrategy` materializes those, before probing them).
     """
     for where, model in _transformers_models(module):
+        if any(p.is_meta for p in model.parameters()):
+            raise ValueError(
+                f"{where} ({type(model).__name__}) has parameters on the meta device: only "
+                "MegatronCPFSDPStrategy fills a model built by lightning_cp.load_pretrained shard by shard; "
+                "elsewhere build it outside the strategy's model_sharded_context."
+            )
+        if not any(isinstance(p, DTensor) for p in model.parameters()):
+            model.to(device)
         _probe(model, where, layout, device)
 
 

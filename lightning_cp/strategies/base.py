@@ -8,19 +8,21 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from datetime import timedelta
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_cp.hf.attention import guard_sharded_calls
-from lightning_cp.hf.probe import check_models
 from lightning_cp.memory.offload import ActivationOffload
 from lightning_cp.parallel import groups
 from lightning_cp.parallel.layout import (
@@ -39,6 +41,7 @@ from lightning_cp.strategies._modules import (
 )
 from lightning_cp.strategies.checkpoint_io import AtomicCheckpointIO
 from lightning_cp.strategies.global_batch import GlobalBatchRecord
+from lightning_cp.strategies.integrations import integrations
 from lightning_cp.strategies.preemption import PreemptionCheckpoint, StopOnSigterm
 
 
@@ -60,11 +63,11 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
       attention) and, for packed batches, local ``cu_seqlens``. Step methods that take a
       ``dataloader_iter`` (whose batches Lightning never hands to the strategy) are refused at setup;
     - refuse at ``setup`` any model whose training under this layout could differ from the unsharded
-      model's (:func:`lightning_cp.hf.check_models`: attention that would see only the local shard, other
-      token mixing, length-dependent positions, output transforms the loss would not apply), and make its
-      ``transformers`` models refuse a call on a batch's shard without the batch's ``cp_shard``, and run a
-      call with it without a KV cache unless ``use_cache`` is given
-      (:func:`lightning_cp.hf.attention.guard_sharded_calls`);
+      model's, and make its models refuse a call on a batch's shard that would attend within the shard,
+      through the model integrations registered with the strategies
+      (:mod:`lightning_cp.strategies.integrations`; the package registers ``transformers``'
+      :mod:`lightning_cp.hf.integration`: attention that would see only the local shard, other token
+      mixing, length-dependent positions, output transforms the loss would not apply);
     - recompute the ``activation_checkpointing`` modules' activations in backward and, with
       ``offload_activations``, keep their saved inputs in host memory until then
       (:attr:`activation_offload`);
@@ -85,8 +88,28 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         offload_activations: keep what the ``activation_checkpointing`` modules save for their backward (their
             inputs) in host memory, copied back ahead of need (:func:`lightning_cp.memory.offload_checkpointed`).
             Needs ``activation_checkpointing``.
-        checkpoint_io: default :class:`~lightning_cp.strategies.checkpoint_io.AtomicCheckpointIO`.
-        **kwargs: ``DDPStrategy``'s other arguments.
+        accelerator: the device type (default: the Trainer's ``accelerator``).
+        parallel_devices: the devices of this node's ranks (default: from the Trainer's ``devices``).
+        cluster_environment: where each rank's rank, the world size and the main address come from
+            (default: detected: SLURM, torchrun, ..., else Lightning's launcher).
+        checkpoint_io: how checkpoint files are written; default
+            :class:`~lightning_cp.strategies.checkpoint_io.AtomicCheckpointIO`.
+        precision_plugin: the numeric precision (default: the Trainer's ``precision``).
+        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on the CPU unless given.
+        timeout: how long a collective waits for the other ranks before it fails.
+        start_method: how the ranks are started: ``"popen"`` runs the command again once per device (as
+            ``DDPStrategy`` does), the others are ``multiprocessing`` start methods.
+        **kwargs: options of the wrapper, which each subclass checks (:meth:`_wrapper_options`):
+            ``MegatronCPStrategy`` takes ``DDPStrategy``'s communication-hook options and
+            :class:`~torch.nn.parallel.DistributedDataParallel`'s (``find_unused_parameters``, ...).
+
+    Raises:
+        TypeError: ``cp`` or ``tp`` is not an integer, an option the wrapper does not take, or
+            ``activation_checkpointing`` holds something that is neither a module class nor a name.
+        ValueError: ``cp`` or ``tp`` < 1, ``offload_activations`` without ``activation_checkpointing``, or the
+            world size is not divisible by ``tp * cp`` (raised when the Trainer is built, before any process
+            is launched or collective is run). At setup: an ``activation_checkpointing`` entry that matches no
+            module, or (``cp > 1``) a model that CP cannot train exactly.
     """
 
     strategy_name: str
@@ -94,14 +117,22 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
 
     def __init__(
         self,
-        cp: int,
-        tp: int,
-        activation_checkpointing: Sequence[ModuleSpec] | None,
-        offload_activations: bool,
-        checkpoint_io: CheckpointIO | None,
+        cp: int = 1,
+        tp: int = 1,
+        activation_checkpointing: Sequence[ModuleSpec] | None = None,
+        offload_activations: bool = False,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
+        options = self._wrapper_options(kwargs)
         self.cp = check_size("cp", cp, owner)
         self.tp = check_size("tp", tp, owner)
         self.activation_checkpointing = check_module_specs(
@@ -115,9 +146,24 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
             )
         self.offload_activations = offload_activations
         self._activation_offload: ActivationOffload | None = None
-        super().__init__(checkpoint_io=checkpoint_io or AtomicCheckpointIO(), **kwargs)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io or AtomicCheckpointIO(),
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **options,
+        )
         self._layout: ParallelLayout | None = None
         self._device_mesh: DeviceMesh | None = None
+
+    @classmethod
+    def _wrapper_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments beyond the shared ones, checked: what goes on to ``DDPStrategy``."""
+        raise NotImplementedError
 
     @property
     def layout(self) -> ParallelLayout:
@@ -209,9 +255,12 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         """What ``setup`` does before wrapping: the model checks, activation checkpointing."""
         assert isinstance(self.model, LightningModule)
         _check_steps_take_batches(self.model)
-        self._check_models()
+        for integration in integrations():
+            integration.check(self.model, self.layout)
+        self._probe_before_wrapping()
         if self.layout.cp > 1:
-            guard_sharded_calls(self.model)
+            for integration in integrations():
+                integration.guard_calls(self.model)
         if self.activation_checkpointing:
             owner = type(self).__name__
             classes = resolve_classes(
@@ -219,9 +268,31 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
             )
             self._activation_offload = apply_checkpointing(self.model, classes, self.offload_activations)
 
-    def _check_models(self) -> None:
-        """Refuse models CP cannot train exactly (:func:`lightning_cp.hf.check_models`), before wrapping."""
-        check_models(self.model, self.layout, self.root_device)
+    def _probe_before_wrapping(self) -> None:
+        """The integrations' behavioural probe of the whole models (DDP); FSDP probes after sharding."""
+        for integration in integrations():
+            if integration.holds_models(self.model):
+                integration.probe(self.model, self.layout, self.root_device)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The ``LightningModule``'s whole weights (its ``state_dict``) on global rank 0, as CPU tensors;
+        an empty dict on the other ranks. The way to get them from a callback (to save or publish a model,
+        to evaluate a copy): every rank must call it, as every rank runs a callback's hooks.
+
+        Communication: none here (every rank holds the weights whole); under FSDP an all-gather of every
+        parameter, one at a time.
+
+        Raises:
+            NotImplementedError: with ``tp > 1``, whose shards only the model knows how to put together.
+        """
+        if self.layout.tp > 1:
+            raise NotImplementedError(
+                f"{type(self).__name__}(tp={self.layout.tp}).full_state_dict(): the tensor-parallel shards are "
+                "the model's own (Megatron-style splits); gather them as the model defines."
+            )
+        if self.global_rank != 0:
+            return {}
+        return {name: tensor.detach().cpu() for name, tensor in self.lightning_module.state_dict().items()}
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:

@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import inspect
-from abc import ABCMeta
-from collections.abc import Sequence
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
-import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import Trainer
-from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_cp.strategies._modules import ModuleSpec
 from lightning_cp.strategies.base import MegatronCPBase, broadcast_from_first
-from lightning_cp.strategies.megatron_cp_fsdp import MegatronCPFSDPStrategy
 
 # Keywords the strategy passes on: DDPStrategy's own, then DistributedDataParallel's. The strategy sets
 # `module`, `device_ids` and the group itself.
@@ -33,44 +23,7 @@ _DDP_KEYWORDS = tuple(
 )
 
 
-def _check_ddp_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
-    for reserved in ("process_group", "device_mesh"):
-        # LightningCLI may fill a DDP keyword with its default (None); only a real value conflicts.
-        if kwargs.pop(reserved, None) is not None:
-            raise ValueError(
-                f"MegatronCPStrategy({reserved}=...): the strategy gives DDP the DP x CP group itself; remove it."
-            )
-    unknown = sorted(set(kwargs) - set(_DDP_STRATEGY_KEYWORDS) - set(_DDP_KEYWORDS))
-    if unknown:
-        raise TypeError(
-            f"MegatronCPStrategy got unexpected keyword argument(s) {unknown}. It takes cp, tp, fsdp, fsdp_wrap, "
-            f"activation_checkpointing, offload_activations, the arguments of DDPStrategy and these DistributedDataParallel options: {', '.join(_DDP_KEYWORDS)}."
-        )
-    return kwargs
-
-
-class _FSDPSwitch(ABCMeta):
-    """``MegatronCPStrategy(..., fsdp=True)`` builds a :class:`MegatronCPFSDPStrategy` from the other arguments.
-
-    A metaclass rather than ``__new__``: jsonargparse (``LightningCLI``) documents and validates a class's
-    ``__new__`` arguments when it defines one, and ``MegatronCPStrategy.__init__``'s must stay the ones shown.
-    """
-
-    def __call__(cls, *args: Any, fsdp: bool = False, **kwargs: Any) -> Any:
-        if not fsdp:
-            return super().__call__(*args, **kwargs)
-        fsdp_arguments = inspect.signature(MegatronCPFSDPStrategy).parameters
-        ddp_options = _check_ddp_keywords({k: v for k, v in kwargs.items() if k not in fsdp_arguments})
-        given = sorted(name for name, value in ddp_options.items() if value is not None)
-        if given:
-            raise ValueError(
-                f"MegatronCPStrategy(fsdp=True) got DDP option(s) {given}, which FSDP does not use: remove them, "
-                "or use fsdp=False."
-            )
-        return MegatronCPFSDPStrategy(*args, **{k: v for k, v in kwargs.items() if k in fsdp_arguments})
-
-
-class MegatronCPStrategy(MegatronCPBase, metaclass=_FSDPSwitch):
+class MegatronCPStrategy(MegatronCPBase):
     """Context-parallel (and tensor-parallel) training, gradients averaged by DDP over the DP x CP ranks.
 
     ``Trainer(strategy=MegatronCPStrategy(cp=4))`` trains the same model on the same data as DDP, with
@@ -86,41 +39,19 @@ class MegatronCPStrategy(MegatronCPBase, metaclass=_FSDPSwitch):
       broadcasts over DP x CP, so every replica starts from the same weights; to evaluate (``validate``,
       ``test``, ``predict``: no DDP wrapper) the same two broadcasts, where Lightning's DDP setup would
       broadcast rank 0's whole module over the world and give every TP rank TP rank 0's shards;
-    - ``fsdp=True`` returns a :class:`~lightning_cp.MegatronCPFSDPStrategy` built from the other arguments
-      instead (``MegatronCPStrategy(cp=2, fsdp=True)`` is ``MegatronCPFSDPStrategy(cp=2)``), so that a YAML
-      config switches to FSDP with one key.
+    - FSDP is the sibling class :class:`~lightning_cp.MegatronCPFSDPStrategy` (``strategy="megatron_cp_fsdp"``),
+      which takes the same arguments but the DDP options, and ``fsdp_wrap``.
 
-    Args:
-        cp: context-parallel size (ranks that share one sequence).
-        tp: tensor-parallel size (ranks that share one layer's weights).
-        fsdp: build a :class:`~lightning_cp.MegatronCPFSDPStrategy` (FSDP2 over DP x CP) instead. Needs ``tp=1``.
-        fsdp_wrap: with ``fsdp=True``, the FSDP units (see :class:`~lightning_cp.MegatronCPFSDPStrategy`).
-        activation_checkpointing: modules (classes or class names) whose activations are recomputed in
-            backward (non-reentrant). Default: none.
-        offload_activations: keep the ``activation_checkpointing`` modules' saved inputs in host memory between
-            forward and backward, copied back ahead of need. Needs ``activation_checkpointing``.
-        accelerator: the device type (default: the Trainer's ``accelerator``).
-        parallel_devices: the devices of this node's ranks (default: from the Trainer's ``devices``).
-        cluster_environment: where each rank's rank, the world size and the main address come from
-            (default: detected: SLURM, torchrun, ..., else Lightning's launcher).
-        checkpoint_io: how checkpoint files are written; default
-            :class:`~lightning_cp.strategies.checkpoint_io.AtomicCheckpointIO`.
-        precision_plugin: the numeric precision (default: the Trainer's ``precision``).
-        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on the CPU unless given.
-        timeout: how long a collective waits for the other ranks before it fails.
-        start_method: how the ranks are started: ``"popen"`` runs the command again once per device (as
-            ``DDPStrategy`` does), the others are ``multiprocessing`` start methods.
-        **kwargs: ``DDPStrategy``'s communication-hook options and
-            :class:`~torch.nn.parallel.DistributedDataParallel` options (``find_unused_parameters``, ...).
+    Args: those of :class:`~lightning_cp.strategies.base.MegatronCPBase` (``cp``, ``tp``,
+    ``activation_checkpointing``, ``offload_activations`` and Lightning's), and as further keywords
+    ``DDPStrategy``'s communication-hook options and
+    :class:`~torch.nn.parallel.DistributedDataParallel`'s (``find_unused_parameters``, ...).
 
     Raises:
-        TypeError: ``cp`` or ``tp`` is not an integer, an unknown keyword argument, or
-            ``activation_checkpointing`` holds something that is neither a module class nor a name.
-        ValueError: ``cp`` or ``tp`` < 1, ``fsdp_wrap`` without ``fsdp=True``, DDP options with
-            ``fsdp=True``, ``offload_activations`` without ``activation_checkpointing``, or the world size is not divisible by ``tp * cp`` (raised when the Trainer is
-            built, before any process is launched or collective is run). At setup: an
-            ``activation_checkpointing`` entry that matches no module, or (``cp > 1``) a model with attention
-            that is not context-parallel.
+        TypeError: a keyword that is neither a shared argument nor a DDP option (``fsdp=True``: use
+            ``MegatronCPFSDPStrategy``), and those of ``MegatronCPBase``.
+        ValueError: ``process_group`` or ``device_mesh`` given (the strategy sets them), and those of
+            ``MegatronCPBase``.
 
     Example::
 
@@ -129,46 +60,30 @@ class MegatronCPStrategy(MegatronCPBase, metaclass=_FSDPSwitch):
 
     strategy_name = "megatron_cp"
 
-    def __init__(
-        self,
-        cp: int = 1,
-        tp: int = 1,
-        fsdp: bool = False,
-        fsdp_wrap: Sequence[ModuleSpec] | None = None,
-        activation_checkpointing: Sequence[ModuleSpec] | None = None,
-        offload_activations: bool = False,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        **kwargs: Any,
-    ) -> None:
-        # `fsdp=True` never gets here (the metaclass builds a MegatronCPFSDPStrategy); it is an argument so
-        # that configs and `--help` show it.
-        if fsdp_wrap is not None:
-            raise ValueError(
-                f"MegatronCPStrategy(fsdp_wrap={fsdp_wrap!r}) names FSDP units, but fsdp is False: set fsdp=True "
-                "(or use MegatronCPFSDPStrategy), or remove fsdp_wrap."
+    @classmethod
+    @override
+    def _wrapper_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """``DDPStrategy``'s and ``DistributedDataParallel``'s options, checked; the group is the strategy's."""
+        if "fsdp" in options or "fsdp_wrap" in options:
+            name = "fsdp" if "fsdp" in options else "fsdp_wrap"
+            raise TypeError(
+                f"MegatronCPStrategy({name}=...): FSDP is its own strategy, MegatronCPFSDPStrategy (same arguments; "
+                'in YAML class_path: lightning_cp.MegatronCPFSDPStrategy, or strategy: "megatron_cp_fsdp").'
             )
-        super().__init__(
-            cp=cp,
-            tp=tp,
-            activation_checkpointing=activation_checkpointing,
-            offload_activations=offload_activations,
-            checkpoint_io=checkpoint_io,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            **_check_ddp_keywords(kwargs),
-        )
+        for reserved in ("process_group", "device_mesh"):
+            # LightningCLI may fill a DDP keyword with its default (None); only a real value conflicts.
+            if options.pop(reserved, None) is not None:
+                raise ValueError(
+                    f"MegatronCPStrategy({reserved}=...): the strategy gives DDP the DP x CP group itself; remove it."
+                )
+        unknown = sorted(set(options) - set(_DDP_STRATEGY_KEYWORDS) - set(_DDP_KEYWORDS))
+        if unknown:
+            raise TypeError(
+                f"MegatronCPStrategy got unexpected keyword argument(s) {unknown}. It takes cp, tp, "
+                "activation_checkpointing, offload_activations, the arguments of DDPStrategy and these "
+                f"DistributedDataParallel options: {', '.join(_DDP_KEYWORDS)}."
+            )
+        return options
 
     @override
     def setup(self, trainer: Trainer) -> None:

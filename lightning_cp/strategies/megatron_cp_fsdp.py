@@ -3,39 +3,33 @@
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping, Sequence
-from contextlib import contextmanager
-from datetime import timedelta
+from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
-from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_cp.hf.loading import deferred_loading, materialize_pretrained
-from lightning_cp.hf.probe import check_configs, holds_transformers_models, probe_models
+from lightning_cp.checkpoint_format import load_sharded, save_sharded
 from lightning_cp.strategies import _fsdp
 from lightning_cp.strategies._modules import ModuleSpec, check_module_specs, resolve_classes
 from lightning_cp.strategies.base import MegatronCPBase, broadcast_from_first
-from lightning_cp.strategies.checkpoint_io import load_sharded, save_sharded
+from lightning_cp.strategies.integrations import integrations
 
 
 class MegatronCPFSDPStrategy(MegatronCPBase):
     """Context-parallel training with parameters, gradients and optimizer state sharded by FSDP2 over DP x CP.
 
-    ``Trainer(strategy=MegatronCPFSDPStrategy(cp=4))`` (also ``strategy="megatron_cp_fsdp"``, or
-    ``MegatronCPStrategy(cp=4, fsdp=True)``) trains exactly as :class:`~lightning_cp.MegatronCPStrategy`
-    does, with ``fully_shard`` in the place of DDP. What the two share (Megatron-core groups,
+    ``Trainer(strategy=MegatronCPFSDPStrategy(cp=4))`` (also ``strategy="megatron_cp_fsdp"``) trains exactly
+    as its sibling :class:`~lightning_cp.MegatronCPStrategy` does, with ``fully_shard`` in the place of DDP. What the two share (Megatron-core groups,
     :attr:`layout`, :attr:`device_mesh`, sampling over DP, batch sharding, the attention check, SIGTERM) is
     described in :class:`~lightning_cp.strategies.base.MegatronCPBase`. Here:
 
@@ -53,35 +47,16 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
       (:func:`~lightning_cp.strategies.checkpoint_io.save_sharded`), resharded on load for any (dp, cp);
       :func:`~lightning_cp.strategies.consolidate_checkpoint` turns one into an ordinary file.
 
-    Args:
-        cp: context-parallel size (ranks that share one sequence).
-        tp: tensor-parallel size; only 1 (the TP shards are not DTensors): use
-            :class:`~lightning_cp.MegatronCPStrategy` for ``tp > 1``.
-        fsdp_wrap: the modules that become FSDP units (gathered one at a time), as classes or class names.
-            Default: the ``_no_split_modules`` the model declares (Hugging Face models, the package GPT),
-            else none (the whole model is one unit).
-        activation_checkpointing: modules (classes or class names) whose activations are recomputed in
-            backward (non-reentrant). Default: none.
-        offload_activations: keep the ``activation_checkpointing`` modules' saved inputs in host memory between
-            forward and backward, copied back ahead of need. Needs ``activation_checkpointing``.
-        accelerator: the device type (default: the Trainer's ``accelerator``).
-        parallel_devices: the devices of this node's ranks (default: from the Trainer's ``devices``).
-        cluster_environment: where each rank's rank, the world size and the main address come from
-            (default: detected: SLURM, torchrun, ..., else Lightning's launcher).
-        checkpoint_io: how checkpoint files are written; default
-            :class:`~lightning_cp.strategies.checkpoint_io.AtomicCheckpointIO`.
-        precision_plugin: the numeric precision (default: the Trainer's ``precision``).
-        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on the CPU unless given.
-        timeout: how long a collective waits for the other ranks before it fails.
-        start_method: how the ranks are started: ``"popen"`` runs the command again once per device (as
-            ``DDPStrategy`` does), the others are ``multiprocessing`` start methods.
+    Args: ``fsdp_wrap``, and those of :class:`~lightning_cp.strategies.base.MegatronCPBase` (``cp``,
+    ``activation_checkpointing``, ``offload_activations`` and Lightning's; ``tp`` only 1: the TP shards are
+    not DTensors, use :class:`~lightning_cp.MegatronCPStrategy` for ``tp > 1``).
 
     Raises:
-        TypeError: ``cp`` or ``tp`` is not an integer, or ``fsdp_wrap`` / ``activation_checkpointing`` holds
-            something that is neither a module class nor a name.
-        ValueError: ``cp`` < 1, ``tp != 1``, ``offload_activations`` without ``activation_checkpointing``, or the world size is not divisible by ``cp`` (raised when the
-            Trainer is built). At setup: a ``fsdp_wrap`` / ``activation_checkpointing`` entry that matches no
-            module, a precision FSDP does not support, or (``cp > 1``) attention that is not context-parallel.
+        TypeError: ``fsdp_wrap`` holds something that is neither a module class nor a name, a DDP option,
+            and those of ``MegatronCPBase``.
+        ValueError: ``tp != 1``, and those of ``MegatronCPBase``. At setup: a ``fsdp_wrap`` entry that
+            matches no module, a precision FSDP does not support, or (``cp > 1``) a model CP cannot train
+            exactly.
 
     Example::
 
@@ -90,42 +65,34 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
 
     strategy_name = "megatron_cp_fsdp"
 
-    def __init__(
-        self,
-        cp: int = 1,
-        tp: int = 1,
-        fsdp_wrap: Sequence[ModuleSpec] | None = None,
-        activation_checkpointing: Sequence[ModuleSpec] | None = None,
-        offload_activations: bool = False,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-    ) -> None:
-        super().__init__(
-            cp=cp,
-            tp=tp,
-            activation_checkpointing=activation_checkpointing,
-            offload_activations=offload_activations,
-            checkpoint_io=checkpoint_io,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+    def __init__(self, *args: Any, fsdp_wrap: Sequence[ModuleSpec] | None = None, **kwargs: Any) -> None:
+        """
+        Args:
+            fsdp_wrap: the modules that become FSDP units (gathered one at a time), as classes or class
+                names. Default: the ``_no_split_modules`` the model declares (Hugging Face models, the
+                package GPT), else none (the whole model is one unit).
+            *args, **kwargs: the arguments of :class:`~lightning_cp.strategies.base.MegatronCPBase`
+                (``MegatronCPFSDPStrategy(4)`` is ``cp=4``, as for ``MegatronCPStrategy``).
+        """
+        super().__init__(*args, **kwargs)
         if self.tp > 1:
             raise ValueError(
-                f"MegatronCPFSDPStrategy(tp={tp}): FSDP does not support tensor parallelism here (the TP shards "
-                "are not DTensors): use tp=1, or MegatronCPStrategy (DDP) for tp > 1."
+                f"MegatronCPFSDPStrategy(tp={self.tp}): FSDP does not support tensor parallelism here (the TP "
+                "shards are not DTensors): use tp=1, or MegatronCPStrategy (DDP) for tp > 1."
             )
         self.fsdp_wrap = check_module_specs(type(self).__name__, "fsdp_wrap", fsdp_wrap)
+
+    @classmethod
+    @override
+    def _wrapper_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """FSDP takes no wrapper options beyond ``fsdp_wrap``."""
+        if options:
+            raise TypeError(
+                f"MegatronCPFSDPStrategy got unexpected keyword argument(s) {sorted(options)}: it takes fsdp_wrap, "
+                "cp, tp, activation_checkpointing, offload_activations and Lightning's strategy arguments "
+                "(DDP options belong to MegatronCPStrategy)."
+            )
+        return options
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -133,9 +100,9 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
 
         Replaces ``DDPStrategy.setup``: no DDP wrapper, and no broadcast of the module's states over the world.
         Parameters built on the meta device by :func:`~lightning_cp.load_pretrained` are allocated after
-        sharding, each rank its own shards, and read from their checkpoint. The setup probe of
-        ``transformers`` models (:func:`~lightning_cp.hf.probe.probe_models`) runs then, on the sharded
-        model, so that no model goes unprobed and no rank holds more than one unit gathered.
+        sharding, each rank its own shards, and read from their checkpoint (the model integrations'
+        ``materialize``). Their behavioural probe runs then, on the sharded model inside the root's forward,
+        so that no model goes unprobed and no rank holds more than one unit gathered.
 
         Communication: a broadcast of every parameter not on the meta device over DP x CP (every replica
         starts from the weights of its group's first rank, as DDP's construction does); the planning
@@ -157,12 +124,16 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         # FSDP needs a group object also for a single replica, which (tp = 1) is a world of one process.
         mesh = _fsdp.sharding_mesh(group or dist.group.WORLD, self.root_device.type)
         self.model = _fsdp.shard(self.model, mesh, units, policy)
+        _fsdp.callable_outside_the_step(self.model)
         if on_meta:
-            materialize_pretrained(self.model, self.root_device)
+            for integration in integrations():
+                integration.materialize(self.model, self.root_device)
             self.model_to_device()
         module = self.lightning_module
-        if holds_transformers_models(module):
-            _fsdp.call_in_root(self.model, lambda: probe_models(module, self.layout, self.root_device))
+        for integration in integrations():
+            if integration.holds_models(module):
+                probe = partial(integration.probe, module, self.layout, self.root_device)
+                _fsdp.call_in_root(self.model, probe)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -170,15 +141,17 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
-    def _check_models(self) -> None:
-        """The checks that need no weights; the behavioural probe runs after sharding, in ``setup``."""
-        check_configs(self.model, self.layout)
+    def _probe_before_wrapping(self) -> None:
+        """Nothing: the behavioural probe runs after sharding and loading, in ``setup``."""
 
     @override
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Around ``configure_model``: :func:`~lightning_cp.load_pretrained` builds on the meta device."""
-        with deferred_loading():
+        """Around ``configure_model``: every integration's ``loading_context`` (with ``transformers``,
+        :func:`~lightning_cp.load_pretrained` builds on the meta device)."""
+        with ExitStack() as stack:
+            for integration in integrations():
+                stack.enter_context(integration.loading_context())
             yield
 
     @property
@@ -197,6 +170,19 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return get_model_state_dict(self.lightning_module)
+
+    @override
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The whole weights on global rank 0 (CPU), an empty dict elsewhere: every parameter gathered from
+        its shards, one at a time, then copied to rank 0's host memory (no rank holds the model whole on
+        the device). Every rank must call it.
+
+        Communication: an all-gather of each parameter over DP x CP.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.lightning_module, options=options)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

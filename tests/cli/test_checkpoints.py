@@ -13,7 +13,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from lightning_cp import MegatronCPStrategy
+from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy
 from lightning_cp.cli.checkpoints import differences, read_checkpoint
 from lightning_cp.cli.parse_errors import ConfigurationError
 from lightning_cp.data import LongRangeDataModule
@@ -23,9 +23,8 @@ CONFIG = {"vocab_size": 64, "n_layer": 1, "n_head": 2, "n_embd": 16}
 
 
 def _trainer(fsdp: bool = False) -> Trainer:
-    return Trainer(
-        accelerator="cpu", devices=1, strategy=MegatronCPStrategy(cp=1, fsdp=fsdp), logger=False, max_steps=1
-    )
+    strategy = MegatronCPFSDPStrategy(cp=1) if fsdp else MegatronCPStrategy(cp=1)
+    return Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, max_steps=1)
 
 
 def _save(path: Path, config: dict | GPTConfig = CONFIG, data_vocab: int = 64, **extra) -> Path:
@@ -103,7 +102,7 @@ def test_unusable_checkpoints_are_refused_with_the_fix(case, tmp_path):
         "truncated": "is not a readable checkpoint (PytorchStreamReader failed",
         "not-torch": "is not a readable checkpoint",
         "not-lightning": "is not a Lightning checkpoint (no 'state_dict')",
-        "fsdp-folder-with-ddp": "set trainer.strategy.init_args.fsdp: true, or consolidate it",
+        "fsdp-folder-with-ddp": "class_path: lightning_cp.MegatronCPFSDPStrategy, or consolidate it",
     }[case]
     with pytest.raises(ConfigurationError, match=r"^ckpt_path: '.*last.ckpt'") as error:
         read_checkpoint(path, _trainer())

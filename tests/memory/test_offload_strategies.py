@@ -15,7 +15,7 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from lightning_cp import MegatronCPStrategy
+from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy
 from lightning_cp.data import collate_padded
 from lightning_cp.memory import offload, tile_mlps
 from lightning_cp.models import GPTModule, HFCausalLM
@@ -77,8 +77,8 @@ def _fit(model, fsdp, tiled):
         steps = hf_training.STEPS
     if tiled:
         tile_mlps(module.model, tile_tokens=4)
-    strategy = MegatronCPStrategy(
-        cp=2, fsdp=fsdp, activation_checkpointing=[layer_class], offload_activations=True
+    strategy = (MegatronCPFSDPStrategy if fsdp else MegatronCPStrategy)(
+        cp=2, activation_checkpointing=[layer_class], offload_activations=True
     )
     with mock.patch.object(offload, "MIN_OFFLOAD_BYTES", 0):
         cp_trainer(2, strategy=strategy, max_steps=steps, callbacks=[counts]).fit(module, loader)

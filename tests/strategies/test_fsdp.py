@@ -4,6 +4,7 @@ The reference is ``test_megatron_cp``'s hand-written loop (``F.cross_entropy`` o
 token mean over the global batch, the same AdamW). Each case runs on the shared pool of 4 gloo ranks.
 """
 
+import inspect
 import math
 
 import pytest
@@ -205,9 +206,7 @@ def test_resume_from_a_sharded_checkpoint_continues_with_the_same_losses(world4,
 
 def _fit_with_bad_wrap():
     seed_everything(0)
-    trainer = _trainer(
-        2, dist.get_world_size(), strategy=MegatronCPStrategy(cp=2, fsdp=True, fsdp_wrap=["Block"])
-    )
+    trainer = _trainer(2, dist.get_world_size(), strategy=MegatronCPFSDPStrategy(cp=2, fsdp_wrap=["Block"]))
     try:
         trainer.fit(GPTModule(CONFIG), _loader(2, False))
     except ValueError as error:
@@ -241,47 +240,70 @@ def test_a_module_without_transformers_models_is_not_probed_through_the_root(wor
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
+    ("strategy", "kwargs", "error", "match"),
     [
-        ({"fsdp": True, "tp": 2}, ValueError, r"MegatronCPFSDPStrategy\(tp=2\).*tensor parallelism"),
         (
-            {"fsdp": True, "find_unused_parameters": True},
+            MegatronCPFSDPStrategy,
+            {"tp": 2},
             ValueError,
-            r"DDP option\(s\) \['find_unused_parameters'\]",
+            r"MegatronCPFSDPStrategy\(tp=2\).*tensor parallelism",
         ),
         (
-            {"fsdp": True, "fsdp_wrapper": ["Block"]},
+            MegatronCPFSDPStrategy,
+            {"find_unused_parameters": True},
+            TypeError,
+            r"unexpected keyword argument\(s\) \['find_unused_parameters'\].*DDP options belong",
+        ),
+        (
+            MegatronCPFSDPStrategy,
+            {"fsdp_wrapper": ["Block"]},
             TypeError,
             r"unexpected keyword argument\(s\) \['fsdp_wrapper'\]",
         ),
         (
-            {"fsdp": True, "fsdp_wrap": [3]},
+            MegatronCPFSDPStrategy,
+            {"fsdp_wrap": [3]},
             TypeError,
             r"fsdp_wrap=\[3\]\): 3 is neither a module class nor a class name",
         ),
         (
-            {"fsdp_wrap": ["_Block"]},
-            ValueError,
-            r"fsdp_wrap=\['_Block'\]\) names FSDP units, but fsdp is False",
+            MegatronCPStrategy,
+            {"fsdp": True},
+            TypeError,
+            r"fsdp=...\): FSDP is its own strategy, MegatronCPFSDP",
         ),
-        ({"activation_checkpointing": [torch.Tensor]}, TypeError, "activation_checkpointing="),
+        (
+            MegatronCPStrategy,
+            {"fsdp_wrap": ["_Block"]},
+            TypeError,
+            r"fsdp_wrap=...\): FSDP is its own strategy",
+        ),
+        (
+            MegatronCPFSDPStrategy,
+            {"activation_checkpointing": [torch.Tensor]},
+            TypeError,
+            "activation_checkpoint",
+        ),
     ],
 )
-def test_bad_fsdp_arguments_fail_at_construction(kwargs, error, match):
+def test_bad_fsdp_arguments_fail_at_construction(strategy, kwargs, error, match):
     with pytest.raises(error, match=match):
-        MegatronCPStrategy(**kwargs)
+        strategy(**kwargs)
 
 
-def test_fsdp_true_builds_the_fsdp_strategy_from_the_other_arguments():
-    switched = MegatronCPStrategy(2, fsdp=True, fsdp_wrap="_Block", activation_checkpointing=["_Block"])
-    assert type(switched) is MegatronCPFSDPStrategy
-    assert (switched.cp, switched.tp, switched.fsdp_wrap, switched.activation_checkpointing) == (
+def test_the_two_strategies_are_siblings_with_the_shared_arguments_declared_once():
+    fsdp = MegatronCPFSDPStrategy(cp=2, fsdp_wrap="_Block", activation_checkpointing=["_Block"])
+    assert (fsdp.cp, fsdp.tp, fsdp.fsdp_wrap, fsdp.activation_checkpointing) == (
         2,
         1,
         ("_Block",),
         ("_Block",),
     )
-    assert type(MegatronCPStrategy(cp=2, fsdp=False)) is MegatronCPStrategy
+    assert not isinstance(fsdp, MegatronCPStrategy) and type(MegatronCPStrategy(cp=2)) is MegatronCPStrategy
+    # Only MegatronCPBase declares cp, tp, ...; the siblings add what is theirs (fsdp_wrap) or nothing.
+    assert "__init__" not in vars(MegatronCPStrategy)
+    own = inspect.signature(MegatronCPFSDPStrategy.__init__).parameters
+    assert [name for name in own if name not in ("self", "args", "kwargs")] == ["fsdp_wrap"]
     trainer = Trainer(accelerator="cpu", devices=2, strategy="megatron_cp_fsdp", logger=False)
     assert type(trainer.strategy) is MegatronCPFSDPStrategy and trainer.strategy.cp == 1
 
