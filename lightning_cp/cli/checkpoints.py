@@ -5,7 +5,7 @@ method, hence before Lightning starts the other ranks: a mistake costs one line,
 
 - :func:`last_checkpoint` finds the newest ``last*.ckpt`` (file or sharded FSDP folder) of the run name.
 - :func:`read_checkpoint` reads what a checkpoint says about itself (hyperparameters, step) without its
-  weights: the ``torch.save`` zip memory-mapped, or an FSDP folder's ``meta.pt``.
+  weights (:mod:`lightning_cp.checkpoint_format`, the one reader of the format).
 - :func:`differences` lists where the checkpoint's model or data hyperparameters differ from the
   configuration's (model class, model config, data vocabulary): those would be loaded into a model they do
   not fit, or (Lightning's ``LightningCLI`` behaviour, which the package's CLI turns off) silently replace
@@ -15,21 +15,16 @@ method, hence before Lightning starts the other ranks: a mistake costs one line,
 from __future__ import annotations
 
 import dataclasses
-import pickle
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_cp.checkpoint_format import UnreadableCheckpoint, open_checkpoint
 from lightning_cp.cli.parse_errors import ConfigurationError
 from lightning_cp.strategies import MegatronCPFSDPStrategy
-
-FSDP_METADATA = "meta.pt"
-"""The file of a sharded (``MegatronCPFSDPStrategy``) checkpoint folder that holds everything but the tensors."""
 
 _DATA_KEYS = ("vocab_size",)
 """Data module hyperparameters that must match the checkpoint's: another vocabulary trains another task."""
@@ -78,45 +73,30 @@ def last_checkpoint(trainer: Trainer) -> Path | None:
 
 
 def read_checkpoint(path: Path, trainer: Trainer) -> CheckpointInfo:
-    """Read ``path``'s hyperparameters and step without loading its tensors (memory-mapped).
+    """Read ``path``'s hyperparameters and step without loading its tensors
+    (:func:`~lightning_cp.checkpoint_format.open_checkpoint`).
 
     Raises:
         ConfigurationError: ``path`` does not exist, is not a readable checkpoint (truncated, another
             format), or is a sharded FSDP folder while the trainer's strategy does not shard.
     """
-    if not path.exists():
-        raise ConfigurationError(f"ckpt_path: {str(path)!r} does not exist. Give an existing checkpoint.")
-    sharded = path.is_dir()
-    if sharded and not isinstance(trainer.strategy, MegatronCPFSDPStrategy):
+    if path.is_dir() and not isinstance(trainer.strategy, MegatronCPFSDPStrategy):
         raise ConfigurationError(
             f"ckpt_path: {str(path)!r} is a sharded FSDP checkpoint folder and trainer.strategy does not "
-            "shard: set trainer.strategy.init_args.fsdp: true, or consolidate it into one file with "
-            "lightning_cp.strategies.consolidate_checkpoint(folder, 'model.ckpt') and give that file."
+            "shard: set trainer.strategy.class_path: lightning_cp.MegatronCPFSDPStrategy, or consolidate it "
+            "into one file with lightning_cp.strategies.consolidate_checkpoint(folder, 'model.ckpt') and give "
+            "that file."
         )
-    file = path / FSDP_METADATA if sharded else path
     try:
-        # weights_only=False: a checkpoint's hyperparameters may hold dataclasses such as GPTConfig. The
-        # file is the one the trainer is about to load in full.
-        checkpoint = torch.load(file, map_location="cpu", mmap=not sharded, weights_only=False)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
-        reason = (
-            str(error).strip().split(". ")[0].splitlines()[0] if str(error).strip() else type(error).__name__
-        )
-        raise ConfigurationError(
-            f"ckpt_path: {str(file)!r} is not a readable checkpoint ({reason}): it may be truncated (a "
-            "copy or a save that did not finish) or not written by torch.save. Give another checkpoint."
-        ) from error
-    if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint and not sharded:
-        raise ConfigurationError(
-            f"ckpt_path: {str(file)!r} is not a Lightning checkpoint (no 'state_dict'). Give a file written by "
-            "the trainer (last.ckpt, or one of ModelCheckpoint's)."
-        )
+        checkpoint = open_checkpoint(path, tensors=False)
+    except UnreadableCheckpoint as error:
+        raise ConfigurationError(f"ckpt_path: {error}.") from error
     return CheckpointInfo(
         path=path,
-        sharded=sharded,
-        global_step=int(checkpoint.get("global_step", 0)),
-        model=dict(checkpoint.get("hyper_parameters") or {}),
-        data=dict(checkpoint.get("datamodule_hyper_parameters") or {}),
+        sharded=checkpoint.sharded,
+        global_step=checkpoint.global_step,
+        model=checkpoint.hyper_parameters,
+        data=checkpoint.datamodule_hyper_parameters,
     )
 
 

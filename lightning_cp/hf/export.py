@@ -7,7 +7,8 @@ with their ``model.safetensors.index.json``, and the tokenizer files of the pret
 started from. ``AutoModelForCausalLM.from_pretrained(output_dir)`` then gives the trained module's logits.
 
 It runs in one process without a process group and never holds the model: the file is memory-mapped and
-the folder read one tensor at a time, so the peak is one safetensors shard (``max_shard_bytes``).
+the folder read one tensor at a time (:mod:`lightning_cp.checkpoint_format`), so the peak is one
+safetensors shard (``max_shard_bytes``).
 :class:`ExportHFOnFitEnd` does it at the end of ``fit`` (rank 0, after a checkpoint every rank writes).
 """
 
@@ -15,12 +16,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_cp.checkpoint_format import open_checkpoint
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -33,9 +35,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 """The files of a ``transformers`` tokenizer directory that an export copies when the run had them."""
-
-_SHARDED_PREFIX = "state_dict."
-"""How a sharded folder names the module's state (``checkpoint_io.save_sharded``: ``{"state_dict": ...}``)."""
 
 
 def export_hf(
@@ -69,7 +68,10 @@ def export_hf(
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    source = _open(Path(checkpoint))
+    path = Path(checkpoint)
+    if not path.exists():
+        raise ValueError(f"export_hf({str(path)!r}): no such checkpoint file or folder.")
+    source = open_checkpoint(path)
     hparams = source.hyper_parameters
     if "config" not in hparams:
         raise ValueError(
@@ -151,66 +153,6 @@ def _plan_shards(
 def _nbytes(shape: tuple[torch.Size, torch.dtype], dtype: torch.dtype | None) -> int:
     size, stored = shape
     return size.numel() * (dtype or stored).itemsize
-
-
-class _Checkpoint:
-    """One checkpoint's hyperparameters, tensor shapes and dtypes, and a reader of one tensor."""
-
-    def __init__(self, hyper_parameters: dict[str, Any], shapes: dict[str, tuple[torch.Size, torch.dtype]]):
-        self.hyper_parameters = hyper_parameters
-        self.shapes = shapes
-
-    def read(self, name: str) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class _FileCheckpoint(_Checkpoint):
-    """A ``.ckpt`` file, memory-mapped (a tensor is read when it is used)."""
-
-    def __init__(self, path: Path) -> None:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-        self._state = checkpoint["state_dict"]
-        shapes = {name: (t.shape, t.dtype) for name, t in self._state.items()}
-        super().__init__(dict(checkpoint.get("hyper_parameters", {})), shapes)
-
-    def read(self, name: str) -> torch.Tensor:
-        return self._state[name]
-
-
-class _FolderCheckpoint(_Checkpoint):
-    """A ``torch.distributed.checkpoint`` folder: each tensor read whole from the ranks' files on demand."""
-
-    def __init__(self, path: Path) -> None:
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        self._path = path
-        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        shapes = {
-            key.removeprefix(_SHARDED_PREFIX): (entry.size, entry.properties.dtype)
-            for key, entry in metadata.items()
-            if key.startswith(_SHARDED_PREFIX) and isinstance(entry, TensorStorageMetadata)
-        }
-        meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
-        super().__init__(dict(meta.get("hyper_parameters", {})), shapes)
-
-    def read(self, name: str) -> torch.Tensor:
-        import torch.distributed.checkpoint as dcp
-
-        size, dtype = self.shapes[name]
-        tensor = torch.empty(size, dtype=dtype)
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load({_SHARDED_PREFIX + name: tensor}, checkpoint_id=str(self._path), no_dist=True)
-        return tensor
-
-
-def _open(path: Path) -> _Checkpoint:
-    if path.is_dir():
-        return _FolderCheckpoint(path)
-    if path.is_file():
-        return _FileCheckpoint(path)
-    raise ValueError(f"export_hf({str(path)!r}): no such checkpoint file or folder.")
 
 
 class ExportHFOnFitEnd(Callback):
