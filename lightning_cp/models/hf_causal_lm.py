@@ -13,6 +13,7 @@ from lightning_cp.constants import CP_SHARD, INPUT_IDS, INPUT_MASK, POSITION_IDS
 from lightning_cp.hf.attention import ATTN_IMPLEMENTATION
 from lightning_cp.hf.causal_lm import decoder, output_head
 from lightning_cp.hf.loading import check_causal_lm_config, load_pretrained
+from lightning_cp.hf.registration import UnsupportedAttentionClasses
 from lightning_cp.hf.router_loss import load_balancing_loss
 from lightning_cp.loss import CPLossMixin
 from lightning_cp.parallel.layout import current_layout
@@ -104,10 +105,8 @@ class HFCausalLM(CPLossMixin, LightningModule):
 
         try:
             model = build(attn_implementation=ATTN_IMPLEMENTATION)
-        except KeyError as error:
-            # Families that pick their attention class from a dict keyed by the implementation name.
-            if error.args != (ATTN_IMPLEMENTATION,):
-                raise
+        except UnsupportedAttentionClasses:
+            # Attention classes of its own (Falcon): the family's default, which the strategy refuses under CP.
             model = build(attn_implementation=None)
         if self.hparams.gradient_checkpointing:
             options = {"use_reentrant": False}

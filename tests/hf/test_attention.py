@@ -294,3 +294,32 @@ def test_hf_causal_lm_with_gradient_checkpointing_recomputes_the_same_packed_ste
     assert module.model.model.gradient_checkpointing and module.model.training
     for key, grad in grads[0].items():
         torch.testing.assert_close(grads[1][key], grad, rtol=1e-5, atol=1e-7, msg=key)
+
+
+_OWN_ATTENTION_CLASSES = """
+import importlib, sys
+first, model_types = sys.argv[1], sys.argv[2:]
+modeling = [f"transformers.models.{t}.modeling_{t}" for t in model_types]
+for name in (modeling + ["lightning_cp"] if first == "transformers" else ["lightning_cp"] + modeling):
+    importlib.import_module(name)
+from transformers import AutoModelForCausalLM
+from tests.hf._families import tiny_config
+for model_type in model_types:
+    try:
+        AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="lightning_cp")
+    except ValueError as error:
+        print(model_type, type(error).__name__, error)
+"""
+
+
+@pytest.mark.parametrize("first", ["transformers", "lightning_cp"])
+def test_a_family_with_attention_classes_of_its_own_is_refused_with_the_reason_not_a_key_error(first):
+    """Falcon and GPT-Neo pick attention classes from tables of their own: asked for "lightning_cp" they raised
+    KeyError('lightning_cp') inside transformers. Their modeling modules loaded before or after the package."""
+    command = [sys.executable, "-c", _OWN_ATTENTION_CLASSES, first, "falcon", "gpt_neo"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert [line.split(" ", 2)[:2] for line in out] == [
+        ["falcon", "UnsupportedAttentionClasses"],
+        ["gpt_neo", "UnsupportedAttentionClasses"],
+    ]
+    assert "FALCON_ATTENTION_CLASSES: 'eager', 'sdpa', 'flash_attention_2'" in out[0] and "cp=1" in out[0]
