@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, seed_everything
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy
@@ -167,6 +168,59 @@ def test_between_steps_the_model_is_sdpa_and_refuses_the_shard_without_cp_shard(
     for differences, errors in world2.run(_fit_with_calls_between_steps):
         assert len(differences) == 2 and max(differences) < 1e-5
         assert len(errors) == 2 and all("cp_shard=batch['cp_shard']" in error for error in errors)
+
+
+class _CallsUnderFSDP(Callback):
+    """After each step, as a user's callback would: the whole weights on rank 0, then the model's forward on
+    another batch (a padding mask) and greedy ``generate``, on every rank; the root unit sharded again after."""
+
+    def __init__(self):
+        self.weights, self.logits, self.generated, self.resharded = [], [], [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.weights.append(trainer.strategy.full_state_dict())
+        ids = torch.randint(0, VOCAB, (3, 7), generator=torch.Generator().manual_seed(batch_idx))
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        with torch.no_grad():
+            self.logits.append(pl_module.model(input_ids=ids, attention_mask=mask).logits)
+            prompt = ids[:1, :4]
+            self.generated.append(pl_module.model.generate(prompt, max_new_tokens=6, do_sample=False))
+        self.resharded.append(isinstance(pl_module.model.get_input_embeddings().weight, DTensor))
+
+
+def _fit_fsdp_with_calls_between_steps(cp):
+    seed_everything(0)
+    module = HFCausalLM(CONFIGS["qwen3"])
+    calls = _CallsUnderFSDP()
+    trainer = _trainer(cp, max_steps=2, strategy=MegatronCPFSDPStrategy(cp=cp), callbacks=[calls])
+    dp = dist.get_world_size() // cp
+    trainer.fit(module, DataLoader(_dataset(), batch_size=GLOBAL_BATCH // dp, collate_fn=collate_padded))
+    return {name: getattr(calls, name) for name in ("weights", "logits", "generated", "resharded")}
+
+
+@pytest.mark.parametrize("world", ["world2", "world4"], ids=["dp1-cp2", "dp2-cp2"])
+def test_under_fsdp_a_callback_s_forward_and_generate_equal_an_sdpa_copy_of_the_gathered_weights(
+    world, request
+):
+    per_rank = request.getfixturevalue(world).run(_fit_fsdp_with_calls_between_steps, 2)
+    assert all(rank["weights"] == [{}, {}] for rank in per_rank[1:])  # the whole weights on rank 0 only
+    for step, weights in enumerate(per_rank[0]["weights"]):
+        reference = build("qwen3", "sdpa")
+        reference.load_state_dict({name.removeprefix("model."): value for name, value in weights.items()})
+        ids = torch.randint(0, VOCAB, (3, 7), generator=torch.Generator().manual_seed(step))
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        with torch.no_grad():
+            expected = reference(input_ids=ids, attention_mask=mask).logits
+            generated = reference.generate(ids[:1, :4], max_new_tokens=6, do_sample=False)
+        for rank in per_rank:
+            got = rank["logits"][step][mask.bool()]
+            torch.testing.assert_close(got, expected[mask.bool()], rtol=1e-5, atol=1e-5)
+            assert torch.equal(rank["generated"][step], generated)
+            assert rank["resharded"][step]
+    first, second = (weights["model.lm_head.weight"] for weights in per_rank[0]["weights"])
+    assert not torch.equal(first, second)  # the weights of each step
 
 
 class _DataloaderIterModule(HFCausalLM):
