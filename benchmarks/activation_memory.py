@@ -20,7 +20,7 @@ Run from the repository root::
 
     python benchmarks/activation_memory.py                 # T 8192, d 256, 4 layers
     python benchmarks/activation_memory.py --quick         # tiny shapes (CI)
-    python benchmarks/activation_memory.py --markdown      # the README's table
+    python benchmarks/activation_memory.py --markdown      # the table of docs/benchmarks.md
 """
 
 from __future__ import annotations

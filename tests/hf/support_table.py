@@ -1,9 +1,9 @@
 """What each ``transformers`` decoder family does under CP: the one table the family matrix holds the code to,
-and the README's support table rendered from it.
+and the support table of ``docs/hf.md`` rendered from it.
 
 ``tests/hf/test_families.py`` runs every family (and the real-config variants) at cp = 2 and fails when an
-outcome differs from this table; ``test_the_readme_table_is_current`` fails when the README's table is not
-:func:`render`'s. After changing an outcome here, refresh the README with::
+outcome differs from this table; ``test_the_readme_table_is_current`` fails when the table in ``docs/hf.md``
+is not :func:`render`'s. After changing an outcome here, refresh ``docs/hf.md`` with::
 
     python -m tests.hf.support_table
 """
@@ -15,7 +15,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+HF_DOC = Path(__file__).resolve().parents[2] / "docs" / "hf.md"
+"""The document whose support table (between :data:`_BEGIN` and :data:`_END`) is :func:`render`'s."""
 # The release whose decoder families this table lists (the ``test`` extra pins it): another release adds or
 # drops families, and the matrix's first test says so rather than running a table of another release.
 TRANSFORMERS_VERSION = "5.24.0"
@@ -24,7 +25,7 @@ _BEGIN, _END = "<!-- hf-support-table: begin -->", "<!-- hf-support-table: end -
 
 @dataclass(frozen=True)
 class Reason:
-    """Why a family is refused: a part of the setup's error message, and the README's words for it."""
+    """Why a family is refused: a part of the setup's error message, and the support table's words for it."""
 
     message: str
     text: str
@@ -43,7 +44,7 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Variant:
-    """A real-config variant of a family: the config fields it sets, and what the README says of them."""
+    """A real-config variant of a family: the config fields it sets, and what the table says of them."""
 
     model_type: str
     fields: dict = field(hash=False)
@@ -316,7 +317,7 @@ VARIANTS: dict[str, Variant] = {
 
 
 def render() -> str:
-    """The README's support table: outcomes, then the families of each, then the variants and exclusions."""
+    """The support table of ``docs/hf.md``: outcomes, the families of each, then variants and exclusions."""
     from tests.hf._families import families
 
     _, excluded = families()
@@ -357,20 +358,20 @@ def _ordered(groups: dict[str, list[str]]) -> list[tuple[str, list[str]]]:
     return sorted(groups.items(), key=lambda item: (item[0] != "exact", -len(item[1]), item[0]))
 
 
-def readme_table() -> str:
-    """The table between the README's markers (markers included), or ``""`` if it has none."""
-    text = README.read_text()
+def documented_table() -> str:
+    """The table between the markers of ``docs/hf.md`` (markers included), or ``""`` if it has none."""
+    text = HF_DOC.read_text()
     start, end = text.find(_BEGIN), text.find(_END)
     return text[start : end + len(_END)] if 0 <= start < end else ""
 
 
-def write_readme() -> None:
-    """Replace the README's table (between its markers) with :func:`render`'s."""
-    text, table = README.read_text(), readme_table()
+def write_table() -> None:
+    """Replace the table of ``docs/hf.md`` (between its markers) with :func:`render`'s."""
+    text, table = HF_DOC.read_text(), documented_table()
     if not table:
-        sys.exit(f"{README} has no {_BEGIN} ... {_END} section to fill.")
-    README.write_text(text.replace(table, render()))
+        sys.exit(f"{HF_DOC} has no {_BEGIN} ... {_END} section to fill.")
+    HF_DOC.write_text(text.replace(table, render()))
 
 
 if __name__ == "__main__":
-    write_readme()
+    write_table()

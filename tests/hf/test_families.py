@@ -5,7 +5,7 @@ The families are those of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` less the rule's 
 (``tests/hf/_matrix.py``): the strategy's setup check, then one forward and backward of
 ``HFCausalLM.training_step`` against ``transformers``' own ``model(input_ids, labels=...)`` with the
 family's default attention. The expected outcome of each family and real-config variant is one table,
-``tests/hf/support_table.py``, which the README's support table is rendered from.
+``tests/hf/support_table.py``, which the support table of ``docs/hf.md`` is rendered from.
 """
 
 from __future__ import annotations
@@ -85,6 +85,6 @@ def test_every_family_trains_exactly_at_cp2_or_is_refused_with_its_reason(world2
 
 
 def test_the_readme_table_is_current():
-    assert support_table.readme_table() == support_table.render(), (
-        "README.md's support table is stale: run `python -m tests.hf.support_table`"
+    assert support_table.documented_table() == support_table.render(), (
+        "docs/hf.md's support table is stale: run `python -m tests.hf.support_table`"
     )
