@@ -2,12 +2,14 @@
 
 A batch's :class:`~lightning_cp.parallel.CPShard` carries the exchange of the group it was split over
 (``cp_shard.exchange``), so every layer that needs its peers (CP attention's K/V all-gather and gradient
-reduce-scatter) finds them on the shard it is given: no process-wide lookup. Because nothing else talks
+reduce-scatter, the head-parallel exchange of token mixers) finds them on the shard it is given: no
+process-wide lookup. Because nothing else talks
 to the peers, one process can stand in for them (:class:`~lightning_cp.parallel.simulated.SimulatedCPGroup`).
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -56,3 +58,14 @@ class GroupExchange:
         dist.all_reduce(full, group=self.group)
         rank = dist.get_rank(self.group)
         return full[rank * local : (rank + 1) * local].clone()
+
+    def all_to_all(self, send: Tensor) -> Tensor:
+        """``[cp, ...]`` whose row ``r`` is what rank ``r`` sent this rank: ``send`` ``[cp, ...]`` holds in
+        row ``p`` what this rank sends rank ``p`` (every row of the same shape). Its own adjoint: the gradient
+        of the result goes back through the same exchange."""
+        if self.group is None:
+            return send
+        send = send.contiguous()
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=self.group)
+        return received

@@ -97,6 +97,7 @@ class CPShard:
     """The collectives of the CP group the batch was split over (``split.cp_size`` ranks, this one
     ``split.cp_rank``); ``None`` for a shard built without its group (only a split over one rank needs none)."""
     _keys: dict[int | None, KeySelection] = field(default_factory=dict, repr=False)
+    _sequence_order: list[Tensor] = field(default_factory=list, repr=False)
 
     @classmethod
     def build(cls, split: CPSplit, lengths: Tensor, device: torch.device | str) -> CPShard:
@@ -125,6 +126,22 @@ class CPShard:
         if window not in self._keys:
             self._keys[window] = select_keys(self.split, self.chunk_lengths, window, self.cu_seqlens.device)
         return self._keys[window]
+
+    def sequence_order(self) -> Tensor:
+        """``[cp * T_local]`` int64 on :attr:`cu_seqlens`' device: the row, among every rank's local tokens in
+        rank order, of each token of the whole sequences in sequence order
+        (:meth:`CPSplit.sequence_order <lightning_cp.parallel.split.CPSplit.sequence_order>`). Built on the
+        CPU on the first call and cached on the shard, so every layer of the batch reuses it."""
+        if not self._sequence_order:
+            order = self.split.sequence_order(self.chunk_lengths)
+            self._sequence_order.append(order.to(self.cu_seqlens.device, non_blocking=True))
+        return self._sequence_order[0]
+
+    @property
+    def sequence_lengths(self) -> Tensor:
+        """``[n]`` int64 on the CPU: each sequence's length padded to its ``2 * cp`` chunks, the lengths the
+        sequences have in sequence order (:meth:`sequence_order`)."""
+        return 2 * self.split.cp_size * self.chunk_lengths
 
     def group_exchange(self) -> GroupExchange:
         """:attr:`exchange`, the shard's CP group, which layers that reach their peers use.

@@ -6,8 +6,12 @@ gradients. A :class:`SimulatedCPGroup` stands in for those collectives for ``cp`
 other in this process. It learns what each rank sends by watching it: inside :meth:`SimulatedCPGroup.recording`
 every exchange records its argument and answers with stand-ins of the right size; once every rank has been
 recorded, the exchanges answer exactly as the collectives would (the all-gather: every rank's tensor in
-rank order; the reduce-scatter: the sum over all ranks of their contributions to the calling rank). So the
-simulation never depends on how the attention packs what it exchanges.
+rank order; the reduce-scatter: the sum over all ranks of their contributions to the calling rank; the
+all-to-all of the head-parallel exchange: row ``r`` of what rank ``r`` sent). So the simulation never
+depends on how the attention packs what it exchanges. Each collective answers with the last call every rank
+recorded: exact for one exchange per pass (one attention or mixer layer); through a model of several layers
+it stands in for the peers with the right shapes, which is what a memory or time measurement of one rank
+needs.
 
 :func:`simulate_cp_attention` runs every rank this way (a recording forward and backward, then the exact
 ones) and reassembles the full sequence: ``lightning-cp doctor`` checks it against full-sequence SDPA.
@@ -45,6 +49,7 @@ class SimulatedCPGroup:
             raise ValueError(f"cp_size={cp_size} must be >= 1.")
         self._gathered: list[Tensor | None] = [None] * cp_size
         self._sent: list[Tensor | None] = [None] * cp_size
+        self._sent_rows: list[Tensor | None] = [None] * cp_size
         self._sum = sum_key_gradients
         self._recording = False
 
@@ -100,6 +105,16 @@ class _SimulatedExchange(GroupExchange):
             group._missing(group._gathered, "all-gathered")
         peers = [t if t is not None else torch.zeros_like(local) for t in group._gathered]
         return torch.cat([local if r == self._rank else t for r, t in enumerate(peers)])
+
+    def all_to_all(self, send: Tensor) -> Tensor:
+        group = self._group
+        group._sent_rows[self._rank] = send.detach()
+        if not group._recording:
+            group._missing(group._sent_rows, "sent their all-to-all rows")
+        peers = [t if t is not None else torch.zeros_like(send) for t in group._sent_rows]
+        return torch.stack(
+            [send[self._rank] if r == self._rank else t[self._rank] for r, t in enumerate(peers)]
+        )
 
     def reduce_scatter(self, full: Tensor) -> Tensor:
         group, rank = self._group, self._rank
