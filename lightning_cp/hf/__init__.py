@@ -7,8 +7,13 @@ its attention and mask modules). A model built with it and called with the batch
 holds its shard, and is plain ``"sdpa"`` attention otherwise (:mod:`lightning_cp.hf.attention`).
 :func:`decoder` and :func:`output_head` are the two halves a training step uses (the body that gives the
 hidden states, the head the loss applies); :func:`check_models` is the strategy's setup guard (static
-checks, then a behavioural probe) against models that would train differently under CP;
+checks, the token mixers' context-parallel forward, then a behavioural probe) against models that would
+train differently under CP;
 :func:`load_balancing_loss` is a mixture-of-experts router loss of the whole global batch.
+
+Token mixers that are not softmax attention (Gated DeltaNet, Kimi Delta Attention, Mamba2, short
+convolutions: the hybrid models) get a head-parallel context-parallel forward at setup
+(:mod:`lightning_cp.hf.mixers`).
 
 :mod:`lightning_cp.hf.loading` builds pretrained models (shard by shard under FSDP) and
 :mod:`lightning_cp.hf.export` writes trained ones back (:class:`ExportHFOnFitEnd` at the end of ``fit``).
@@ -21,8 +26,8 @@ from lightning_cp.hf.attention import ATTN_IMPLEMENTATION, hf_context_parallel_a
 from lightning_cp.hf.causal_lm import decoder, output_head
 from lightning_cp.hf.check import check_attention_is_context_parallel
 from lightning_cp.hf.export import ExportHFOnFitEnd, export_hf
+from lightning_cp.hf.integration import check_models
 from lightning_cp.hf.loading import load_pretrained
-from lightning_cp.hf.probe import check_models
 from lightning_cp.hf.router_loss import load_balancing_loss
 
 __all__ = [

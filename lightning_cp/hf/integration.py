@@ -18,8 +18,44 @@ from torch import nn
 
 from lightning_cp.hf.attention import guard_sharded_calls
 from lightning_cp.hf.loading import deferred_loading, materialize_pretrained
-from lightning_cp.hf.probe import check_configs, holds_transformers_models, probe_models
+from lightning_cp.hf.mixers import adapt_token_mixers
+from lightning_cp.hf.probe import check_configs, holds_transformers_models, probe_models, transformers_models
 from lightning_cp.parallel.layout import ParallelLayout
+
+
+def check_models(module: nn.Module, layout: ParallelLayout, device: torch.device) -> None:
+    """What the strategy's setup does for models every rank holds whole (``MegatronCPStrategy``):
+    :func:`~lightning_cp.hf.probe.check_configs`, :func:`prepare_models`, then
+    :func:`~lightning_cp.hf.probe.probe_models` on ``device``. Refuses, before the first step, anything in
+    ``module`` whose training under ``layout`` could differ from the unsharded model's.
+
+    Every rank of the CP group must call this with the same module (the probe's collectives).
+
+    Raises:
+        ValueError: naming the model, the module or config attribute, and what to change.
+    """
+    check_configs(module, layout)
+    prepare_models(module, layout)
+    probe_models(module, layout, device)
+
+
+def prepare_models(module: nn.Module, layout: ParallelLayout) -> None:
+    """Every ``transformers`` model in ``module`` ready for the batch's shard: its token mixers that are not
+    softmax attention get their context-parallel forward (:func:`~lightning_cp.hf.mixers.adapt_token_mixers`,
+    at every CP size: they also keep packed documents apart), and under ``cp > 1`` a call on a shard without
+    the batch's ``cp_shard`` is refused (:func:`~lightning_cp.hf.attention.guard_sharded_calls`). No
+    communication.
+
+    Raises:
+        ValueError: a mixer whose heads do not split over ``layout.cp`` ranks, naming it and the numbers.
+    """
+    for where, model in transformers_models(module):
+        try:
+            adapt_token_mixers(model, layout.cp)
+        except ValueError as error:
+            raise ValueError(f"{where} ({type(model).__name__}): {error}") from None
+    if layout.cp > 1:
+        guard_sharded_calls(module)
 
 
 class TransformersIntegration:
@@ -37,9 +73,9 @@ class TransformersIntegration:
         """:func:`~lightning_cp.hf.probe.probe_models`: every model sharded vs whole, module by module."""
         probe_models(module, layout, device)
 
-    def guard_calls(self, module: nn.Module) -> None:
-        """:func:`~lightning_cp.hf.attention.guard_sharded_calls` on every ``transformers`` model."""
-        guard_sharded_calls(module)
+    def prepare(self, module: nn.Module, layout: ParallelLayout) -> None:
+        """:func:`prepare_models`: token mixers adapted, calls on a shard guarded."""
+        prepare_models(module, layout)
 
     def loading_context(self) -> AbstractContextManager[None]:
         """:func:`~lightning_cp.hf.loading.deferred_loading`: ``load_pretrained`` builds on ``meta``."""

@@ -22,8 +22,9 @@ refusal, and a head that needs transforms is marked so that the loss refuses its
 What a short probe cannot show is checked on the config (:mod:`lightning_cp.hf.check`): RoPE scalings
 that pick their frequencies from the sequence length, chunked attention, attention dropout.
 
-:func:`check_models` is both, for models every rank holds whole (DDP). Under FSDP the strategy runs
-:func:`check_configs` before sharding and :func:`probe_models` after it, inside the root unit's forward, so
+:func:`~lightning_cp.hf.integration.check_models` is both (with the token mixers adapted in between), for
+models every rank holds whole (DDP). Under FSDP the strategy runs :func:`check_configs` before sharding
+and :func:`probe_models` after it, inside the root unit's forward, so
 that models loaded shard by shard (:func:`~lightning_cp.load_pretrained`) are probed too, and the head's
 mark (:meth:`~lightning_cp.ops.OutputHead.mark_weight`) lands on the gathered weight the loss is given.
 """
@@ -64,20 +65,6 @@ class _Recorded:
     outputs: dict[tuple[str, str], Tensor]
 
 
-def check_models(module: nn.Module, layout: ParallelLayout, device: torch.device) -> None:
-    """Refuse, before the first step, anything in ``module`` whose training under ``layout`` could differ
-    from the unsharded model's: :func:`check_configs`, then :func:`probe_models`. For models every rank
-    holds whole (what ``MegatronCPStrategy`` calls through :mod:`lightning_cp.hf.integration`).
-
-    Every rank of the CP group must call this with the same module (the probe's collectives).
-
-    Raises:
-        ValueError: naming the model, the module or config attribute, and what to change.
-    """
-    check_configs(module, layout)
-    probe_models(module, layout, device)
-
-
 def check_configs(module: nn.Module, layout: ParallelLayout) -> None:
     """The checks that need no weights: :func:`~lightning_cp.hf.check_attention_is_context_parallel`
     (cp > 1), and for every ``transformers`` model in ``module`` (the outermost ones: a causal LM, a teacher,
@@ -88,7 +75,7 @@ def check_configs(module: nn.Module, layout: ParallelLayout) -> None:
         ValueError: naming the model, the attribute and what to change.
     """
     check_attention_is_context_parallel(module, layout.cp)
-    for where, model in _transformers_models(module):
+    for where, model in transformers_models(module):
         check_config_is_context_parallel(model, where, layout.cp)
 
 
@@ -108,7 +95,7 @@ def probe_models(module: nn.Module, layout: ParallelLayout, device: torch.device
             pass) and what to change; also for a model whose parameters are on the meta device (only
             :class:`~lightning_cp.MegatronCPFSDPStrategy` materializes those, before probing them).
     """
-    for where, model in _transformers_models(module):
+    for where, model in transformers_models(module):
         if any(p.is_meta for p in model.parameters()):
             raise ValueError(
                 f"{where} ({type(model).__name__}) has parameters on the meta device: only "
@@ -122,10 +109,12 @@ def probe_models(module: nn.Module, layout: ParallelLayout, device: torch.device
 
 def holds_transformers_models(module: nn.Module) -> bool:
     """Whether ``module`` holds a ``transformers`` model: one :func:`probe_models` would probe. No communication."""
-    return next(_transformers_models(module), None) is not None
+    return next(transformers_models(module), None) is not None
 
 
-def _transformers_models(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def transformers_models(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """The outermost ``transformers`` models in ``module`` (a causal LM, a teacher), by name (``module``'s
+    class name for ``module`` itself)."""
     modeling = sys.modules.get("transformers.modeling_utils")
     if modeling is None:  # transformers never loaded: no model of it can exist
         return

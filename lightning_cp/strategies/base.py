@@ -257,10 +257,8 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         _check_steps_take_batches(self.model)
         for integration in integrations():
             integration.check(self.model, self.layout)
+            integration.prepare(self.model, self.layout)
         self._probe_before_wrapping()
-        if self.layout.cp > 1:
-            for integration in integrations():
-                integration.guard_calls(self.model)
         if self.activation_checkpointing:
             owner = type(self).__name__
             classes = resolve_classes(

@@ -2,7 +2,8 @@
 
 A :class:`ModelIntegration` answers, for the models of its library inside a ``LightningModule``, what the
 strategies ask at fixed points of ``setup``: refuse what CP cannot train exactly (static checks before
-wrapping, a behavioural probe on weights), guard calls on a batch's shard, build pretrained models on the
+wrapping, a behavioural probe on weights), prepare the models for the batch's shard (layers that need a
+context-parallel forward of their own, guards on calls), build pretrained models on the
 ``meta`` device and fill them after FSDP has sharded them. The strategies call every registered
 integration at those points; the package registers its ``transformers`` integration
 (:mod:`lightning_cp.hf.integration`) when it is imported, as its attention registers into
@@ -14,11 +15,11 @@ integration at those points; the package registers its ``transformers`` integrat
 Setup, in order (``MegatronCPStrategy`` / ``MegatronCPFSDPStrategy``):
 
 1. ``configure_model`` runs inside every integration's :meth:`~ModelIntegration.loading_context` (FSDP only);
-2. :meth:`~ModelIntegration.check` on the unwrapped module (every rank, no weights needed);
+2. :meth:`~ModelIntegration.check`, then :meth:`~ModelIntegration.prepare`, on the unwrapped module (every
+   rank, no weights needed);
 3. DDP: :meth:`~ModelIntegration.probe` on the whole module; FSDP: ``fully_shard``, then
    :meth:`~ModelIntegration.materialize`, then :meth:`~ModelIntegration.probe` inside the FSDP root's
-   forward, for modules where :meth:`~ModelIntegration.holds_models`;
-4. with ``cp > 1``, :meth:`~ModelIntegration.guard_calls`.
+   forward, for modules where :meth:`~ModelIntegration.holds_models`.
 """
 
 from __future__ import annotations
@@ -54,8 +55,14 @@ class ModelIntegration(Protocol):
             ValueError: naming the model, the module that differs and what to change.
         """
 
-    def guard_calls(self, module: nn.Module) -> None:
-        """Under ``cp > 1``: make the models refuse a call on a batch's shard that would attend within it."""
+    def prepare(self, module: nn.Module, layout: ParallelLayout) -> None:
+        """Make the models ready for the batch's shard (after :meth:`check`, before :meth:`probe`): layers that
+        need a context-parallel forward of their own get it, and a call on a shard that would see only this
+        rank's tokens is refused.
+
+        Raises:
+            ValueError: a layer that cannot be split over ``layout.cp`` ranks, naming it and the numbers.
+        """
 
     def loading_context(self) -> AbstractContextManager[None]:
         """Entered around ``configure_model`` under FSDP: pretrained models may be built on ``meta``."""

@@ -130,12 +130,13 @@ def test_sharded_load_refuses_a_checkpoint_of_another_shape(world2, tmp_path):
 
 def test_a_model_loaded_shard_by_shard_is_probed(world2, tmp_path):
     """No rank holds the model whole, yet the setup probe runs (on the sharded model, after loading): a
-    family whose layers convolve over the sequence is refused, on every rank, before any step."""
+    family whose Mamba1 scan sees one shard (no context-parallel forward of its own) is refused, on every
+    rank, before any step."""
     torch.manual_seed(0)
-    directory = tmp_path / "lfm2"
-    transformers.AutoModelForCausalLM.from_config(tiny_config("lfm2")).save_pretrained(directory)
+    directory = tmp_path / "mamba"
+    transformers.AutoModelForCausalLM.from_config(tiny_config("mamba")).save_pretrained(directory)
     for message in world2.run(_load_error, directory):
-        assert message is not None and "convolves over the sequence" in message, message
+        assert message is not None and "is a state-space (Mamba) layer" in message, message
 
 
 def _load_error(directory):

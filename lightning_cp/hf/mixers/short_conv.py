@@ -1,0 +1,47 @@
+"""Short convolutions under CP: LFM2, LFM2-MoE, LFM3 (``*ShortConv``).
+
+The layer projects its tokens to ``[B | C | x]``, convolves ``B * x`` causally and depthwise over the
+sequence (a kernel of a few tokens), multiplies by ``C`` and projects out. The convolution is the only token
+mixing, and it is per channel: ``B * x`` goes to the channels (``hidden / cp`` per rank, every token), the
+convolution rows of those channels run on whole sequences through the modeling module's
+``causal_conv1d_fn``, and the result comes back before ``C *``.
+
+Split: ``hidden_size`` a multiple of ``cp``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from lightning_cp.hf.mixers._adapter import channel_rows, depthwise_conv, tokens
+from lightning_cp.parallel.head_parallel import for_each_sequence, head_slices, to_heads, to_tokens
+from lightning_cp.parallel.sharding import CPShard
+
+
+class ShortConvAdapter:
+    """The context-parallel forward of ``transformers``' ``*ShortConv`` layers: channels split over ranks."""
+
+    def split_problem(self, module: nn.Module, cp: int) -> str | None:
+        hidden = module.conv.in_channels
+        return None if hidden % cp == 0 else f"hidden_size={hidden} is not divisible by cp={cp}"
+
+    def forward(self, module: nn.Module, hidden_states: Tensor, shard: CPShard) -> Tensor:
+        cp, rank = shard.split.cp_size, shard.split.cp_rank
+        width = module.conv.in_channels // cp
+        b, c, x = module.in_proj(hidden_states).chunk(3, dim=-1)
+        slices = head_slices(
+            cp, cp, "channel blocks"
+        )  # rank r convolves channels r * width .. (r + 1) * width
+        (bx,) = to_heads(shard, (tokens(b * x, width), slices))
+        rows = channel_rows(slices[rank], width)
+
+        def mix(bx: Tensor) -> Tensor:
+            return depthwise_conv(module, module.conv, bx.flatten(2), rows, None).unsqueeze(2)
+
+        y = to_tokens(shard, for_each_sequence(shard, mix, bx)).reshape(c.shape)
+        return module.out_proj(c * y)
+
+
+_SHORT_CONV = ShortConvAdapter()
+ADAPTERS = {name: _SHORT_CONV for name in ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")}
+"""The short-convolution adapter, by layer class name."""

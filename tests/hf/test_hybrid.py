@@ -1,0 +1,438 @@
+"""Hybrid families (Gated DeltaNet, Kimi Delta Attention, Mamba2, short convolutions) train exactly under CP.
+
+References are ``transformers``' own models with the same weights and their default attention: the
+whole padded batch through ``model(input_ids, labels=...)``, and each packed document alone (a document's
+state must never flow into the next, which ``transformers``' torch paths do on a packed row). Weights are
+drawn at 10x the default initializer range: at 0.02 a shard-local short convolution differs from the right
+answer by about 2e-6, far below the tolerances; at 0.2 every mistake is visible.
+
+- the family matrix: every adapted family, at dp 2 x cp 2 and dp 1 x cp 4, padded and packed rows, loss and
+  every parameter's gradient against the reference (one training step of ``HFCausalLM``);
+- each mixer alone: the adapted layer on the shards against the layer itself on each whole document,
+  outputs and the gradients of its input and parameters (the sliced ones summed over the ranks);
+- refusals: heads or channels that do not split over cp, named with their numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_cp.hf import check_models
+from lightning_cp.hf.mixers import ADAPTERS, adapt_token_mixers
+from lightning_cp.models import HFCausalLM
+from lightning_cp.parallel import groups, shard_batch, unshard
+from lightning_cp.parallel.layout import set_current_layout
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+INIT = 0.2  # 10x transformers' default initializer_range
+_COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "max_position_embeddings": 256}
+_ATTENTION = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+_GDN = {
+    "linear_num_key_heads": 2,  # fewer key heads than cp = 4: each is read by two ranks
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+    "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+}
+_MAMBA = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2}
+_MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+}
+HYBRIDS: dict[str, dict] = {
+    "qwen3_5_text": {"model_type": "qwen3_5_text", **_COMMON, **_ATTENTION, **_GDN},
+    "qwen3_5_moe_text": {"model_type": "qwen3_5_moe_text", **_COMMON, **_ATTENTION, **_GDN, **_MOE},
+    "qwen3_next": {"model_type": "qwen3_next", **_COMMON, **_ATTENTION, **_GDN, **_MOE},
+    "olmo_hybrid": {
+        "model_type": "olmo_hybrid",
+        **_COMMON,
+        **_ATTENTION,
+        **_GDN,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+    },
+    "kimi_linear": {
+        "model_type": "kimi_linear",
+        **_COMMON,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 16,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+        "linear_num_heads": 4,
+        "linear_head_dim": 8,
+        "num_hidden_layers": 2,
+        "layer_types": ["linear_attention", "full_attention"],
+        "mlp_layer_types": ["dense", "dense"],
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "bailing_hybrid": {
+        "model_type": "bailing_hybrid",
+        **_COMMON,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 16,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+        "head_dim": 8,
+        "linear_num_heads": 4,
+        "linear_head_dim": 8,
+        "num_hidden_layers": 2,
+        "layer_types": ["linear_attention", "full_attention"],
+        "mlp_layer_types": ["dense", "dense"],
+        "num_nextn_predict_layers": 0,
+        "pad_token_id": 0,
+        "eos_token_id": 2,
+    },
+    "mamba2": {
+        "model_type": "mamba2",
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_heads": 8,
+        "head_dim": 16,
+        "expand": 2,
+        "n_groups": 2,
+        "state_size": 8,
+        "chunk_size": 8,  # several chunks per sequence
+        "num_hidden_layers": 2,
+        "time_step_rank": 8,
+    },
+    "nemotron_h": {
+        "model_type": "nemotron_h",
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "layers_block_type": ["linear_attention", "mlp", "full_attention"],
+        **_ATTENTION,
+        "intermediate_size": 96,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 16,
+        "n_groups": 4,  # a group per rank at cp = 4
+        "ssm_state_size": 8,
+        "chunk_size": 8,
+        "conv_kernel": 4,
+    },
+    "granitemoehybrid": {
+        "model_type": "granitemoehybrid",
+        **_COMMON,
+        **_ATTENTION,
+        **_MAMBA,
+        "mamba_n_groups": 1,  # Granite-4.0-H's one group: B and C replicated on every rank
+        "mamba_chunk_size": 8,
+        "num_hidden_layers": 2,
+        "layer_types": ["linear_attention", "full_attention"],
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "shared_intermediate_size": 64,
+    },
+    "bamba": {
+        "model_type": "bamba",
+        **_COMMON,
+        **_ATTENTION,
+        **_MAMBA,
+        "mamba_n_groups": 2,
+        "mamba_chunk_size": 8,
+        "num_hidden_layers": 2,
+        "attn_layer_indices": [1],
+    },
+    "falcon_h1": {
+        "model_type": "falcon_h1",
+        **_COMMON,
+        **_ATTENTION,
+        **_MAMBA,
+        "mamba_n_groups": 1,
+        "mamba_chunk_size": 8,
+        "mamba_d_ssm": 128,
+        "mamba_rms_norm": True,
+        "num_hidden_layers": 2,
+    },
+    "zamba2": {
+        "model_type": "zamba2",
+        **_COMMON,
+        "num_hidden_layers": 2,
+        "layers_block_type": ["linear_attention", "hybrid"],
+        "n_mamba_heads": 8,
+        "mamba_ngroups": 2,
+        "mamba_d_state": 8,
+        "chunk_size": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+    },
+    "lfm2": {
+        "model_type": "lfm2",
+        **_COMMON,
+        **_ATTENTION,
+        "num_hidden_layers": 2,
+        "layer_types": ["conv", "full_attention"],
+        "block_auto_adjust_ff_dim": False,
+    },
+    "lfm2_moe": {
+        "model_type": "lfm2_moe",
+        **_COMMON,
+        **_ATTENTION,
+        "num_hidden_layers": 2,
+        "layer_types": ["conv", "full_attention"],
+        "num_dense_layers": 1,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    },
+}
+PADDED_SHAPE = (2, 21)  # a row per DP rank at dp = 2; odd: the split pads
+PACKED_ROWS = ((1, 9, 4, 13), (11, 2, 6))  # documents of one token, shorter and longer than a chunk
+
+
+def _config(name: str) -> dict:
+    return {**HYBRIDS[name], "initializer_range": INIT}
+
+
+def _rows(packed: bool) -> list[dict[str, torch.Tensor]]:
+    """The global batch as one dict per row (a row per DP rank at dp = 2, both rows at dp = 1)."""
+    g = torch.Generator().manual_seed(1)
+    if not packed:
+        ids = torch.randint(3, VOCAB, PADDED_SHAPE, generator=g)
+        return [{"input_ids": ids[i : i + 1]} for i in range(PADDED_SHAPE[0])]
+    rows = []
+    for lengths in PACKED_ROWS:
+        ids = torch.randint(3, VOCAB, (1, sum(lengths)), generator=g)
+        rows.append({"input_ids": ids, "cu_seqlens": torch.tensor([0, *lengths]).cumsum(0)})
+    return rows
+
+
+def _documents(packed: bool) -> list[torch.Tensor]:
+    """Every sequence of the global batch alone, ``[1, L]`` each."""
+    out = []
+    for row in _rows(packed):
+        if "cu_seqlens" in row:
+            out += list(row["input_ids"].split(row["cu_seqlens"].diff().tolist(), dim=1))
+        else:
+            out.append(row["input_ids"])
+    return out
+
+
+def _local_batch(packed: bool, layout) -> dict[str, torch.Tensor]:
+    """This DP rank's part of the global batch: its row at dp = 2, every sequence at dp = 1."""
+    rows = _rows(packed)
+    if layout.dp == len(rows):
+        return rows[layout.dp_rank]
+    if not packed:
+        return {"input_ids": torch.cat([r["input_ids"] for r in rows])}
+    lengths = [n for row in PACKED_ROWS for n in row]
+    ids = torch.cat([r["input_ids"] for r in rows], dim=1)
+    return {"input_ids": ids, "cu_seqlens": torch.tensor([0, *lengths]).cumsum(0)}
+
+
+def _train_step(names: list[str], cp: int, packed: bool) -> dict:
+    """On every rank: each family's loss and gradients (averaged over DP x CP as DDP does) after the setup
+    check and one ``HFCausalLM.training_step``; rank 0 also gives the reference of its initial weights."""
+    layout = groups.initialize(tp=1, cp=cp)
+    set_current_layout(layout)
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    results = {}
+    try:
+        for name in names:
+            torch.manual_seed(0)
+            module = HFCausalLM(_config(name))
+            module.configure_model()
+            check_models(module, layout, torch.device("cpu"))
+            initial = copy.deepcopy(module.model.state_dict())
+            module.train()
+            batch = shard_batch(_local_batch(packed, layout), cp, layout.cp_rank, cp_group=layout.cp_group)
+            loss = module.training_step(batch, 0)
+            loss.backward()
+            params = list(module.model.named_parameters())
+            flat = torch.cat([_grad(p).flatten() for _, p in params] + [loss.detach().reshape(1)])
+            dist.all_reduce(flat, group=layout.loss_group)
+            flat /= layout.dp * layout.cp
+            grads = dict(
+                zip([n for n, _ in params], flat[:-1].split([p.numel() for _, p in params]), strict=True)
+            )
+            results[name] = {"loss": flat[-1], "grads": grads}
+            if dist.get_rank() == 0:
+                results[name]["expected"] = _reference(name, initial, packed)
+    finally:
+        set_current_layout(None)
+    return results
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    return param.grad if param.grad is not None else torch.zeros_like(param)
+
+
+def _reference(name: str, state: dict, packed: bool) -> dict:
+    """``transformers``' own loss of the global batch (every sequence alone when packed) and its gradients."""
+    config = transformers.AutoConfig.for_model(**_config(name))
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(state)
+    model.train()
+    documents = _documents(packed)
+    targets = sum(d.shape[1] - 1 for d in documents)
+    total = sum(
+        model(input_ids=d, labels=d, use_cache=False).loss * (d.shape[1] - 1)
+        for d in documents
+        if d.shape[1] > 1
+    )
+    loss = total / targets
+    loss.backward()
+    return {"loss": loss.detach(), "grads": {n: _grad(p).flatten() for n, p in model.named_parameters()}}
+
+
+def _failures(results: dict) -> list[str]:
+    failures = []
+    for name, got in results.items():
+        want = got["expected"]
+        if not torch.allclose(got["loss"], want["loss"], rtol=1e-5, atol=0.0):
+            failures.append(f"{name}: loss {got['loss'].item():.8f} != {want['loss'].item():.8f}")
+            continue
+        total = torch.cat(list(want["grads"].values())).norm()
+        for key, expected in want["grads"].items():
+            error = (got["grads"][key] - expected).norm()
+            if error > 5e-5 * expected.norm() + 1e-6 * total:
+                failures.append(
+                    f"{name}: gradient of {key}: error {error:.3e}, reference norm {expected.norm():.3e}"
+                )
+                break
+    return failures
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("cp", [2, 4], ids=["dp2-cp2", "dp1-cp4"])
+def test_every_adapted_family_trains_as_the_unsharded_model(world4, cp, packed):
+    results = world4.run(_train_step, list(HYBRIDS), cp, packed)[0]
+    assert set(results) == set(HYBRIDS)
+    failures = _failures(results)
+    assert not failures, "\n".join(failures)
+
+
+def test_every_adapter_is_in_the_matrix():
+    """Each mixer class the adapters know is built by a family of the matrix (or named here as covered by a
+    twin with the same forward)."""
+    twins = {"Qwen4ExpTextGatedDeltaNet", "LaraMiniGatedDeltaNet", "Lfm3ShortConv"}
+    built = set()
+    for name in HYBRIDS:
+        config = transformers.AutoConfig.for_model(**_config(name))
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        built |= {type(m).__name__ for m in model.modules()}
+    assert set(ADAPTERS) - built == twins
+
+
+# --- each mixer alone: the adapted layer on shards vs the layer on each whole document ---------------------
+
+_MIXERS = {  # a family, and where its first mixer sits
+    "qwen3_5_text": "model.layers.0.linear_attn",
+    "qwen3_next": "model.layers.0.linear_attn",
+    "olmo_hybrid": "model.layers.0.linear_attn",
+    "kimi_linear": "model.layers.0.self_attn",
+    "bailing_hybrid": "model.layers.0.self_attn",
+    "mamba2": "backbone.layers.0.mixer",
+    "granitemoehybrid": "model.layers.0.mamba",
+    "falcon_h1": "model.layers.0.mamba",
+    "lfm2": "model.layers.0.conv",
+}
+_MIXER_DOCS = (5, 1, 16, 9)  # 16: a multiple of 2 * cp, so no padding separates it from the next
+HIDDEN = 64
+
+
+def _mixer(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(**_config(name))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    return model.get_submodule(_MIXERS[name])
+
+
+def _mixer_alone(name: str, cp: int) -> tuple:
+    """This rank's output and input gradient (of its shard), and the mixer's parameter gradients summed over
+    the CP ranks."""
+    layout = groups.initialize(tp=1, cp=cp)
+    mixer = _mixer(name)
+    adapt_token_mixers(mixer, cp)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(1, sum(_MIXER_DOCS), HIDDEN, generator=g, dtype=torch.float64)
+    weight = torch.randn(hidden.shape, generator=g, dtype=torch.float64)
+    cu = torch.tensor([0, *_MIXER_DOCS]).cumsum(0)
+    batch = shard_batch(
+        {
+            "input_ids": torch.zeros(1, hidden.shape[1], dtype=torch.long),
+            "cu_seqlens": cu,
+            "h": hidden,
+            "w": weight,
+        },
+        cp,
+        layout.cp_rank,
+        cp_group=layout.cp_group,
+    )
+    x = batch["h"].clone().requires_grad_()
+    out = mixer(x, cp_shard=batch["cp_shard"])
+    (out * batch["w"]).sum().backward()
+    grads = torch.cat([_grad(p).flatten() for p in mixer.parameters()])
+    dist.all_reduce(grads, group=layout.cp_group)
+    return out.detach(), x.grad, grads
+
+
+@pytest.mark.parametrize("name", list(_MIXERS))
+def test_each_mixer_on_its_shards_equals_the_mixer_on_each_whole_document(world4, name):
+    mixer = _mixer(name)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(1, sum(_MIXER_DOCS), HIDDEN, generator=g, dtype=torch.float64)
+    weight = torch.randn(hidden.shape, generator=g, dtype=torch.float64)
+    x = hidden.clone().requires_grad_()
+    out = torch.cat([mixer(piece) for piece in x.split(_MIXER_DOCS, dim=1)], dim=1)  # transformers' own
+    (out * weight).sum().backward()
+    expected_grads = torch.cat([_grad(p).flatten() for p in mixer.parameters()])
+    cu = torch.tensor([0, *_MIXER_DOCS]).cumsum(0)
+    per_rank = world4.run(_mixer_alone, name, 4)
+    got_out = unshard([r[0] for r in per_rank], cu_seqlens=cu)
+    got_grad = unshard([r[1] for r in per_rank], cu_seqlens=cu)
+    # The kernels compute in fp32 whatever the input (the chunked scans cast): fp32 round-off, in norm.
+    for what, got, want in (
+        ("output", got_out, out.detach()),
+        ("input gradient", got_grad, x.grad),
+        ("parameter gradients", per_rank[0][2], expected_grads),
+    ):
+        error = (got - want).norm() / want.norm()
+        assert error < 1e-5, f"{name}: {what} off by {error:.2e} of its norm"
+
+
+@pytest.mark.parametrize(
+    ("name", "fields", "cp", "match"),
+    [
+        ("qwen3_5_text", {"linear_num_value_heads": 6}, 4, r"value heads=6 is not divisible by cp=4"),
+        (
+            "qwen3_5_text",
+            {"linear_num_key_heads": 3, "linear_num_value_heads": 6},
+            2,
+            r"key heads=3 for 6 heads",
+        ),
+        (
+            "mamba2",
+            {"n_groups": 3, "num_heads": 12, "head_dim": 32, "expand": 6},
+            4,
+            r"groups=3 for 12 heads",
+        ),
+        ("lfm2", {"hidden_size": 66}, 4, r"hidden_size=66 is not divisible by cp=4"),
+    ],
+)
+def test_a_mixer_that_does_not_split_over_cp_is_refused_with_its_numbers(name, fields, cp, match):
+    config = transformers.AutoConfig.for_model(**{**_config(name), **fields})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=rf"cannot be split over cp={cp} ranks: .*{match}"):
+        adapt_token_mixers(model, cp)
