@@ -5,6 +5,9 @@
 what ``save_pretrained`` writes: ``config.json``, ``generation_config.json``, ``model-*.safetensors`` shards
 with their ``model.safetensors.index.json``, and the tokenizer files of the pretrained directory the run
 started from. ``AutoModelForCausalLM.from_pretrained(output_dir)`` then gives the trained module's logits.
+A run that started from a multimodal composite (Qwen3.5, Gemma-3, ...) exports the composite: its files with
+the trained text weights in place and every other tower byte for byte as it was
+(:mod:`lightning_cp.hf.composite`).
 
 It runs in one process without a process group and never holds the model: the file is memory-mapped and
 the folder read one tensor at a time (:mod:`lightning_cp.checkpoint_format`), so the peak is one
@@ -22,7 +25,8 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_cp.checkpoint_format import open_checkpoint
+from lightning_cp.checkpoint_format import Checkpoint, open_checkpoint
+from lightning_cp.hf.composite import StoredNames, is_composite, text_config
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -84,7 +88,7 @@ def export_hf(
         config = AutoConfig.from_pretrained(pretrained, local_files_only=True)
     else:
         config = AutoConfig.for_model(**hparams["config"])
-    names = _stored_names(config)
+    names = _stored_names(text_config(config))
     shapes = {name: source.shapes[prefix + name] for name in names if prefix + name in source.shapes}
     missing = [name for name in names if name not in shapes]
     if missing:
@@ -94,6 +98,10 @@ def export_hf(
         )
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
+    if pretrained is not None and is_composite(config):
+        _export_composite(source, pretrained, output, {prefix + n: n for n in names}, dtype)
+        _copy_tokenizer(tokenizer, output)
+        return output
     shards = _plan_shards(shapes, dtype, max_shard_bytes)
     weight_map = {}
     for index, shard in enumerate(shards, start=1):
@@ -114,11 +122,57 @@ def export_hf(
         shutil.copy(pretrained / "generation_config.json", output)
     else:
         GenerationConfig.from_model_config(config).save_pretrained(output)
-    tokenizer_dir = Path(tokenizer) if tokenizer is not None else pretrained
-    for name in TOKENIZER_FILES:
-        if tokenizer_dir is not None and (tokenizer_dir / name).is_file():
-            shutil.copy(tokenizer_dir / name, output)
+    _copy_tokenizer(tokenizer if tokenizer is not None else pretrained, output)
     return output
+
+
+def _copy_tokenizer(directory: str | Path | None, output: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if directory is not None and (Path(directory) / name).is_file():
+            shutil.copy(Path(directory) / name, output)
+
+
+def _export_composite(
+    source: Checkpoint, pretrained: Path, output: Path, trained: dict[str, str], dtype: torch.dtype | None
+) -> None:
+    """The composite ``pretrained`` with its text model's tensors replaced by the trained ones.
+
+    Every safetensors file of ``pretrained`` is written again under its name with every tensor it holds: the
+    text model's (``trained``: checkpoint name -> text model name, stored under the composite's name, see
+    :class:`~lightning_cp.hf.composite.StoredNames`) from ``source`` (cast to ``dtype`` if given), the others
+    (vision tower, projector, audio) as they were, byte for byte. Every other file of ``pretrained`` (the
+    composite's config, generation config, processor and tokenizer files) is copied. One file in memory at a
+    time.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    names = StoredNames(pretrained, composite=True)
+    replace = {names(text): checkpoint for checkpoint, text in trained.items()}
+    sizes: dict[str, int] = {}
+    for file in sorted(pretrained.glob("*.safetensors")):
+        tensors = {}
+        with safe_open(str(file), "pt") as handle:
+            metadata = handle.metadata()
+            for key in list(handle.keys()):
+                if key in replace:
+                    tensor = source.read(replace[key])
+                    tensors[key] = (tensor.to(dtype) if dtype is not None else tensor).contiguous()
+                else:
+                    tensors[key] = handle.get_tensor(key)
+                sizes[key] = tensors[key].numel() * tensors[key].element_size()
+        save_file(tensors, output / file.name, metadata=metadata)
+    missing = sorted(set(replace) - set(sizes))
+    if missing:
+        raise ValueError(f"export_hf: the composite in {pretrained} does not store {', '.join(missing[:5])}.")
+    index = pretrained / "model.safetensors.index.json"
+    if index.is_file():
+        content = json.loads(index.read_text())
+        content.setdefault("metadata", {})["total_size"] = sum(sizes.values())
+        (output / index.name).write_text(json.dumps(content, indent=2, sort_keys=True))
+    for file in pretrained.iterdir():
+        if file.is_file() and file.suffix != ".safetensors" and file.name != index.name:
+            shutil.copy(file, output)
 
 
 def _stored_names(config: Any) -> list[str]:

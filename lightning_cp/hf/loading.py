@@ -13,6 +13,10 @@ on the strategy that calls ``configure_model``:
 - otherwise (DDP, one device, no strategy) ``transformers``' ``from_pretrained`` loads the whole model once
   per process, in the target dtype.
 
+A multimodal composite directory (Qwen3.5, Gemma-3, Gemma-4, Llama-4: a ``text_config`` beside a
+``vision_config``) gives its text causal LM, read from the composite's files under their stored names
+(:mod:`lightning_cp.hf.composite`), whole or shard by shard as above; the other towers are not loaded.
+
 The dtype is the one asked for, else ``torch.get_default_dtype()`` inside ``configure_model``, which
 Lightning sets from ``Trainer(precision=...)``: ``bfloat16`` for ``"bf16-true"``, ``float32`` for
 ``"32-true"`` and the ``-mixed`` precisions (their fp32 master weights). A checkpoint in another dtype is
@@ -35,9 +39,11 @@ import torch
 from torch import nn
 
 from lightning_cp.hf.attention import ATTN_IMPLEMENTATION
+from lightning_cp.hf.composite import StoredNames, is_composite, text_config
 
 _PRETRAINED_SOURCE = "_lightning_cp_pretrained"
-"""Attribute of a model built on the meta device: the directory whose weights fill it after sharding."""
+"""Attribute of a model built on the meta device: the directory whose weights fill it after sharding, and
+where they are stored in it (:class:`~lightning_cp.hf.composite.StoredNames`)."""
 
 _deferring: ContextVar[bool] = ContextVar("lightning_cp_deferred_loading", default=False)
 
@@ -76,6 +82,14 @@ def check_causal_lm_config(config: Mapping[str, Any] | str, owner: str = "HFCaus
         )
     _check_model_type(config["model_type"], owner)
     _check_transformers_accepts(config, owner)
+
+
+def causal_lm_config(config: Mapping[str, Any]) -> Any:
+    """The ``transformers`` config of the causal LM a config dict builds: the dict's own, or a composite's text
+    config (:mod:`lightning_cp.hf.composite`)."""
+    from transformers import AutoConfig
+
+    return text_config(AutoConfig.for_model(**config))
 
 
 def _read_directory_config(path: str, owner: str) -> dict[str, Any]:
@@ -181,15 +195,37 @@ def load_pretrained(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = dtype or torch.get_default_dtype()
-    if not _deferring.get():
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    composite = is_composite(config)
+    if not _deferring.get() and not composite:
         return AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
         )
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
     with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    setattr(model, _PRETRAINED_SOURCE, Path(path))
+        model = AutoModelForCausalLM.from_config(
+            text_config(config), dtype=dtype, attn_implementation=attn_implementation
+        )
+    names = StoredNames(Path(path), composite)
+    if composite:
+        _say_what_is_trained(Path(path), config, model, names)
+    if _deferring.get():
+        setattr(model, _PRETRAINED_SOURCE, (Path(path), names))
+    else:
+        _fill(model, torch.device("cpu"), Path(path), names, distributed=False)
     return model
+
+
+def _say_what_is_trained(directory: Path, config: Any, model: nn.Module, names: StoredNames) -> None:
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    text = {names(n) for n in model.state_dict()}
+    others = names.others(text)
+    towers = sorted({".".join(n.split(".")[:2]) for n in others})
+    rank_zero_info(
+        f"load_pretrained({str(directory)!r}): a {config.model_type} composite; training its text model "
+        f"({type(model).__name__}, stored under {names.body!r}). The other towers ({len(others)} tensors: "
+        f"{', '.join(towers)}) are not loaded; export_hf writes them back unchanged."
+    )
 
 
 @contextmanager
@@ -231,12 +267,8 @@ def materialize_pretrained(module: nn.Module, device: torch.device) -> None:
     """
     sources = [m for m in module.modules() if hasattr(m, _PRETRAINED_SOURCE)]
     for model in sources:
-        buffers = {name: buffer.clone() for name, buffer in model.named_buffers() if not buffer.is_meta}
-        model.to_empty(device=device)
-        with torch.no_grad():
-            for name, value in buffers.items():
-                model.get_buffer(name).copy_(value)
-        _load_safetensors(model, getattr(model, _PRETRAINED_SOURCE))
+        directory, names = getattr(model, _PRETRAINED_SOURCE)
+        _fill(model, device, directory, names, distributed=True)
         delattr(model, _PRETRAINED_SOURCE)
     left = [name for name, p in module.named_parameters() if p.is_meta]
     left += [name for name, b in module.named_buffers() if b.is_meta]
@@ -248,19 +280,50 @@ def materialize_pretrained(module: nn.Module, device: torch.device) -> None:
         )
 
 
-def _load_safetensors(model: nn.Module, directory: Path) -> None:
-    """Fill ``model``'s parameters (and persistent buffers the checkpoint has) from ``directory``."""
-    import torch.distributed.checkpoint as dcp
+def _fill(
+    model: nn.Module, device: torch.device, directory: Path, names: StoredNames, *, distributed: bool
+) -> None:
+    """Allocate ``model``'s meta parameters on ``device`` (each rank's local shards when sharded) and read them
+    from ``directory``'s safetensors, where ``names`` says they are; buffers keep their computed values.
+    ``distributed``: through ``torch.distributed.checkpoint`` (each rank reads the slices it owns), else whole
+    tensors with ``safetensors`` in this process."""
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers() if not buffer.is_meta}
+    model.to_empty(device=device)
+    if (
+        not distributed
+    ):  # to_empty gives each module its own tensor: tie the embeddings again (FSDP keeps one)
+        model.tie_weights()
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+    targets = _targets(model, directory, names)
+    if distributed:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)))
+        return
+    from safetensors import safe_open
+
+    with torch.no_grad():
+        for file in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as handle:
+                for key in targets.keys() & set(handle.keys()):
+                    targets[key].copy_(handle.get_tensor(key))
+
+
+def _targets(model: nn.Module, directory: Path, names: StoredNames) -> dict[str, torch.Tensor]:
+    """``{stored name: the model's tensor}`` of every parameter (tied ones once, under the name the checkpoint
+    stores) and persistent buffer the checkpoint holds, checked against the stored shapes."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    reader = HuggingFaceStorageReader(str(directory))
-    stored = reader.read_metadata().state_dict_metadata
+    stored = HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata
     targets: dict[str, torch.Tensor] = {}
-    for names in _tied_names(model):  # one entry per parameter: tied ones are stored once
-        name = next((n for n in names if n in stored), names[0])
-        targets[name] = model.get_parameter(name)
+    for group in _tied_names(model):  # one entry per parameter: tied ones are stored once
+        name = next((n for n in group if names(n) in stored), group[0])
+        targets[names(name)] = model.get_parameter(name)
     persistent = set(model.state_dict())
-    targets.update({n: b for n, b in model.named_buffers() if n in persistent and n in stored})
+    targets.update({names(n): b for n, b in model.named_buffers() if n in persistent and names(n) in stored})
     missing = [name for name in targets if name not in stored]
     wrong = [
         f"{name} {tuple(stored[name].size)} (model: {tuple(tensor.shape)})"
@@ -273,7 +336,7 @@ def _load_safetensors(model: nn.Module, directory: Path) -> None:
             f"The checkpoint in {directory} {problem}: it was not saved from this model's class and config "
             "(load it with transformers' from_pretrained and save_pretrained it again)."
         )
-    dcp.load(targets, storage_reader=reader)
+    return targets
 
 
 def _tied_names(model: nn.Module) -> list[list[str]]:

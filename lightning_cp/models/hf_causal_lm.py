@@ -12,7 +12,7 @@ from torch import Tensor
 from lightning_cp.constants import CP_SHARD, INPUT_IDS, INPUT_MASK, POSITION_IDS
 from lightning_cp.hf.attention import ATTN_IMPLEMENTATION
 from lightning_cp.hf.causal_lm import decoder, output_head
-from lightning_cp.hf.loading import check_causal_lm_config, load_pretrained
+from lightning_cp.hf.loading import causal_lm_config, check_causal_lm_config, load_pretrained
 from lightning_cp.hf.registration import UnsupportedAttentionClasses
 from lightning_cp.hf.router_loss import load_balancing_loss
 from lightning_cp.loss import CPLossMixin
@@ -39,7 +39,9 @@ class HFCausalLM(CPLossMixin, LightningModule):
             "qwen3", "hidden_size": 1024, ...}``: a randomly initialized model), or the path of a local
             directory written by ``save_pretrained`` (``config.json`` and safetensors weights; nothing is
             downloaded), loaded by :func:`~lightning_cp.load_pretrained`: under
-            :class:`~lightning_cp.MegatronCPFSDPStrategy` each rank reads only its own shards.
+            :class:`~lightning_cp.MegatronCPFSDPStrategy` each rank reads only its own shards. A multimodal
+            composite (Qwen3.5, Gemma-3, Gemma-4, Llama-4; directory or dict) trains its text model only
+            (:mod:`lightning_cp.hf.composite`).
         dtype: parameter dtype of the model; ``None``: the one ``Trainer(precision=...)`` sets while
             ``configure_model`` runs (``bfloat16`` for ``"bf16-true"``, ``float32`` for ``"32-true"`` and
             the fp32 master weights of ``"bf16-mixed"``). Pretrained weights are cast tensor by tensor.
@@ -90,7 +92,7 @@ class HFCausalLM(CPLossMixin, LightningModule):
         """
         if self.model is not None:
             return
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         config = self.hparams.config
         dtype = getattr(torch, self.hparams.dtype) if self.hparams.dtype else torch.get_default_dtype()
@@ -101,7 +103,7 @@ class HFCausalLM(CPLossMixin, LightningModule):
         else:
 
             def build(**kwargs: Any) -> torch.nn.Module:
-                return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=dtype, **kwargs)
+                return AutoModelForCausalLM.from_config(causal_lm_config(config), dtype=dtype, **kwargs)
 
         try:
             model = build(attn_implementation=ATTN_IMPLEMENTATION)

@@ -54,15 +54,18 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
 
 
 def default_wrap(model: nn.Module) -> tuple[str, ...]:
-    """The units when ``fsdp_wrap`` is not given: the ``_no_split_modules`` the model's modules declare.
+    """The units when ``fsdp_wrap`` is not given: the ``_no_split_modules`` the model's modules declare, of the
+    classes it holds.
 
-    Hugging Face models declare their decoder layers there, and so does the package's GPT. Empty when no
-    module declares any: everything is then in the root unit.
+    Hugging Face models declare their decoder layers there, and so does the package's GPT; the text model of
+    a multimodal composite also declares its vision tower's blocks, which it does not hold (left out). Empty
+    when no module declares any: everything is then in the root unit.
     """
+    present = {type(module).__name__ for module in model.modules()}
     names: list[str] = []
     for module in model.modules():
         for name in getattr(module, "_no_split_modules", None) or ():
-            if name not in names:
+            if name not in names and name in present:
                 names.append(name)
     return tuple(names)
 
@@ -183,3 +186,16 @@ class _GatherOutsideTheStep:
             self.depth -= 1
             if not self.depth:
                 self.root.reshard()
+
+
+def forget_meshes() -> None:
+    """Forget what DTensor caches about meshes: its sharding decisions and redistribution planners are keyed by
+    a mesh's *layout*, which the mesh of a later setup (new groups, the same ranks) compares equal to, so they
+    would run collectives over destroyed groups ("Could not resolve the process group"). The strategy calls
+    this at teardown and before it shards (a checkpoint saved after ``fit`` caches the torn-down mesh again).
+    """
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()

@@ -116,6 +116,7 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         on_meta = any(p.is_meta for p in self.model.parameters())
         if not on_meta:
             self.model_to_device()
+        _fsdp.forget_meshes()  # also what a collective after the last teardown cached (a save after fit)
         wrap = self.fsdp_wrap if self.fsdp_wrap is not None else _fsdp.default_wrap(self.model)
         units = resolve_classes(type(self).__name__, "fsdp_wrap", wrap, self.model)
         policy = _fsdp.mixed_precision_policy(str(self.precision_plugin.precision))
@@ -233,8 +234,4 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         if self.lightning_module is not None:
             self.model = self.lightning_module  # the sharded module, without the root wrapper
         super().teardown()
-        # DTensor caches sharding decisions by mesh *layout*, which a later setup's new mesh (new groups, same
-        # ranks) would compare equal to: forget the ones of the destroyed groups.
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-        _clear_sharding_prop_cache()
+        _fsdp.forget_meshes()

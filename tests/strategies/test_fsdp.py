@@ -309,12 +309,22 @@ def test_the_two_strategies_are_siblings_with_the_shared_arguments_declared_once
 
 
 def test_the_default_units_are_the_no_split_modules_the_model_declares():
+    class LlamaDecoderLayer(torch.nn.Linear):  # a class of that name, as a Hugging Face model holds
+        pass
+
     decoder = torch.nn.Module()
-    decoder._no_split_modules = ["LlamaDecoderLayer", "_Block"]  # as a Hugging Face model declares its layers
+    decoder._no_split_modules = [
+        "LlamaDecoderLayer",
+        "_Block",
+        "VisionBlock",
+    ]  # as Hugging Face models declare
     module = GPTModule(CONFIG)
     assert default_wrap(module) == ("_Block",)  # the package GPT's blocks, without strategies importing it
     module.extra = decoder
-    assert default_wrap(module) == ("_Block", "LlamaDecoderLayer")  # each name once, in the order found
+    module.layer = LlamaDecoderLayer(2, 2)
+    # Each name once, in the order found; a class the model does not hold (a composite's vision blocks, in
+    # its text model's list) left out.
+    assert default_wrap(module) == ("_Block", "LlamaDecoderLayer")
     assert default_wrap(torch.nn.Linear(2, 2)) == ()
 
 
