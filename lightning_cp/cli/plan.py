@@ -164,7 +164,7 @@ def _print_plan(shape: ModelShape, seq_len: int, args: argparse.Namespace, gpu_b
 def _print_max_seq(shape: ModelShape, args: argparse.Namespace, gpu_bytes: int) -> None:
     lengths: dict[Layout, int] = {
         layout: max_seq_len(shape, layout, gpu_bytes, precision=args.precision, loss_chunk=args.loss_chunk)
-        for layout in layouts(args.gpus)
+        for layout in layouts(args.gpus, shape)
     }
     longest = max(lengths.values())
     print(_describe(shape))

@@ -94,7 +94,9 @@ class MemoryEstimate:
     buffers are in :attr:`loss`."""
     attention: int
     """Transient of one layer's attention backward: its local gradients (``dq``, ``dout``, ``dk``, ``dv``);
-    under CP two sequence-sized copies of the gathered K and V, and on the blocked kernel its score blocks."""
+    under CP two sequence-sized copies of the gathered K and V, and on the blocked kernel its score blocks.
+    For a hybrid, the larger of that and a mixer layer's backward: its kernels' gradients (the size of what
+    they saved) and the head-parallel exchange's buffers."""
     mlp: int
     """Transient of one layer's MLP backward: the gradient of its ``[T_local, ffn]`` intermediate (two for
     a gated MLP), or one tile's forward and backward."""
@@ -160,15 +162,27 @@ def saved_per_token(shape: ModelShape, *, cp: int = 1, tiled_mlp: bool = False) 
       whole; at ``cp = 1`` (the fused SDPA kernel) also the output's ``[S, heads * D]`` copy for the
       output projection;
     - MLP: GELU's input and output (``2 ffn``), or a gated MLP's gate, up, activation and product
-      (``4 ffn``); none with the tiled MLP (it saves only its input, the second norm's output).
+      (``4 ffn``), and a mixture of experts' routed experts (:func:`routed_per_token`); none with the tiled
+      MLP (it saves only its input, the second norm's output).
     """
     residual = 2 * (2 * shape.hidden + 1)
     norm_outputs = 2 * shape.hidden
     attention = 2 * shape.q_dim + 2 * shape.kv_dim + shape.heads
     if shape.architecture == "gpt":
         attention += shape.q_dim + shape.kv_dim + (shape.q_dim if cp == 1 else 0)
-    mlp = (2 if shape.architecture == "gpt" else 4) * shape.ffn
+    mlp = (2 if shape.architecture == "gpt" else 4) * shape.ffn + routed_per_token(shape)
     return residual, norm_outputs + attention + (0 if tiled_mlp else mlp)
+
+
+def routed_per_token(shape: ModelShape) -> int:
+    """Elements a mixture of experts' routed experts save per token (0 for a dense MLP): each of the
+    ``top_k`` experts' gated MLP (``4 * expert_ffn``) and the token's copy in and out (``2 * hidden``), the
+    router's logits, and the routing's own buffers (about ``390 + 9 top_k``: index and permutation tensors),
+    as ``transformers``' grouped experts save them, measured on the CPU."""
+    if not shape.experts:
+        return 0
+    k = shape.top_k
+    return k * (4 * shape.expert_ffn + 2 * shape.hidden + 9) + shape.experts + 390
 
 
 def loss_chunk_tokens(shape: ModelShape, tokens: int, device: str = "cuda") -> int:
@@ -221,11 +235,20 @@ def estimate(
         root = params - shape.layers * shape.layer_params
         gathered = root * compute + shape.layer_params * (3 * compute + 4)
 
-    residual, per_compute = saved_per_token(shape, cp=layout.cp, tiled_mlp=layout.tiled_mlp)
-    layer_bytes = tokens * (residual * master + per_compute * compute)
+    # tile_mlps tiles a dense MLP (a mixture of experts' grouped experts are no nn.Linear: one tile).
+    tiled = layout.tiled_mlp and not shape.experts
+    residual, per_compute = saved_per_token(shape, cp=layout.cp, tiled_mlp=tiled)
+    attention_layer = tokens * (residual * master + per_compute * compute)
+    mixer = shape.mixer
+    mixer_layer = 0
+    if mixer is not None:  # a hybrid's other layers: the attention's tensors replaced by the mixer's (fp32)
+        attention_part = 2 * shape.q_dim + 2 * shape.kv_dim + shape.heads
+        mixer_layer = attention_layer - tokens * attention_part * compute
+        mixer_layer += math.ceil(tokens * mixer.saved_per_token(device)) * 4
     weight_copies = shape.layer_params * compute if precision == "bf16-mixed" and not layout.fsdp else 0
     final = tokens * (TOKEN_BYTES + (2 * shape.hidden + 1) * master)  # the final norm's input and RMS
     layer_input = tokens * shape.hidden * master
+    mixer_layers = mixer.layers if mixer is not None else 0
     host = 0
     if layout.offload:
         saved = final
@@ -233,36 +256,60 @@ def estimate(
     elif layout.checkpointing:
         saved = final + shape.layers * layer_input
     else:
-        saved = final + shape.layers * (layer_bytes + weight_copies)
+        saved = final + shape.attention_layers * attention_layer + mixer_layers * mixer_layer
+        saved += shape.layers * weight_copies
 
     kv = 2 * padded * shape.kv_dim * compute
     local_grads = 2 * tokens * (shape.q_dim + shape.kv_dim) * compute
-    if layout.cp == 1:
+    if shape.attention_layers == 0:
+        attention = 0
+    elif layout.cp == 1:
         attention = local_grads  # the fused SDPA kernel: its gradients, no K/V copy
     else:
         attention = 2 * kv + local_grads
         if not flash:  # a score block and its softmax gradient, for a piece of tokens / 2 queries
             attention += 2 * min(CPU_SCORE_BLOCK_BYTES, 4 * shape.heads * (tokens // 2) * padded)
-    if layout.tiled_mlp:
-        tile = math.ceil(tokens / math.ceil(shape.ffn / shape.hidden))
-        mlp = (7 if shape.architecture == "hf" else 4) * tile * shape.ffn * compute
+    layer_transient = attention  # an attention layer's (0 without one)
+    if mixer is not None:
+        # The mixer's backward: its kernels' gradients (as large as what they saved) beside the exchange's
+        # buffers (what is sent, received and put in sequence order).
+        # (On the CPU, the torch kernels' backward peaks at about a third of what they saved, measured.)
+        exchanged = tokens * mixer.exchanged_per_token(layout.cp) * compute
+        kernels = math.ceil(tokens * mixer.saved_per_token(device) * (1 / 3 if device == "cpu" else 1)) * 4
+        attention = max(attention, kernels + 3 * exchanged)
+    if tiled:
+        tile = math.ceil(tokens / math.ceil(shape.mlp_width / shape.hidden))
+        mlp = (7 if shape.architecture == "hf" else 4) * tile * shape.mlp_width * compute
     else:
-        mlp = (2 if shape.architecture == "hf" else 1) * tokens * shape.ffn * compute
+        mlp = (2 if shape.architecture == "hf" else 1) * tokens * shape.mlp_width * compute
     chunk = loss_chunk or loss_chunk_tokens(shape, tokens, device)
     head = shape.vocab * shape.hidden
     loss = 2 * min(chunk, tokens) * shape.vocab * 4 + tokens * shape.hidden * compute + head * master
     # A checkpointed layer's backward holds its recomputed tensors (its input is already saved, or back from
     # the host) besides the attention's or the MLP's own transient.
     recompute = 0
-    if layout.checkpointing:
-        recompute = layer_bytes + weight_copies - (0 if layout.offload else layer_input) + max(attention, mlp)
+    if layout.checkpointing:  # (a mixer's kernels free what they saved as their backward runs, measured)
+        rebuilt = weight_copies - (0 if layout.offload else layer_input)
+        # Under CP on the blocked kernel, a recomputed attention layer with a tiled MLP peaks as high as
+        # without tiles (measured on the CPU: the score blocks meet the tiles' buffers): its untiled bytes.
+        recomputed_attention = attention_layer
+        if tiled and layout.cp > 1 and not flash:
+            untiled = saved_per_token(shape, cp=layout.cp)[1]
+            recomputed_attention = tokens * (residual * master + untiled * compute)
+        recompute = rebuilt + max(
+            recomputed_attention + max(layer_transient, mlp) if shape.attention_layers else 0,
+            mixer_layer + mlp if mixer is not None else 0,
+        )
 
     if layout.fsdp:
         wrapper = 2 * _ring(layout.gpus, params * compute) + _ring(layout.gpus, params * 4)
     else:
         wrapper = 2 * _ring(layout.gpus, params * master)
     kv_rounds = 4 if layout.checkpointing else 3
-    communication = wrapper + kv_rounds * shape.layers * _ring(layout.cp, kv)
+    communication = wrapper + kv_rounds * shape.attention_layers * _ring(layout.cp, kv)
+    if mixer is not None:  # two all-to-alls forward, two backward, two more to recompute
+        sent = tokens * mixer.exchanged_per_token(layout.cp) * compute * (layout.cp - 1) // layout.cp
+        communication += (3 if layout.checkpointing else 2) * mixer.layers * sent
 
     counted = parameters + gradients + optimizer + gathered + saved + max(attention, mlp, loss, recompute)
     return MemoryEstimate(

@@ -36,12 +36,15 @@ class Candidate:
         return (self.estimate.communication, layout.checkpointing + layout.tiled_mlp, int(layout.offload))
 
 
-def layouts(gpus: int) -> list[Layout]:
-    """Every candidate on ``gpus`` ranks: ``cp`` a power of two dividing ``gpus``, DDP or FSDP, and each
+def layouts(gpus: int, shape: ModelShape | None = None) -> list[Layout]:
+    """Every candidate on ``gpus`` ranks: ``cp`` a power of two dividing ``gpus`` (and, for a hybrid
+    ``shape``, splitting its mixers' heads: the cap the head counts put on ``cp``), DDP or FSDP, and each
     combination of :data:`SAVINGS`."""
     if gpus < 1:
         raise ValueError(f"gpus={gpus} must be positive.")
     sizes = [cp for cp in (2**i for i in range(gpus.bit_length())) if gpus % cp == 0]
+    if shape is not None and shape.mixer is not None:
+        sizes = [cp for cp in sizes if shape.mixer.splits(cp)]
     return [
         Layout(gpus, cp, fsdp, checkpointing, offload, tiled)
         for cp in sizes
@@ -61,7 +64,7 @@ def plan(
     """Every candidate of :func:`layouts`, cheapest in communication first (see :meth:`Candidate.cost`)."""
     found = [
         Candidate(layout, estimate(shape, seq_len, layout, precision=precision, loss_chunk=loss_chunk))
-        for layout in layouts(gpus)
+        for layout in layouts(gpus, shape)
     ]
     return sorted(found, key=Candidate.cost)
 

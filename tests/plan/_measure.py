@@ -38,6 +38,15 @@ def llama(
     return model, ModelShape.from_hf_config(config)
 
 
+def hf_model(**config: object) -> tuple[nn.Module, ModelShape]:
+    """A random ``transformers`` causal LM of ``config`` (a dict with its ``model_type``) with
+    ``attn_implementation="lightning_cp"``, and the plan's shape of it."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoConfig.for_model(**config)
+    model = transformers.AutoModelForCausalLM.from_config(hf, attn_implementation="lightning_cp")
+    return model, ModelShape.from_hf_config(config)
+
+
 def saved_bytes(model: nn.Module, forward: Callable[[], object]) -> int:
     """Bytes of the distinct storages autograd saves during ``forward()``, parameters excluded."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}

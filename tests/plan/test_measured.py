@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_cp.hf.mixers import adapt_token_mixers
 from lightning_cp.memory import tile_mlps
 from lightning_cp.models.gpt import GPT, GPTConfig
 from lightning_cp.ops import linear_cross_entropy
@@ -22,7 +23,7 @@ from lightning_cp.parallel.sharding import shard_batch
 from lightning_cp.parallel.simulated import SimulatedCPGroup
 from lightning_cp.plan import Layout, ModelShape, estimate
 from lightning_cp.strategies._modules import apply_checkpointing
-from tests.plan._measure import PeakTracker, llama, saved_bytes
+from tests.plan._measure import PeakTracker, hf_model, llama, saved_bytes
 
 TOKENS = 4096
 VOCAB = 512
@@ -40,12 +41,51 @@ def _llama() -> tuple[nn.Module, ModelShape, type[nn.Module]]:
     return model, shape, type(model.model.layers[0])
 
 
+def _qwen3_5() -> tuple[nn.Module, ModelShape, type[nn.Module]]:
+    """A hybrid: Gated DeltaNet layers (transformers' torch kernels) beside an attention layer."""
+    model, shape = hf_model(
+        model_type="qwen3_5_text",
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+    )
+    return model, shape, type(model.model.layers[0])
+
+
+def _qwen3_moe() -> tuple[nn.Module, ModelShape, type[nn.Module]]:
+    """A mixture of experts: top 2 of 4 experts per token."""
+    model, shape = hf_model(
+        model_type="qwen3_moe",
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=352,
+        moe_intermediate_size=176,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
+    return model, shape, type(model.model.layers[0])
+
+
 class _Step:
     """One model's forward on CP rank 0's shard of one sequence, the fused loss, backward and AdamW."""
 
     def __init__(self, build: Callable, checkpointing: bool, tiled: bool, cp: int = 1) -> None:
         torch.manual_seed(0)
         self.model, self.shape, layer = build()
+        adapt_token_mixers(self.model, cp)  # a hybrid's mixers, as the strategy's setup (none in the others)
         if tiled:
             tile_mlps(self.model)
         if checkpointing:
@@ -79,7 +119,9 @@ def _bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-@pytest.mark.parametrize("build", [_gpt, _llama], ids=["gpt", "llama"])
+@pytest.mark.parametrize(
+    "build", [_gpt, _llama, _qwen3_5, _qwen3_moe], ids=["gpt", "llama", "qwen3_5-hybrid", "qwen3_moe"]
+)
 def test_static_bytes_exact(build: Callable) -> None:
     step = _Step(build, checkpointing=False, tiled=False)
     loss = linear_cross_entropy(step.hidden().flatten(0, 1), step.head(), step.batch["labels"].flatten())
@@ -95,7 +137,9 @@ def test_static_bytes_exact(build: Callable) -> None:
     assert planned.optimizer == _bytes(states)
 
 
-@pytest.mark.parametrize("build", [_gpt, _llama], ids=["gpt", "llama"])
+@pytest.mark.parametrize(
+    "build", [_gpt, _llama, _qwen3_5, _qwen3_moe], ids=["gpt", "llama", "qwen3_5-hybrid", "qwen3_moe"]
+)
 @pytest.mark.parametrize("cp", [1, 2], ids=["cp1", "cp2"])
 @pytest.mark.parametrize(
     ("checkpointing", "tiled"),

@@ -41,6 +41,14 @@ from lightning_cp.hf.mixers._adapter import MixerAdapter
 ADAPTERS: dict[str, MixerAdapter] = {**delta_rule.ADAPTERS, **mamba2.ADAPTERS, **short_conv.ADAPTERS}
 """The adapter of each mixer class, by class name."""
 
+KINDS: dict[str, str] = {
+    **{name: "kda" if name in delta_rule.KDA else "gated_deltanet" for name in delta_rule.ADAPTERS},
+    **dict.fromkeys(mamba2.ADAPTERS, "mamba2"),
+    **dict.fromkeys(short_conv.ADAPTERS, "short_conv"),
+}
+"""The kind of each adapted mixer class (``gated_deltanet``, ``kda``, ``mamba2``, ``short_conv``), by class name:
+what the memory plan counts for it."""
+
 _ADAPTED = "_lightning_cp_adapted_mixer"
 
 

@@ -195,3 +195,6 @@ ADAPTERS = {
     ),
 }
 """The Gated DeltaNet and KDA adapters, by mixer class name."""
+
+KDA = ("KimiLinearDeltaAttention", "BailingHybridDeltaAttention")
+"""The Kimi Delta Attention classes among :data:`ADAPTERS` (a decay per channel, no grouped keys)."""
