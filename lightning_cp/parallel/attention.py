@@ -31,6 +31,7 @@ from torch import Tensor
 from lightning_cp.parallel import _varlen
 from lightning_cp.parallel._key_selection import KeySelection, Rows, select_row_keys
 from lightning_cp.parallel.exchange import GroupExchange
+from lightning_cp.parallel.head_parallel import head_slices, shared_heads, to_heads, to_tokens
 from lightning_cp.parallel.sharding import CPShard
 
 
@@ -107,6 +108,8 @@ def context_parallel_attention(
             )
         if plain and cp_shard.split.cp_size == 1 and cp_shard.num_sequences == batch:
             return _causal_rows(q, k, v, scale)  # one sequence per row, all local: the fused causal kernel
+        if cp_shard.attention.ulysses(heads, k.shape[1], cp_shard.split.cp_size):
+            return _ulysses(q, k, v, cp_shard, scale, window, softcap, sinks)
         exchange = cp_shard.group_exchange()
     if batch * local_len == 0:
         return q.new_empty((batch, heads, local_len, v.shape[-1]))
@@ -115,8 +118,51 @@ def context_parallel_attention(
     def tokens(x: Tensor) -> Tensor:  # [B, H, S, d] -> [B * S, H, d]
         return x.transpose(1, 2).reshape(batch * local_len, x.shape[1], x.shape[3])
 
-    out = _CPAttention.apply(tokens(q), tokens(k), tokens(v), sinks, keys, exchange, scale, softcap)
+    rounds = 1
+    if cp_shard is not None and keys.order is not None:
+        per_head = 2 * keys.gathered_tokens * (k.shape[-1] + v.shape[-1]) * k.element_size()
+        rounds = cp_shard.attention.gather_rounds(k.shape[1], per_head, q.device)
+    out = _CPAttention.apply(tokens(q), tokens(k), tokens(v), sinks, keys, exchange, scale, softcap, rounds)
     return out.view(batch, local_len, heads, v.shape[-1]).transpose(1, 2)
+
+
+def _ulysses(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    shard: CPShard,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    sinks: Tensor | None,
+) -> Tensor:
+    """Ulysses attention: every token of ``Hq / cp`` query heads (and the key/value heads they read) by one
+    all-to-all, the one-rank kernels on whole sequences, the output back by one all-to-all."""
+    batch, heads, local_len, _ = q.shape
+    rank = shard.split.cp_rank
+    query_heads = head_slices(heads, shard.split.cp_size, "query heads")
+    kv_heads = shared_heads(query_heads, heads, k.shape[1], "key/value heads")
+
+    def tokens(x: Tensor) -> Tensor:  # [B, H, S, d] -> [B * S, H, d]
+        return x.transpose(1, 2).reshape(batch * local_len, x.shape[1], x.shape[3])
+
+    def rows(x: Tensor) -> Tensor:  # [T_seq, h, d] -> [1, h, T_seq, d]
+        return x.transpose(0, 1).unsqueeze(0)
+
+    qs, ks, vs = to_heads(shard, (tokens(q), query_heads), (tokens(k), kv_heads), (tokens(v), kv_heads))
+    own_sinks = None if sinks is None else sinks.index_select(0, query_heads[rank].to(sinks.device))
+    out = context_parallel_attention(
+        rows(qs),
+        rows(ks),
+        rows(vs),
+        cp_shard=shard.whole_sequences(),
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        sinks=own_sinks,
+    )
+    out = to_tokens(shard, out[0].transpose(0, 1))  # [T_local, Hq, Dv]
+    return out.reshape(batch, local_len, heads, -1).transpose(1, 2)
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int]:
@@ -305,11 +351,13 @@ def _flash_backward(
 
 class _CPAttention(torch.autograd.Function):
     """Token-major CP attention: ``q [T_local, Hq, D]``, ``k [T_local, Hkv, D]``, ``v [T_local, Hkv, Dv]``
-    and optional ``sinks [Hq]`` -> ``[T_local, Hq, Dv]``, over the pieces and keys of ``keys``.
+    and optional ``sinks [Hq]`` -> ``[T_local, Hq, Dv]``, over the pieces and keys of ``keys``, in ``rounds``
+    rounds of ``Hkv / rounds`` key/value heads (and the query heads that read them).
 
-    Saves only the local tensors; the backward exchanges the keys and values again. Per layer, the K/V in
-    flight are the gathered buffer while it is put in sequence order, then the keys in sequence order and
-    (backward) their gradients, then those gradients at their gathered rows for the reduce-scatter.
+    Saves only the local tensors; the backward exchanges the keys and values again. Per layer and round,
+    the K/V in flight are the round's gathered buffer while it is put in sequence order, then its keys in
+    sequence order and (backward) their gradients, then those gradients at their gathered rows for the
+    reduce-scatter: ``1 / rounds`` of all heads' at a time.
     """
 
     @staticmethod
@@ -323,50 +371,93 @@ class _CPAttention(torch.autograd.Function):
         exchange: GroupExchange,
         scale: float,
         softcap: float | None,
+        rounds: int,
     ) -> Tensor:
-        ordered_k, ordered_v = _ordered_keys(k, v, keys, exchange)
         q = q.contiguous()
-        rngs = None
-        if _varlen.use_flash(q, v, softcap):
-            out, lse, rngs = _flash_forward(q, ordered_k, ordered_v, keys, scale)
-        else:
-            out, lse = _varlen.torch_forward(
-                q, ordered_k, ordered_v, keys.pieces, scale, window=keys.window, softcap=softcap
-            )
-        del ordered_k, ordered_v
+        flash = _varlen.use_flash(q, v, softcap)
+        out = q.new_empty((*q.shape[:2], v.shape[-1]))
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.promote_types(q.dtype, torch.float32))
+        rngs = []
+        for kv_heads, q_heads in _rounds(k.shape[1], q.shape[1], rounds):
+            ordered_k, ordered_v = _ordered_keys(_heads(k, kv_heads), _heads(v, kv_heads), keys, exchange)
+            round_q = _heads(q, q_heads)
+            if flash:
+                round_out, round_lse, rng = _flash_forward(round_q, ordered_k, ordered_v, keys, scale)
+                rngs.append(rng)
+            else:
+                round_out, round_lse = _varlen.torch_forward(
+                    round_q, ordered_k, ordered_v, keys.pieces, scale, window=keys.window, softcap=softcap
+                )
+            del ordered_k, ordered_v
+            out[:, q_heads] = round_out
+            lse[q_heads] = round_lse
         if sinks is not None:
             out, lse = _varlen.add_sinks(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.keys, ctx.exchange, ctx.scale, ctx.softcap, ctx.rngs = keys, exchange, scale, softcap, rngs
+        ctx.keys, ctx.exchange, ctx.scale, ctx.softcap = keys, exchange, scale, softcap
+        ctx.rounds, ctx.rngs = rounds, rngs if flash else None
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, sinks = ctx.saved_tensors
         keys, scale = ctx.keys, ctx.scale
-        if ctx.rngs is not None:
-            dq, dk, dv = _flash_backward(dout, q, k, v, out, lse, keys, ctx.exchange, scale, ctx.rngs)
-        else:
-            ordered_k, ordered_v = _ordered_keys(k, v, keys, ctx.exchange)
-            dq, dk, dv = _varlen.torch_backward(
-                dout,
-                q,
-                ordered_k,
-                ordered_v,
-                out,
-                lse,
-                keys.pieces,
-                scale,
-                window=keys.window,
-                softcap=ctx.softcap,
-            )
-            del ordered_k, ordered_v
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for index, (kv_heads, q_heads) in enumerate(_rounds(k.shape[1], q.shape[1], ctx.rounds)):
+            round_q, round_k, round_v = _heads(q, q_heads), _heads(k, kv_heads), _heads(v, kv_heads)
+            round_dout, round_out = _heads(dout, q_heads), _heads(out, q_heads)
+            round_lse = lse[q_heads].contiguous()
+            if ctx.rngs is not None:
+                round_dq, round_dk, round_dv = _flash_backward(
+                    round_dout,
+                    round_q,
+                    round_k,
+                    round_v,
+                    round_out,
+                    round_lse,
+                    keys,
+                    ctx.exchange,
+                    scale,
+                    ctx.rngs[index],
+                )
+            else:
+                ordered_k, ordered_v = _ordered_keys(round_k, round_v, keys, ctx.exchange)
+                round_dq, round_dk, round_dv = _varlen.torch_backward(
+                    round_dout,
+                    round_q,
+                    ordered_k,
+                    ordered_v,
+                    round_out,
+                    round_lse,
+                    keys.pieces,
+                    scale,
+                    window=keys.window,
+                    softcap=ctx.softcap,
+                )
+                del ordered_k, ordered_v
+            if keys.order is not None:
+                full = _rank_major(round_dk, round_dv, keys)
+                del round_dk, round_dv
+                local = ctx.exchange.reduce_scatter(full)
+                del full
+                split = round_k.shape[1] * round_k.shape[2]
+                round_dk = local[:, :split].unflatten(1, round_k.shape[1:])
+                round_dv = local[:, split:].unflatten(1, round_v.shape[1:])
+            dq[:, q_heads], dk[:, kv_heads], dv[:, kv_heads] = round_dq, round_dk, round_dv
         dsinks = _varlen.sink_grad(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None
-        if keys.order is not None:
-            full = _rank_major(dk, dv, keys)
-            del dk, dv
-            local = ctx.exchange.reduce_scatter(full)
-            del full
-            split = k.shape[1] * k.shape[2]
-            dk, dv = local[:, :split].unflatten(1, k.shape[1:]), local[:, split:].unflatten(1, v.shape[1:])
-        return dq, dk, dv, dsinks, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None
+
+
+def _rounds(kv_heads: int, heads: int, rounds: int) -> list[tuple[slice, slice]]:
+    """``(key/value heads, query heads)`` of each round: ``kv_heads / rounds`` key/value heads and the query
+    heads that read them (query head ``h`` reads key/value head ``h // (heads / kv_heads)``)."""
+    per_round, group = kv_heads // rounds, heads // kv_heads
+    return [
+        (slice(r * per_round, (r + 1) * per_round), slice(r * per_round * group, (r + 1) * per_round * group))
+        for r in range(rounds)
+    ]
+
+
+def _heads(x: Tensor, heads: slice) -> Tensor:
+    """``x[:, heads]`` contiguous (the whole tensor when ``heads`` are all of them)."""
+    return x if heads == slice(0, x.shape[1]) else x[:, heads].contiguous()

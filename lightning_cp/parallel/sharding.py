@@ -39,6 +39,7 @@ from lightning_cp.constants import (
     POSITION_IDS,
 )
 from lightning_cp.parallel._key_selection import KeySelection, effective_window, select_keys
+from lightning_cp.parallel.attention_mode import AttentionMode
 from lightning_cp.parallel.exchange import GroupExchange
 from lightning_cp.parallel.layout import ProcessGroup
 from lightning_cp.parallel.split import CPSplit
@@ -96,8 +97,11 @@ class CPShard:
     exchange: GroupExchange | None = None
     """The collectives of the CP group the batch was split over (``split.cp_size`` ranks, this one
     ``split.cp_rank``); ``None`` for a shard built without its group (only a split over one rank needs none)."""
+    attention: AttentionMode = field(default_factory=AttentionMode)
+    """How every attention layer of the batch reaches the other ranks' tokens (all-gather or Ulysses)."""
     _keys: dict[int | None, KeySelection] = field(default_factory=dict, repr=False)
     _sequence_order: list[Tensor] = field(default_factory=list, repr=False)
+    _whole: list[CPShard] = field(default_factory=list, repr=False)
 
     @classmethod
     def build(cls, split: CPSplit, lengths: Tensor, device: torch.device | str) -> CPShard:
@@ -136,6 +140,14 @@ class CPShard:
             order = self.split.sequence_order(self.chunk_lengths)
             self._sequence_order.append(order.to(self.cu_seqlens.device, non_blocking=True))
         return self._sequence_order[0]
+
+    def whole_sequences(self) -> CPShard:
+        """The shard of one rank holding every sequence whole (cp = 1), each padded to its ``2 * cp``
+        chunks: the tokens the head-parallel exchange gives a rank (``to_heads``), in that order, as one
+        packed row. Cached on this shard."""
+        if not self._whole:
+            self._whole.append(CPShard.build(CPSplit(1, 0), self.sequence_lengths, self.cu_seqlens.device))
+        return self._whole[0]
 
     @property
     def sequence_lengths(self) -> Tensor:
@@ -224,6 +236,7 @@ def shard_batch(
     cp_rank: int,
     *,
     cp_group: ProcessGroup | GroupExchange | None = None,
+    attention: AttentionMode | None = None,
     ignore_index: int = IGNORE_INDEX,
     pad_id: int = 0,
 ) -> dict[str, Any]:
@@ -244,6 +257,9 @@ def shard_batch(
             shard carries to every layer that reaches the other ranks (attention). Needed to run a model
             on the shard when ``cp_size > 1``; its size and this rank's index in it must be ``cp_size`` and
             ``cp_rank``. ``None``: a shard of the data only (under CP, attention refuses it).
+        attention: how the batch's attention layers reach the other ranks' tokens (:class:`AttentionMode`:
+            all-gather by rounds of key/value heads, or Ulysses); default: the all-gather, all heads at once
+            on the CPU.
         ignore_index: label of positions that are not targets.
         pad_id: token id used to pad sequences to a multiple of ``2 * cp_size``.
 
@@ -319,7 +335,9 @@ def shard_batch(
         for marked in (position_ids, out.get(INPUT_IDS)):
             if isinstance(marked, Tensor):
                 setattr(marked, _SHARDED_UNDER_CP, True)
-    out[CP_SHARD] = replace(shard, position_ids=position_ids, exchange=exchange)
+    out[CP_SHARD] = replace(
+        shard, position_ids=position_ids, exchange=exchange, attention=attention or AttentionMode()
+    )
     if packed:
         out[CU_SEQLENS] = shard.cu_seqlens
         out[CU_SEQLENS_PADDED] = _cumulative(2 * shard.chunk_lengths * cp_size).to(device)

@@ -151,7 +151,7 @@ def rank_attention(
     Returns:
         ``[T_local, Hq, D]``, differentiable w.r.t. ``q``, ``k``, ``v``.
     """
-    return _CPAttention.apply(q, k, v, None, shard.keys(window), shard.group_exchange(), scale, None)
+    return _CPAttention.apply(q, k, v, None, shard.keys(window), shard.group_exchange(), scale, None, 1)
 
 
 def simulate_cp_attention(

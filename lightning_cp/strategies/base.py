@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_cp.memory.offload import ActivationOffload
 from lightning_cp.parallel import groups
+from lightning_cp.parallel.attention_mode import AttentionKind, AttentionMode
 from lightning_cp.parallel.layout import (
     ParallelLayout,
     ProcessGroup,
@@ -88,6 +89,13 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         offload_activations: keep what the ``activation_checkpointing`` modules save for their backward (their
             inputs) in host memory, copied back ahead of need (:func:`lightning_cp.memory.offload_checkpointed`).
             Needs ``activation_checkpointing``.
+        cp_attention: how attention reaches the other CP ranks' tokens: ``"allgather"`` (the key/value heads
+            all-gathered, any head counts), ``"ulysses"`` (an all-to-all to whole sequences for ``Hq / cp``
+            query heads, no sequence-sized K/V copy; the heads must split over ``cp``) or ``"auto"`` (Ulysses
+            where the heads split, else the all-gather). See :mod:`lightning_cp.parallel.attention_mode`.
+        kv_heads_per_gather: with the all-gather, the key/value heads gathered per round (the whole
+            sequence's K/V transient falls with it; the numbers do not change); ``None``: as many as fit a
+            quarter of the free device memory on CUDA, all at once on the CPU.
         accelerator: the device type (default: the Trainer's ``accelerator``).
         parallel_devices: the devices of this node's ranks (default: from the Trainer's ``devices``).
         cluster_environment: where each rank's rank, the world size and the main address come from
@@ -106,7 +114,8 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
     Raises:
         TypeError: ``cp`` or ``tp`` is not an integer, an option the wrapper does not take, or
             ``activation_checkpointing`` holds something that is neither a module class nor a name.
-        ValueError: ``cp`` or ``tp`` < 1, ``offload_activations`` without ``activation_checkpointing``, or the
+        ValueError: ``cp`` or ``tp`` < 1, an unknown ``cp_attention``, ``kv_heads_per_gather`` < 1,
+            ``offload_activations`` without ``activation_checkpointing``, or the
             world size is not divisible by ``tp * cp`` (raised when the Trainer is built, before any process
             is launched or collective is run). At setup: an ``activation_checkpointing`` entry that matches no
             module, or (``cp > 1``) a model that CP cannot train exactly.
@@ -121,6 +130,8 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         tp: int = 1,
         activation_checkpointing: Sequence[ModuleSpec] | None = None,
         offload_activations: bool = False,
+        cp_attention: AttentionKind = "allgather",
+        kv_heads_per_gather: int | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -145,6 +156,10 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
                 'activation_checkpointing=["LlamaDecoderLayer"], or remove offload_activations.'
             )
         self.offload_activations = offload_activations
+        try:
+            self.attention_mode = AttentionMode(cp_attention, kv_heads_per_gather)
+        except ValueError as error:
+            raise ValueError(f"{owner}: {error}") from None
         self._activation_offload: ActivationOffload | None = None
         super().__init__(
             accelerator=accelerator,
@@ -296,7 +311,10 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Move the batch (user transfer hooks see the full batch), then keep this CP rank's shard."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        return shard_batch(batch, self.layout.cp, self.layout.cp_rank, cp_group=self.layout.cp_group)
+        layout = self.layout
+        return shard_batch(
+            batch, layout.cp, layout.cp_rank, cp_group=layout.cp_group, attention=self.attention_mode
+        )
 
     @override
     def teardown(self) -> None:

@@ -80,7 +80,8 @@ class MegatronCPStrategy(MegatronCPBase):
         if unknown:
             raise TypeError(
                 f"MegatronCPStrategy got unexpected keyword argument(s) {unknown}. It takes cp, tp, "
-                "activation_checkpointing, offload_activations, the arguments of DDPStrategy and these "
+                "activation_checkpointing, offload_activations, cp_attention, kv_heads_per_gather, the arguments "
+                "of DDPStrategy and these "
                 f"DistributedDataParallel options: {', '.join(_DDP_KEYWORDS)}."
             )
         return options

@@ -89,7 +89,8 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         if options:
             raise TypeError(
                 f"MegatronCPFSDPStrategy got unexpected keyword argument(s) {sorted(options)}: it takes fsdp_wrap, "
-                "cp, tp, activation_checkpointing, offload_activations and Lightning's strategy arguments "
+                "cp, tp, activation_checkpointing, offload_activations, cp_attention, kv_heads_per_gather and "
+                "Lightning's strategy arguments "
                 "(DDP options belong to MegatronCPStrategy)."
             )
         return options

@@ -42,7 +42,15 @@ class _Losses(Callback):
         self.losses.append(trainer.callback_metrics["train/loss_step"].item())
 
 
-def _fit(cps, gradient_checkpointing=False):
+MODES = {
+    "allgather": {},
+    "allgather-by-head": {"cp_attention": "allgather", "kv_heads_per_gather": 1},
+    "ulysses": {"cp_attention": "ulysses"},
+}
+"""The CP attention modes (the strategies' arguments): at cp = 4 Ulysses replicates the two key/value heads."""
+
+
+def _fit(cps, gradient_checkpointing=False, mode="allgather"):
     """For each model and CP size: per-step losses and final weights after STEPS optimizer steps."""
     results = {}
     for name in CONFIGS:
@@ -51,7 +59,8 @@ def _fit(cps, gradient_checkpointing=False):
             seed_everything(0)
             module.configure_model()
             recorder = _Losses()
-            trainer = _trainer(cp, max_steps=STEPS, callbacks=[recorder])
+            strategy = MegatronCPStrategy(cp=cp, **MODES[mode])
+            trainer = _trainer(cp, max_steps=STEPS, callbacks=[recorder], strategy=strategy)
             dp = dist.get_world_size() // cp
             trainer.fit(
                 module, DataLoader(_dataset(), batch_size=GLOBAL_BATCH // dp, collate_fn=collate_padded)
@@ -101,13 +110,15 @@ def _check(results):
                 )
 
 
-def test_dp1_cp2_with_gradient_checkpointing_matches_the_unsharded_model(world2):
+@pytest.mark.parametrize("mode", MODES)
+def test_dp1_cp2_with_gradient_checkpointing_matches_the_unsharded_model(world2, mode):
     # The recomputed layers get cp_shard again: without it they would refuse the sharded positions.
-    _check(world2.run(_fit, (2,), gradient_checkpointing=True)[0])
+    _check(world2.run(_fit, (2,), gradient_checkpointing=True, mode=mode)[0])
 
 
-def test_dp2_cp2_and_dp1_cp4_match_the_unsharded_model(world4):
-    _check(world4.run(_fit, (2, 4))[0])
+@pytest.mark.parametrize("mode", MODES)
+def test_dp2_cp2_and_dp1_cp4_match_the_unsharded_model(world4, mode):
+    _check(world4.run(_fit, (2, 4), mode=mode)[0])
 
 
 class _SdpaModule(HFCausalLM):

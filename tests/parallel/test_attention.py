@@ -60,12 +60,12 @@ def _reference(q, k, v, dout, cu_seqlens):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _shard_heads(x, cp, rank, cu_seqlens, group=None):
+def _shard_heads(x, cp, rank, cu_seqlens, group=None, attention=None):
     """Shard a [B, H, S, D] tensor along S with shard_batch's layout (as an extra per-token key)."""
     batch = {"input_ids": torch.zeros(x.shape[0], x.shape[2], dtype=torch.long), "x": x.transpose(1, 2)}
     if cu_seqlens is not None:
         batch["cu_seqlens"] = cu_seqlens
-    shard = shard_batch(batch, cp, rank, cp_group=group)
+    shard = shard_batch(batch, cp, rank, cp_group=group, attention=attention)
     return shard["x"].transpose(1, 2).contiguous(), shard["cp_shard"]
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_cp.parallel import CPShard, CPSplit, _varlen, context_parallel_attention, groups, unshard
+from lightning_cp.parallel.attention_mode import AttentionMode
 from tests.parallel._fake_flash import fake_flash
 from tests.parallel.test_attention import _shard_heads
 
@@ -121,9 +122,10 @@ def _score_budget(budget):
         _varlen._SCORE_BUDGET_BYTES = saved
 
 
-def _run_variants(packed, budget, rows=PADDED_SHAPE[0], flash=False):
+def _run_variants(packed, budget, rows=PADDED_SHAPE[0], flash=False, mode=None):
     """On every rank, for cp in (1, 2, 4) and every variant: this rank's output and gradients (``flash``:
-    through the FlashAttention-2 path, its kernels replaced by ``_fake_flash``'s CPU stand-ins)."""
+    through the FlashAttention-2 path, its kernels replaced by ``_fake_flash``'s CPU stand-ins; ``mode``:
+    the shard's :class:`AttentionMode`)."""
     rows, total, cu, _ = _problem(packed, rows)
     results = {}
     with _score_budget(budget), fake_flash() if flash else contextlib.nullcontext():
@@ -131,7 +133,7 @@ def _run_variants(packed, budget, rows=PADDED_SHAPE[0], flash=False):
             layout = groups.initialize(tp=1, cp=cp)
             for index, variant in enumerate(VARIANTS):
                 q, k, v, sinks, dout = _inputs(rows, total, variant)
-                lq, shard = _shard_heads(q, cp, layout.cp_rank, cu, layout.cp_group)
+                lq, shard = _shard_heads(q, cp, layout.cp_rank, cu, layout.cp_group, mode)
                 lk, lv, ldout = (_shard_heads(t, cp, layout.cp_rank, cu)[0] for t in (k, v, dout))
                 leaves = [t.requires_grad_() for t in (lq, lk, lv)]
                 ls = None if sinks is None else sinks.clone().requires_grad_()
@@ -143,14 +145,21 @@ def _run_variants(packed, budget, rows=PADDED_SHAPE[0], flash=False):
     return results
 
 
+_ONE_HEAD_PER_GATHER = AttentionMode("allgather", kv_heads_per_gather=1)
 KERNELS = {
     "one-block": {"budget": None},
     "many-blocks": {"budget": TINY_BUDGET},
     "flash": {"budget": None, "flash": True},
     "flash-one-row": {"budget": None, "flash": True, "rows": 1},
+    "gather-by-head": {"budget": None, "mode": _ONE_HEAD_PER_GATHER},
+    "flash-gather-by-head": {"budget": None, "flash": True, "mode": _ONE_HEAD_PER_GATHER},
+    "ulysses": {"budget": TINY_BUDGET, "mode": AttentionMode("ulysses")},
+    "flash-ulysses": {"budget": None, "flash": True, "mode": AttentionMode("ulysses")},
 }
 """The blocked kernel with one or many score blocks per piece; the FlashAttention-2 path (one varlen call
-per kept chunk, keys in place or copied per call) with padded rows, packed documents and one sequence."""
+per kept chunk, keys in place or copied per call) with padded rows, packed documents and one sequence;
+the all-gather one key/value head at a time; Ulysses (at cp = 4 each rank's query head reads one of the two
+key/value heads, replicated on two ranks)."""
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
