@@ -48,12 +48,18 @@ class Layout:
     """The checkpointed layers' inputs moved to host memory (needs ``checkpointing``)."""
     tiled_mlp: bool = False
     """``lightning_cp.memory.tile_mlps``: the MLP's ``[tokens, ffn]`` intermediates recomputed per tile."""
+    attention: Literal["allgather", "ulysses"] = "allgather"
+    """The strategies' ``cp_attention``: the key/value heads all-gathered, or Ulysses' all-to-all."""
+    kv_rounds: int = 1
+    """All-gather: in how many rounds the key/value heads are gathered (``Hkv / kv_heads_per_gather``)."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.cp < 1 or self.gpus % self.cp:
             raise ValueError(f"Layout: gpus={self.gpus} must be a positive multiple of cp={self.cp}.")
         if self.offload and not self.checkpointing:
             raise ValueError("Layout: offload moves the checkpointed layers' inputs; set checkpointing=True.")
+        if self.kv_rounds < 1 or (self.attention == "ulysses" and self.kv_rounds != 1):
+            raise ValueError("Layout: kv_rounds is a positive number of all-gather rounds (1 with Ulysses).")
 
     @property
     def dp(self) -> int:
@@ -70,7 +76,12 @@ class Layout:
             )
             if on
         ]
-        return " ".join([f"dp{self.dp} x cp{self.cp}", "FSDP" if self.fsdp else "DDP", *extras])
+        attention = []
+        if self.attention == "ulysses":
+            attention = ["ulysses"]
+        elif self.kv_rounds > 1:
+            attention = [f"kv/{self.kv_rounds}"]
+        return " ".join([f"dp{self.dp} x cp{self.cp}", "FSDP" if self.fsdp else "DDP", *attention, *extras])
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,9 @@ class MemoryEstimate:
     buffers are in :attr:`loss`."""
     attention: int
     """Transient of one layer's attention backward: its local gradients (``dq``, ``dout``, ``dk``, ``dv``);
-    under CP two sequence-sized copies of the gathered K and V, and on the blocked kernel its score blocks.
+    under the all-gather three sequence-sized copies of one round's K and V (``1 / kv_rounds`` of the
+    heads), and on the blocked kernel its score blocks; under Ulysses the heads' side gradients and the
+    exchange's buffers.
     For a hybrid, the larger of that and a mixer layer's backward: its kernels' gradients (the size of what
     they saved) and the head-parallel exchange's buffers."""
     mlp: int
@@ -146,7 +159,9 @@ def local_tokens(seq_len: int, cp: int) -> int:
     return math.ceil(seq_len / (2 * cp)) * 2
 
 
-def saved_per_token(shape: ModelShape, *, cp: int = 1, tiled_mlp: bool = False) -> tuple[int, int]:
+def saved_per_token(
+    shape: ModelShape, *, cp: int = 1, tiled_mlp: bool = False, ulysses: bool = False
+) -> tuple[int, int]:
     """Elements one decoder layer saves for backward per local token: ``(residual, compute)``.
 
     ``residual``: the norms' inputs, normalized inputs and reciprocal RMS, in the master dtype (the residual
@@ -161,6 +176,9 @@ def saved_per_token(shape: ModelShape, *, cp: int = 1, tiled_mlp: bool = False) 
     - attention of the package GPT: the same, but ``v`` is a view of the fused QKV output, which it keeps
       whole; at ``cp = 1`` (the fused SDPA kernel) also the output's ``[S, heads * D]`` copy for the
       output projection;
+    - Ulysses' attention (``ulysses``): the same tensors on the heads' side (every token of ``Hq / cp`` query
+      heads and the key/value heads they read, replicated when ``Hkv < cp``: ``max(Hkv, cp)`` heads' worth per
+      local token), and the output brought back, which the output projection reads (``q_dim`` more);
     - MLP: GELU's input and output (``2 ffn``), or a gated MLP's gate, up, activation and product
       (``4 ffn``), and a mixture of experts' routed experts (:func:`routed_per_token`); none with the tiled
       MLP (it saves only its input, the second norm's output).
@@ -168,6 +186,8 @@ def saved_per_token(shape: ModelShape, *, cp: int = 1, tiled_mlp: bool = False) 
     residual = 2 * (2 * shape.hidden + 1)
     norm_outputs = 2 * shape.hidden
     attention = 2 * shape.q_dim + 2 * shape.kv_dim + shape.heads
+    if ulysses:
+        attention += shape.q_dim + 2 * (max(shape.kv_heads, cp) - shape.kv_heads) * shape.head_dim
     if shape.architecture == "gpt":
         attention += shape.q_dim + shape.kv_dim + (shape.q_dim if cp == 1 else 0)
     mlp = (2 if shape.architecture == "gpt" else 4) * shape.ffn + routed_per_token(shape)
@@ -237,7 +257,8 @@ def estimate(
 
     # tile_mlps tiles a dense MLP (a mixture of experts' grouped experts are no nn.Linear: one tile).
     tiled = layout.tiled_mlp and not shape.experts
-    residual, per_compute = saved_per_token(shape, cp=layout.cp, tiled_mlp=tiled)
+    ulysses = layout.attention == "ulysses" and layout.cp > 1
+    residual, per_compute = saved_per_token(shape, cp=layout.cp, tiled_mlp=tiled, ulysses=ulysses)
     attention_layer = tokens * (residual * master + per_compute * compute)
     mixer = shape.mixer
     mixer_layer = 0
@@ -261,14 +282,22 @@ def estimate(
 
     kv = 2 * padded * shape.kv_dim * compute
     local_grads = 2 * tokens * (shape.q_dim + shape.kv_dim) * compute
+    replicated = max(shape.kv_heads, layout.cp) * shape.head_dim  # Ulysses' key/value heads per local token
+    ulysses_sent = tokens * (2 * shape.q_dim + 2 * replicated) * compute  # to the heads (q, k, v) and back
     if shape.attention_layers == 0:
         attention = 0
     elif layout.cp == 1:
         attention = local_grads  # the fused SDPA kernel: its gradients, no K/V copy
+    elif ulysses:  # the heads' side gradients and the exchange's buffers: no sequence-sized K/V copy
+        # (A whole sequence on one rank runs the fused SDPA kernel where FlashAttention does not: no blocks.)
+        attention = 2 * tokens * (shape.q_dim + replicated) * compute + ulysses_sent
     else:
-        attention = 2 * kv + local_grads
+        # Three sequence-sized copies of a round's K/V at the backward's peak (its keys in sequence order,
+        # their gradients, those at their gathered rows for the reduce-scatter), measured on the CPU.
+        attention = 3 * kv // layout.kv_rounds + local_grads
         if not flash:  # a score block and its softmax gradient, for a piece of tokens / 2 queries
-            attention += 2 * min(CPU_SCORE_BLOCK_BYTES, 4 * shape.heads * (tokens // 2) * padded)
+            heads = shape.heads // layout.kv_rounds  # a round's query heads
+            attention += 2 * min(CPU_SCORE_BLOCK_BYTES, 4 * heads * (tokens // 2) * padded)
     layer_transient = attention  # an attention layer's (0 without one)
     if mixer is not None:
         # The mixer's backward: its kernels' gradients (as large as what they saved) beside the exchange's
@@ -294,7 +323,7 @@ def estimate(
         # without tiles (measured on the CPU: the score blocks meet the tiles' buffers): its untiled bytes.
         recomputed_attention = attention_layer
         if tiled and layout.cp > 1 and not flash:
-            untiled = saved_per_token(shape, cp=layout.cp)[1]
+            untiled = saved_per_token(shape, cp=layout.cp, ulysses=ulysses)[1]
             recomputed_attention = tokens * (residual * master + untiled * compute)
         recompute = rebuilt + max(
             recomputed_attention + max(layer_transient, mlp) if shape.attention_layers else 0,
@@ -305,8 +334,12 @@ def estimate(
         wrapper = 2 * _ring(layout.gpus, params * compute) + _ring(layout.gpus, params * 4)
     else:
         wrapper = 2 * _ring(layout.gpus, params * master)
-    kv_rounds = 4 if layout.checkpointing else 3
-    communication = wrapper + kv_rounds * shape.attention_layers * _ring(layout.cp, kv)
+    if ulysses:  # two all-to-alls forward, two backward, two more to recompute
+        sent = ulysses_sent * (layout.cp - 1) // layout.cp
+        communication = wrapper + (3 if layout.checkpointing else 2) * shape.attention_layers * sent
+    else:
+        kv_rounds = 4 if layout.checkpointing else 3
+        communication = wrapper + kv_rounds * shape.attention_layers * _ring(layout.cp, kv)
     if mixer is not None:  # two all-to-alls forward, two backward, two more to recompute
         sent = tokens * mixer.exchanged_per_token(layout.cp) * compute * (layout.cp - 1) // layout.cp
         communication += (3 if layout.checkpointing else 2) * mixer.layers * sent

@@ -38,19 +38,35 @@ class Candidate:
 
 def layouts(gpus: int, shape: ModelShape | None = None) -> list[Layout]:
     """Every candidate on ``gpus`` ranks: ``cp`` a power of two dividing ``gpus`` (and, for a hybrid
-    ``shape``, splitting its mixers' heads: the cap the head counts put on ``cp``), DDP or FSDP, and each
-    combination of :data:`SAVINGS`."""
+    ``shape``, splitting its mixers' heads: the cap the head counts put on ``cp``), DDP or FSDP, each
+    combination of :data:`SAVINGS`, and under CP each attention of :func:`attentions`."""
     if gpus < 1:
         raise ValueError(f"gpus={gpus} must be positive.")
     sizes = [cp for cp in (2**i for i in range(gpus.bit_length())) if gpus % cp == 0]
     if shape is not None and shape.mixer is not None:
         sizes = [cp for cp in sizes if shape.mixer.splits(cp)]
     return [
-        Layout(gpus, cp, fsdp, checkpointing, offload, tiled)
+        Layout(gpus, cp, fsdp, checkpointing, offload, tiled, attention, rounds)
         for cp in sizes
+        for attention, rounds in attentions(cp, shape)
         for fsdp in (False, True)
         for checkpointing, offload, tiled in SAVINGS
     ]
+
+
+def attentions(cp: int, shape: ModelShape | None = None) -> list[tuple[str, int]]:
+    """The CP attentions tried at ``cp``: ``(attention, kv_rounds)``. The all-gather of every key/value head
+    at once; with ``shape``, also one head per round (the smallest K/V transient, the same bytes sent) and
+    Ulysses where the heads split over ``cp`` (``AttentionMode.ulysses``'s rule). Without CP, none."""
+    if cp == 1 or shape is None:
+        return [("allgather", 1)]
+    found = [("allgather", 1)]
+    if shape.kv_heads > 1:
+        found.append(("allgather", shape.kv_heads))
+    heads, kv_heads = shape.heads, shape.kv_heads
+    if heads % cp == 0 and heads % kv_heads == 0 and (kv_heads % cp == 0 or cp % kv_heads == 0):
+        found.append(("ulysses", 1))
+    return found
 
 
 def plan(

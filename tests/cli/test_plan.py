@@ -30,7 +30,7 @@ def test_plan_lists_the_fitting_layouts_with_their_terms(gpt_json: Path, capsys)
     rows = [line for line in out.splitlines() if line.startswith("dp")]
     assert rows and not any("does not fit" in row for row in rows)
     # Each row's peak is the plan's, and the fitting ones are exactly those within the memory.
-    fitting = [layout for layout in layouts(4) if estimate(shape, 1 << 16, layout).peak <= 24 * 2**30]
+    fitting = [layout for layout in layouts(4, shape) if estimate(shape, 1 << 16, layout).peak <= 24 * 2**30]
     assert len(rows) == len(fitting)
     first = min(fitting, key=lambda layout: estimate(shape, 1 << 16, layout).communication)
     assert rows[0].startswith(first.name())
@@ -49,7 +49,7 @@ def test_max_seq_prints_the_longest_sequence(gpt_json: Path, capsys) -> None:
     assert main(["plan", str(gpt_json), "--gpus", "2", "--gpu-memory", "16GiB", "--max-seq"]) == 0
     out = capsys.readouterr().out
     shape = ModelShape.from_gpt_config(GPTConfig(vocab_size=32768, n_layer=8, n_head=8, n_embd=1024))
-    longest = max(max_seq_len(shape, layout, 16 * 2**30) for layout in layouts(2))
+    longest = max(max_seq_len(shape, layout, 16 * 2**30) for layout in layouts(2, shape))
     assert f": {longest:,} tokens" in out
 
 

@@ -76,13 +76,24 @@ def test_tiled_mlp_removes_the_ffn_intermediates(llama: ModelShape) -> None:
     assert tiled.mlp < plain.mlp
 
 
-def test_attention_transient_is_two_copies_of_the_whole_sequences_kv(llama: ModelShape) -> None:
+def test_attention_transient_is_three_copies_of_a_round_s_kv_or_ulysses_buffers(llama: ModelShape) -> None:
     seq = 1 << 20
-    est = estimate(llama, seq, Layout(gpus=8, cp=8))
     kv = 2 * seq * llama.kv_dim * 2  # K and V of every token, bf16
     local = 2 * local_tokens(seq, 8) * (llama.q_dim + llama.kv_dim) * 2
-    assert est.attention == 2 * kv + local
+    assert estimate(llama, seq, Layout(gpus=8, cp=8)).attention == 3 * kv + local
+    by_head = estimate(llama, seq, Layout(gpus=8, cp=8, kv_rounds=llama.kv_heads))
+    assert by_head.attention == 3 * kv // llama.kv_heads + local  # one key/value head per round
+    assert by_head.communication == estimate(llama, seq, Layout(gpus=8, cp=8)).communication
     assert estimate(llama, seq, Layout(gpus=8, cp=1)).attention == local * 8  # no K/V copies without CP
+    # Ulysses: the heads' side gradients (replicated key/value heads: max(Hkv, cp) of them) and what the two
+    # all-to-alls carry, no sequence-sized copy.
+    ulysses = estimate(llama, seq, Layout(gpus=8, cp=8, attention="ulysses"))
+    tokens = local_tokens(seq, 8)
+    assert (
+        ulysses.attention
+        == 2 * tokens * (llama.q_dim + llama.kv_dim) * 2 + tokens * 2 * (llama.q_dim + llama.kv_dim) * 2
+    )
+    assert ulysses.communication < by_head.communication  # two all-to-alls of the local q, k, v, out
 
 
 def test_loss_transient_follows_the_chunk(llama: ModelShape) -> None:
