@@ -510,3 +510,37 @@ def test_activation_memory_quick_keeps_the_loss_and_moves_the_checkpointed_input
         assert rows[case]["offloaded"] >= 2 * layer_input
     assert rows["checkpointing"]["resident_per_layer"] < rows["plain"]["resident_per_layer"] / 10
     assert rows["checkpointing+offload"]["resident_per_layer"] < rows["checkpointing"]["resident_per_layer"]
+
+
+# --------------------------------------------------------------------------------------------------
+# hybrid.py
+
+
+def test_hybrid_quick_measures_every_case_and_cp1_computes_the_unsharded_loss(tmp_path):
+    """``hybrid.py --quick`` as a user runs it (two invocations side by side, two cases each: each worker spends
+    ~5 s importing lightning and transformers, ~15 s in all on two idle cores): every case measured, the CP ranks
+    hold their share of the tokens, and ``cp1`` (the package's attention and adapted Gated DeltaNet, no exchange)
+    has the loss of ``transformers``' own model on the same weights; cp2 / cp4 see zeros for their peers, so their
+    losses are only finite."""
+    pythonpath = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
+    runs = []
+    for cases in (("unsharded", "cp1"), ("cp2", "cp4")):
+        report = tmp_path / f"hybrid_{'_'.join(cases)}.json"
+        command = [sys.executable, str(BENCHMARKS / "hybrid.py"), "--quick", "--device", "cpu"]
+        command += ["--max-mem-gib", "8", "--json", str(report), "--cases", *cases]
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        runs.append((proc, report))
+    rows = {}
+    for proc, report in runs:
+        _, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        rows.update({row["case"]: row for row in json.loads(report.read_text())["results"]})
+
+    assert list(rows) == ["unsharded", "cp1", "cp2", "cp4"]
+    assert all(row["status"] == "ok" and row["shape"] == "padded T=512" for row in rows.values()), rows
+    assert [rows[case]["local_tokens"] for case in rows] == [512, 512, 256, 128]
+    assert [rows[case]["ideal_mem_ratio"] for case in rows] == [1.0, 1.0, 0.5, 0.25]
+    assert rows["cp1"]["loss"] == pytest.approx(rows["unsharded"]["loss"], rel=1e-4)
+    assert rows["cp1"]["mem_ratio"] is not None and rows["unsharded"]["mem_ratio"] == 1.0
+    assert all(0 < rows[case]["loss"] < 20 for case in ("cp2", "cp4"))
