@@ -55,6 +55,10 @@ def test_doctor_runs_and_passes_on_this_machine():
         assert f"\n{section}\n" in out
     assert re.search(r"^  torch +" + re.escape(torch.__version__) + "$", out, re.MULTILINE)
     assert re.search(r"^  fused loss +impl='auto' -> torch; automatic chunk: \d+ tokens", out, re.MULTILINE)
+    assert re.search(
+        r"^  hybrid token mixers +head-parallel: .*\(transformers' torch kernels\)", out, re.MULTILINE
+    )
+    assert re.search(r"^  mamba-ssm \(Mamba2 scan\) +not installed$", out, re.MULTILINE)
     lines = _check_lines(out)
     statuses = list(lines.values())
     assert set(statuses) == {"PASS", "SKIP"}

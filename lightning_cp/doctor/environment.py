@@ -31,6 +31,12 @@ _FLASH_MODULES = (
     ("flash_attn_interface", "FlashAttention-3 (flash_attn_interface)"),
     ("flash_attn.cute.interface", "FlashAttention-4 (flash_attn.cute)"),
 )
+_HYBRID_MODULES = (
+    ("fla", "flash-linear-attention (Gated DeltaNet, KDA)"),
+    ("causal_conv1d", "causal-conv1d (short convolutions)"),
+    ("mamba_ssm", "mamba-ssm (Mamba2 scan)"),
+)
+"""The CUDA kernels of hybrid models' token mixers, which transformers uses where installed (extra ``hybrid``)."""
 _LOSS_SHAPES = ((32768, 128256), (32768, 151936))
 """(tokens, vocabulary) for which the automatic loss chunk is shown."""
 _HEAD_DIMS = (64, 128)
@@ -89,7 +95,8 @@ def attention_kernels() -> Section:
         active = current_flash_attention_impl() or "FA2 (default)"
         registered = ", ".join(list_flash_attention_impls()) or "none"
         lines.append(("aten flash implementation", f"{active}; registered: {registered}"))
-    return lines + [(label, _import_status(module)) for module, label in _FLASH_MODULES]
+    lines += [(label, _import_status(module)) for module, label in _FLASH_MODULES]
+    return lines + [(label, _import_status(module)) for module, label in _HYBRID_MODULES]
 
 
 def _cpu_name() -> str:
@@ -140,6 +147,10 @@ def selection(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> Section:
         ]
         sdpa += f" (backends enabled: {', '.join(enabled) or 'none'})"
     lines.append(("attention without CP", sdpa))
+    installed = [label.split(" ")[0] for module, label in _HYBRID_MODULES if importlib.util.find_spec(module)]
+    kernels = ", ".join(installed) if installed and device.type == "cuda" else "transformers' torch kernels"
+    mixers = f"head-parallel: one all-to-all each way, the model's own kernels ({kernels}); "
+    lines.append(("hybrid token mixers", mixers + "fla's state-passing CP is not used"))
     impl = _plan._resolve_impl("auto", device)
     chunks = ", ".join(
         f"{_plan.auto_chunk_size(tokens, vocab, device)} tokens at {tokens} x {vocab}"
