@@ -128,7 +128,7 @@ def select_keys(
     key_first = key_starts.unsqueeze(1) + offset
     key_lengths = stop - first
     query_first = local_starts.unsqueeze(1) + torch.tensor([0, 1]) * c.unsqueeze(1)
-    order = _gathered_rows(split, c, intervals, local_starts, local_total)
+    order = _gathered_rows(split, c, intervals)
     pieces = [
         (q0, q0 + ci, k0, k0 + kl)
         for q_row, k_row, l_row, ci in zip(
@@ -161,9 +161,7 @@ def _local_selection(lengths: Tensor, window: int | None, device: torch.device) 
     return KeySelection(window=window, pieces=pieces, calls=(call,), order=None, gathered_tokens=total)
 
 
-def _gathered_rows(
-    split: CPSplit, c: Tensor, intervals: Tensor, local_starts: Tensor, local_total: int
-) -> Tensor:
+def _gathered_rows(split: CPSplit, c: Tensor, intervals: Tensor) -> Tensor:
     """``[K]``: the rank-major gathered row of every kept key, sequence after sequence, in position order.
 
     ``intervals`` ``[n, 2, 2]`` are each sequence's kept ``[start, stop)`` positions.
@@ -175,10 +173,7 @@ def _gathered_rows(
         lengths, output_size=total
     )
     sequence = torch.arange(len(c)).repeat_interleave(2).repeat_interleave(lengths, output_size=total)
-    chunk = c[sequence]
-    global_chunk = torch.div(position, chunk, rounding_mode="floor")
-    owner, slot = split.owner(global_chunk)
-    return owner * local_total + local_starts[sequence] + slot * chunk + (position - global_chunk * chunk)
+    return split.gathered_rows(c, sequence, position)
 
 
 def _call(

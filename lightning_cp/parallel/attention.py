@@ -114,15 +114,13 @@ def context_parallel_attention(
     if batch * local_len == 0:
         return q.new_empty((batch, heads, local_len, v.shape[-1]))
     keys = select_row_keys(batch, local_len, window, q.device) if cp_shard is None else cp_shard.keys(window)
-
-    def tokens(x: Tensor) -> Tensor:  # [B, H, S, d] -> [B * S, H, d]
-        return x.transpose(1, 2).reshape(batch * local_len, x.shape[1], x.shape[3])
-
     rounds = 1
     if cp_shard is not None and keys.order is not None:
         per_head = 2 * keys.gathered_tokens * (k.shape[-1] + v.shape[-1]) * k.element_size()
         rounds = cp_shard.attention.gather_rounds(k.shape[1], per_head, q.device)
-    out = _CPAttention.apply(tokens(q), tokens(k), tokens(v), sinks, keys, exchange, scale, softcap, rounds)
+    out = _CPAttention.apply(
+        _token_major(q), _token_major(k), _token_major(v), sinks, keys, exchange, scale, softcap, rounds
+    )
     return out.view(batch, local_len, heads, v.shape[-1]).transpose(1, 2)
 
 
@@ -143,13 +141,12 @@ def _ulysses(
     query_heads = head_slices(heads, shard.split.cp_size, "query heads")
     kv_heads = shared_heads(query_heads, heads, k.shape[1], "key/value heads")
 
-    def tokens(x: Tensor) -> Tensor:  # [B, H, S, d] -> [B * S, H, d]
-        return x.transpose(1, 2).reshape(batch * local_len, x.shape[1], x.shape[3])
-
     def rows(x: Tensor) -> Tensor:  # [T_seq, h, d] -> [1, h, T_seq, d]
         return x.transpose(0, 1).unsqueeze(0)
 
-    qs, ks, vs = to_heads(shard, (tokens(q), query_heads), (tokens(k), kv_heads), (tokens(v), kv_heads))
+    qs, ks, vs = to_heads(
+        shard, (_token_major(q), query_heads), (_token_major(k), kv_heads), (_token_major(v), kv_heads)
+    )
     own_sinks = None if sinks is None else sinks.index_select(0, query_heads[rank].to(sinks.device))
     out = context_parallel_attention(
         rows(qs),
@@ -163,6 +160,11 @@ def _ulysses(
     )
     out = to_tokens(shard, out[0].transpose(0, 1))  # [T_local, Hq, Dv]
     return out.reshape(batch, local_len, heads, -1).transpose(1, 2)
+
+
+def _token_major(x: Tensor) -> Tensor:
+    """``[B, H, S, d]`` -> ``[B * S, H, d]``: the tokens of the rows one after the other."""
+    return x.transpose(1, 2).flatten(0, 1)
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int]:

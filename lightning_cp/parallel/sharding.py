@@ -340,7 +340,7 @@ def shard_batch(
     )
     if packed:
         out[CU_SEQLENS] = shard.cu_seqlens
-        out[CU_SEQLENS_PADDED] = _cumulative(2 * shard.chunk_lengths * cp_size).to(device)
+        out[CU_SEQLENS_PADDED] = _cumulative(shard.sequence_lengths).to(device)
     return out
 
 

@@ -83,28 +83,34 @@ class CPSplit:
         offset = torch.where(j >= c, second * c + (j - c), first * c + j)
         return sequence, offset, local_lengths
 
-    def sequence_order(self, chunk_lengths: Tensor) -> Tensor:
-        """Where every token of the whole sequences sits among the ranks' local tokens.
+    def gathered_rows(self, chunk_lengths: Tensor, sequence: Tensor, position: Tensor) -> Tensor:
+        """Where tokens of the sequences sit among the ranks' local tokens.
 
         Args:
-            chunk_lengths: ``[n]`` int64, each sequence's chunk length (its padded length is ``2 * cp_size``
-                times it).
+            chunk_lengths: ``[n]`` int64, each sequence's chunk length.
+            sequence, position: ``[k]`` int64, each token's sequence and its position in that sequence
+                padded to its ``2 * cp_size`` chunks.
 
         Returns:
-            ``[cp_size * T_local]`` int64: for each token of the sequences in sequence order (sequence after
-            sequence, each padded to its ``2 * cp_size`` chunks), its row in the rank-major concatenation of
-            every rank's ``T_local`` local tokens (what an all-gather or all-to-all over the group returns).
-            A permutation. Computed on ``chunk_lengths``' device.
+            ``[k]`` int64: each token's row in the rank-major concatenation of every rank's ``T_local``
+            local tokens (what an all-gather or all-to-all over the group returns).
         """
+        local = 2 * chunk_lengths
+        chunk_length = chunk_lengths[sequence]
+        chunk = torch.div(position, chunk_length, rounding_mode="floor")
+        rank, slot = self.owner(chunk)
+        local_start = (torch.cumsum(local, 0) - local)[sequence]
+        return rank * int(local.sum()) + local_start + slot * chunk_length + position - chunk * chunk_length
+
+    def sequence_order(self, chunk_lengths: Tensor) -> Tensor:
+        """:meth:`gathered_rows` of every token of the whole sequences in sequence order (sequence after
+        sequence, each padded to its ``2 * cp_size`` chunks): ``[cp_size * T_local]`` int64, a permutation.
+        Computed on ``chunk_lengths``' device."""
         device = chunk_lengths.device
         padded = 2 * self.cp_size * chunk_lengths
-        local = 2 * chunk_lengths
         total = int(padded.sum())
         sequence = torch.repeat_interleave(
             torch.arange(len(padded), device=device), padded, output_size=total
         )
         position = torch.arange(total, device=device) - (torch.cumsum(padded, 0) - padded)[sequence]
-        chunk_length = chunk_lengths[sequence]
-        rank, slot = self.owner(torch.div(position, chunk_length, rounding_mode="floor"))
-        local_start = (torch.cumsum(local, 0) - local)[sequence]
-        return rank * int(local.sum()) + local_start + slot * chunk_length + position % chunk_length
+        return self.gathered_rows(chunk_lengths, sequence, position)
