@@ -1,4 +1,5 @@
-"""What every mixer adapter shares: its interface, the modeling module's kernels, the depthwise convolution."""
+"""What every mixer adapter shares: its interface, the modeling module's kernels, the depthwise convolution,
+the split check."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from lightning_cp.parallel.head_parallel import head_slices, shared_heads
 from lightning_cp.parallel.sharding import CPShard
 
 
@@ -45,12 +47,26 @@ def channel_rows(heads: Tensor, width: int, offset: int = 0) -> Tensor:
 
 
 def depthwise_conv(
-    module: nn.Module, conv: nn.Conv1d, x: Tensor, rows: Tensor, activation: str | None
-) -> Tensor:
-    """The layer's causal depthwise convolution of ``x`` ``[n, L, C_r]`` over its channels ``rows`` (of
-    ``conv``'s), through the modeling module's ``causal_conv1d_fn``: ``[n, L, C_r]``."""
+    module: nn.Module, conv: nn.Conv1d, rows: Tensor, activation: str | None, *parts: Tensor
+) -> list[Tensor]:
+    """The layer's causal depthwise convolution of ``parts`` (each ``[n, L, ...]``, whose channels side by
+    side are ``conv``'s channels ``rows``), through the modeling module's ``causal_conv1d_fn``: each part's
+    channels convolved, shaped as the part."""
+    x = torch.cat([part.flatten(2) for part in parts], dim=-1)  # [n, L, C_r]
     rows = rows.to(x.device)
     weight = conv.weight.squeeze(1).index_select(0, rows)
     bias = None if conv.bias is None else conv.bias.index_select(0, rows)
     out = kernels(module).causal_conv1d_fn(x.transpose(1, 2), weight, bias, activation=activation)
-    return out[:, :, : x.shape[1]].transpose(1, 2)
+    out = out[:, :, : x.shape[1]].transpose(1, 2)
+    widths = [part[0, 0].numel() for part in parts]
+    return [y.reshape(part.shape) for y, part in zip(out.split(widths, dim=-1), parts, strict=True)]
+
+
+def head_split_problem(heads: int, shared: int, cp: int, heads_name: str, shared_name: str) -> str | None:
+    """Why ``heads`` (and the ``shared`` heads they read: key heads, B/C groups) cannot be split over ``cp``
+    ranks (:func:`~lightning_cp.parallel.head_parallel.shared_heads`), with the numbers; ``None`` if they can."""
+    try:
+        shared_heads(head_slices(heads, cp, heads_name), heads, shared, shared_name)
+    except ValueError as error:
+        return str(error)
+    return None

@@ -22,7 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_cp.hf.mixers._adapter import channel_rows, depthwise_conv, kernels, tokens
+from lightning_cp.hf.mixers._adapter import (
+    channel_rows,
+    depthwise_conv,
+    head_split_problem,
+    kernels,
+    tokens,
+)
 from lightning_cp.parallel.head_parallel import (
     for_each_sequence,
     head_slices,
@@ -61,11 +67,7 @@ class DeltaRuleAdapter:
 
     def split_problem(self, module: nn.Module, cp: int) -> str | None:
         hk, hv = getattr(module, self.key_heads), getattr(module, self.value_heads)
-        try:
-            shared_heads(head_slices(hv, cp, "value heads"), hv, hk, "key heads")
-        except ValueError as error:
-            return str(error)
-        return None
+        return head_split_problem(hv, hk, cp, "value heads", "key heads")
 
     def forward(self, module: nn.Module, hidden_states: Tensor, shard: CPShard) -> Tensor:
         hk, hv = getattr(module, self.key_heads), getattr(module, self.value_heads)
@@ -93,14 +95,11 @@ class DeltaRuleAdapter:
         kernel = getattr(kernels(module), self.kernel)
 
         def mix(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
-            n, length = q.shape[:2]
-            x = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
-            x = depthwise_conv(module, module.conv1d, x, rows, module.activation)
-            q, k, v = x.split([q[0, 0].numel(), k[0, 0].numel(), v[0, 0].numel()], dim=-1)
+            q, k, v = depthwise_conv(module, module.conv1d, rows, module.activation, q, k, v)
             out, _ = kernel(
-                q.view(n, length, -1, dk),
-                k.view(n, length, -1, dk),
-                v.view(n, length, -1, dv),
+                q,
+                k,
+                v,
                 g=g if decay > 1 else g.squeeze(-1),
                 beta=beta.squeeze(-1),
                 initial_state=None,

@@ -19,7 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_cp.hf.mixers._adapter import channel_rows, depthwise_conv, kernels, tokens
+from lightning_cp.hf.mixers._adapter import (
+    channel_rows,
+    depthwise_conv,
+    head_split_problem,
+    kernels,
+    tokens,
+)
 from lightning_cp.parallel.head_parallel import (
     for_each_sequence,
     head_slices,
@@ -34,13 +40,7 @@ class Mamba2Adapter:
     """The context-parallel forward of ``transformers``' Mamba2 mixers (the attributes of ``Mamba2Mixer``)."""
 
     def split_problem(self, module: nn.Module, cp: int) -> str | None:
-        try:
-            shared_heads(
-                head_slices(module.num_heads, cp, "heads"), module.num_heads, module.n_groups, "groups"
-            )
-        except ValueError as error:
-            return str(error)
-        return None
+        return head_split_problem(module.num_heads, module.n_groups, cp, "heads", "groups")
 
     def forward(self, module: nn.Module, hidden_states: Tensor, shard: CPShard) -> Tensor:
         heads, dim, groups, state = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
@@ -70,24 +70,16 @@ class Mamba2Adapter:
             ]
         )
         own = mine[rank].to(hidden_states.device)
-        a_log = -torch.exp(module.A_log.float()).index_select(0, own)
+        a = -torch.exp(module.A_log.float()).index_select(0, own)
 
         def mix(x: Tensor, b: Tensor, c: Tensor, dt: Tensor) -> Tensor:
-            n, length = x.shape[:2]
-            xbc = depthwise_conv(
-                module,
-                module.conv1d,
-                torch.cat([x.flatten(2), b.flatten(2), c.flatten(2)], -1),
-                rows,
-                module.activation,
-            )
-            x, b, c = xbc.split([x[0, 0].numel(), b[0, 0].numel(), c[0, 0].numel()], dim=-1)
+            x, b, c = depthwise_conv(module, module.conv1d, rows, module.activation, x, b, c)
             return kernels(module).mamba2_chunk_scan(
-                x.view(n, length, -1, dim),
+                x,
                 dt.squeeze(-1),
-                a_log,
-                b.view(n, length, -1, state),
-                c.view(n, length, -1, state),
+                a,
+                b,
+                c,
                 chunk_size=module.chunk_size,
                 D=module.D.index_select(0, own),
                 z=None,

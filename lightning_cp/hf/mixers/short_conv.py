@@ -29,14 +29,13 @@ class ShortConvAdapter:
         cp, rank = shard.split.cp_size, shard.split.cp_rank
         width = module.conv.in_channels // cp
         b, c, x = module.in_proj(hidden_states).chunk(3, dim=-1)
-        slices = head_slices(
-            cp, cp, "channel blocks"
-        )  # rank r convolves channels r * width .. (r + 1) * width
+        # Rank r convolves the channels r * width .. (r + 1) * width.
+        slices = head_slices(cp, cp, "channel blocks")
         (bx,) = to_heads(shard, (tokens(b * x, width), slices))
         rows = channel_rows(slices[rank], width)
 
         def mix(bx: Tensor) -> Tensor:
-            return depthwise_conv(module, module.conv, bx.flatten(2), rows, None).unsqueeze(2)
+            return depthwise_conv(module, module.conv, rows, None, bx)[0]
 
         y = to_tokens(shard, for_each_sequence(shard, mix, bx)).reshape(c.shape)
         return module.out_proj(c * y)
