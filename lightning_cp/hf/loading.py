@@ -287,21 +287,21 @@ def _fill(
     from ``directory``'s safetensors, where ``names`` says they are; buffers keep their computed values.
     ``distributed``: through ``torch.distributed.checkpoint`` (each rank reads the slices it owns), else whole
     tensors with ``safetensors`` in this process."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers() if not buffer.is_meta}
     model.to_empty(device=device)
-    if (
-        not distributed
-    ):  # to_empty gives each module its own tensor: tie the embeddings again (FSDP keeps one)
-        model.tie_weights()
+    if not distributed:
+        model.tie_weights()  # to_empty gave each module its own tensor: tie the embeddings again (FSDP keeps one)
     with torch.no_grad():
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
-    targets = _targets(model, directory, names)
+    reader = HuggingFaceStorageReader(str(directory))
+    targets = _targets(model, directory, names, reader.read_metadata().state_dict_metadata)
     if distributed:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)))
+        dcp.load(targets, storage_reader=reader)
         return
     from safetensors import safe_open
 
@@ -312,12 +312,12 @@ def _fill(
                     targets[key].copy_(handle.get_tensor(key))
 
 
-def _targets(model: nn.Module, directory: Path, names: StoredNames) -> dict[str, torch.Tensor]:
+def _targets(
+    model: nn.Module, directory: Path, names: StoredNames, stored: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
     """``{stored name: the model's tensor}`` of every parameter (tied ones once, under the name the checkpoint
-    stores) and persistent buffer the checkpoint holds, checked against the stored shapes."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    stored = HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata
+    stores) and persistent buffer the checkpoint holds, checked against ``stored`` (the checkpoint's tensor
+    metadata by name)."""
     targets: dict[str, torch.Tensor] = {}
     for group in _tied_names(model):  # one entry per parameter: tied ones are stored once
         name = next((n for n in group if names(n) in stored), group[0])
