@@ -22,6 +22,8 @@ from typing import Literal
 
 import torch
 
+from lightning_cp.parallel.layout import heads_split
+
 AttentionKind = Literal["allgather", "ulysses", "auto"]
 ATTENTION_KINDS: tuple[AttentionKind, ...] = ("allgather", "ulysses", "auto")
 
@@ -59,7 +61,7 @@ class AttentionMode:
         Raises:
             ValueError: ``"ulysses"`` with heads that do not split over ``cp`` (naming the numbers).
         """
-        splits = heads % cp == 0 and heads % kv_heads == 0 and (kv_heads % cp == 0 or cp % kv_heads == 0)
+        splits = heads_split(heads, kv_heads, cp)
         if self.kind == "ulysses" and not splits:
             raise ValueError(
                 f"cp_attention='ulysses' splits the query heads over the CP ranks, but {heads} query heads and "

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_cp.parallel.exchange import GroupExchange
+from lightning_cp.parallel.layout import heads_split
 from lightning_cp.parallel.sharding import CPShard
 
 
@@ -57,7 +58,7 @@ def shared_heads(slices: Tensor, readers: int, shared: int, name: str = "shared 
             a multiple of ``cp`` nor a divisor of it), naming the numbers.
     """
     cp = slices.shape[0]
-    if readers % shared or (shared % cp and cp % shared):
+    if not heads_split(readers, shared, cp):
         raise ValueError(
             f"{name}={shared} for {readers} heads: each of cp={cp} ranks must take whole {name} or share one, so "
             f"{name} must divide the heads and be a multiple or a divisor of cp"

@@ -34,6 +34,15 @@ def check_size(name: str, value: object, owner: str = "") -> int:
     return value
 
 
+def heads_split(heads: int, shared: int, cp: int) -> bool:
+    """Whether ``heads`` split over ``cp`` ranks, ``heads / cp`` each, with the ``shared`` heads they read
+    (key/value heads, Mamba2's B/C groups; head ``h`` reads shared head ``h // (heads / shared)``): each rank
+    then reads whole shared heads (``shared`` a multiple of ``cp``) or a share of one (a divisor of ``cp``).
+    The rule of the head-parallel exchange (Ulysses' attention, the hybrid models' token mixers), and of the
+    plan's candidates."""
+    return heads % cp == 0 and heads % shared == 0 and (shared % cp == 0 or cp % shared == 0)
+
+
 def data_parallel_size(world_size: int, cp: int, tp: int) -> int:
     """``dp = world_size / (cp * tp)``, or a ``ValueError`` that shows the arithmetic."""
     if world_size % (cp * tp):

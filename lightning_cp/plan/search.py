@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_cp.parallel.layout import heads_split
 from lightning_cp.plan.memory import Layout, MemoryEstimate, Precision, estimate
 from lightning_cp.plan.shape import ModelShape
 
@@ -57,14 +58,13 @@ def layouts(gpus: int, shape: ModelShape | None = None) -> list[Layout]:
 def attentions(cp: int, shape: ModelShape | None = None) -> list[tuple[str, int]]:
     """The CP attentions tried at ``cp``: ``(attention, kv_rounds)``. The all-gather of every key/value head
     at once; with ``shape``, also one head per round (the smallest K/V transient, the same bytes sent) and
-    Ulysses where the heads split over ``cp`` (``AttentionMode.ulysses``'s rule). Without CP, none."""
+    Ulysses where the heads split over ``cp`` (:func:`~lightning_cp.parallel.layout.heads_split`). Without CP, none."""
     if cp == 1 or shape is None:
         return [("allgather", 1)]
     found = [("allgather", 1)]
     if shape.kv_heads > 1:
         found.append(("allgather", shape.kv_heads))
-    heads, kv_heads = shape.heads, shape.kv_heads
-    if heads % cp == 0 and heads % kv_heads == 0 and (kv_heads % cp == 0 or cp % kv_heads == 0):
+    if heads_split(shape.heads, shape.kv_heads, cp):
         found.append(("ulysses", 1))
     return found
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from lightning_cp.parallel.layout import heads_split
+
 if TYPE_CHECKING:
     from lightning_cp.models.gpt import GPTConfig
 
@@ -34,13 +36,14 @@ class TokenMixer:
     sizes: tuple[int, ...]
 
     def splits(self, cp: int) -> bool:
-        """Whether the heads (or channels) split over ``cp`` ranks (what the adapters require)."""
+        """Whether the heads (or channels) split over ``cp`` ranks, as the adapters require
+        (:func:`~lightning_cp.parallel.layout.heads_split`)."""
         if self.kind == "gated_deltanet":
             keys, values = self.sizes[:2]
-            return values % cp == 0 and (keys % cp == 0 or cp % keys == 0)
+            return heads_split(values, keys, cp)
         if self.kind == "mamba2":
             heads, groups = self.sizes[0], self.sizes[2]
-            return heads % cp == 0 and (groups % cp == 0 or cp % groups == 0)
+            return heads_split(heads, groups, cp)
         return self.sizes[0] % cp == 0
 
     def saved_per_token(self, device: str) -> float:
