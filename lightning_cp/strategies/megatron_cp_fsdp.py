@@ -44,7 +44,7 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
       sharded, and each rank allocates and reads only its own shards of the checkpoint's safetensors
       (:func:`~lightning_cp.hf.loading.materialize_pretrained`): no process holds the whole model;
     - checkpoints are ``torch.distributed.checkpoint`` folders that every rank writes its part of
-      (:func:`~lightning_cp.strategies.checkpoint_io.save_sharded`), resharded on load for any (dp, cp);
+      (:func:`~lightning_cp.checkpoint_format.save_sharded`), resharded on load for any (dp, cp);
       :func:`~lightning_cp.strategies.consolidate_checkpoint` turns one into an ordinary file.
 
     Args: ``fsdp_wrap``, and those of :class:`~lightning_cp.strategies.base.MegatronCPBase` (``cp``,
