@@ -1,4 +1,4 @@
-"""What a decoder keeps between forward and backward: plain, checkpointed, offloaded, with the tiled MLP.
+"""What a decoder keeps between forward and backward: plain, checkpointed, offloaded, with tiled MLPs and norms.
 
 For the package GPT and a tiny ``transformers`` Llama on one long sequence (CPU, fp32, one process), each
 row runs one forward + backward in a fresh worker process:
@@ -8,7 +8,7 @@ row runs one forward + backward in a fresh worker process:
   ``activation_checkpointing`` applies): each keeps its inputs;
 - ``checkpointing+offload``: and :func:`lightning_cp.memory.offload_checkpointed` (``offload_activations``):
   those inputs in host memory;
-- ``+tiled MLP``: and :func:`lightning_cp.memory.tile_mlps`.
+- ``+tiled``: and :func:`lightning_cp.memory.tile_mlps` and :func:`~lightning_cp.memory.tile_norms`.
 
 Columns: ``resident MiB/layer``, the bytes of the tensors created inside the decoder layers that are still
 alive when the forward ends (a dispatch mode sees every tensor created, weak references say which live),
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _probes import CPU_WORKER_ENV, MIB, measure
 from _report import Column, format_table
 
-CASES = ("plain", "checkpointing", "checkpointing+offload", "+tiled MLP")
+CASES = ("plain", "checkpointing", "checkpointing+offload", "+tiled")
 MODELS = ("gpt", "llama")
 COLUMNS = [
     Column("model", "model", align="<"),
@@ -117,7 +117,7 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One forward + backward of ``spec``'s model and case, in this (fresh) process."""
     from torch.distributed._composable import checkpoint
 
-    from lightning_cp.memory import offload_checkpointed, tile_mlps
+    from lightning_cp.memory import offload_checkpointed, tile_mlps, tile_norms
 
     torch.set_num_threads(spec["threads"])
     model, layers, loss_of = _build(spec["model"], spec["tokens"], spec["dim"], spec["layers"], spec["vocab"])
@@ -125,10 +125,11 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     if case != "plain":
         for layer in layers:
             checkpoint(layer)
-    if case in ("checkpointing+offload", "+tiled MLP"):
+    if case in ("checkpointing+offload", "+tiled"):
         offload = offload_checkpointed(model)
-    if case == "+tiled MLP":
+    if case == "+tiled":
         tile_mlps(model)
+        tile_norms(model)
     tracker = _CreatedInLayers()
     for layer in layers:
         layer.register_forward_pre_hook(lambda *_: setattr(tracker, "depth", tracker.depth + 1), prepend=True)

@@ -502,11 +502,11 @@ def test_activation_memory_quick_keeps_the_loss_and_moves_the_checkpointed_input
     result = _run_script("activation_memory.py", "--quick", "--models", "gpt", "--json", str(report))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["case"]: row for row in json.loads(report.read_text())["results"]}
-    assert list(rows) == ["plain", "checkpointing", "checkpointing+offload", "+tiled MLP"]
+    assert list(rows) == ["plain", "checkpointing", "checkpointing+offload", "+tiled"]
     assert all(row["status"] == "ok" and row["same"] == "yes" for row in rows.values())
     layer_input = 512 * 128 * 4  # tokens x dim, fp32
     assert rows["plain"]["offloaded"] == rows["checkpointing"]["offloaded"] == 0
-    for case in ("checkpointing+offload", "+tiled MLP"):
+    for case in ("checkpointing+offload", "+tiled"):
         assert rows[case]["offloaded"] >= 2 * layer_input
     assert rows["checkpointing"]["resident_per_layer"] < rows["plain"]["resident_per_layer"] / 10
     assert rows["checkpointing+offload"]["resident_per_layer"] < rows["checkpointing"]["resident_per_layer"]

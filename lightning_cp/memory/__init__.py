@@ -1,4 +1,4 @@
-"""Memory savings beyond activation checkpointing: the MLP computed over sequence tiles, and the inputs of
+"""Memory savings beyond activation checkpointing: the MLPs and norms computed over sequence tiles, and the inputs of
 checkpointed layers held in host memory between forward and backward."""
 
 from lightning_cp.memory.offload import (
@@ -7,7 +7,7 @@ from lightning_cp.memory.offload import (
     OffloadStats,
     offload_checkpointed,
 )
-from lightning_cp.memory.tiled_mlp import auto_tile_tokens, tile_mlps, tiled_mlp
+from lightning_cp.memory.tiling import auto_tile_tokens, tile_mlps, tile_norms, tiled_mlp
 
 __all__ = [
     "MIN_OFFLOAD_BYTES",
@@ -16,5 +16,6 @@ __all__ = [
     "auto_tile_tokens",
     "offload_checkpointed",
     "tile_mlps",
+    "tile_norms",
     "tiled_mlp",
 ]

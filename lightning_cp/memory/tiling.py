@@ -1,0 +1,190 @@
+"""Token-wise modules computed over tiles of the sequence: only their input is saved for the backward.
+
+An MLP (GPT's ``Linear -> GELU -> Linear``, a SwiGLU ``down(act(gate(x)) * up(x))``) and a norm (RMSNorm,
+LayerNorm: over the last dim) act on every token alone, so running them on tiles of the tokens gives the
+same output. :func:`tiled_mlp` runs the tiles one after another without building a graph and saves only
+its input; the backward recomputes each tile's forward and back-propagates through it, summing the
+parameters' gradients over the tiles. One tile's intermediates are alive at a time (forward and backward),
+instead of the whole ``[T_local, ffn]`` ones autograd would keep for an MLP, or a norm's fp32 copies of its
+input and its normalized input. The price is one extra forward of the module in the backward (as with
+activation checkpointing, which recomputes the layer anyway; tiled inside a checkpointed layer, it runs
+twice).
+
+:func:`tile_mlps` and :func:`tile_norms` make a model's MLPs and norms run so (the plan's ``+tiled``).
+
+No communication: the tiles are this rank's tokens. The parameters' gradients are returned by the
+autograd function (once per step, not per tile), so DDP's gradient hooks fire as usual; the recomputation
+runs under the autocast state of the forward.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def auto_tile_tokens(tokens: int, model_dim: int) -> int:
+    """Tokens per tile: ``tokens`` in ``ceil(tokens / model_dim)`` tiles of equal size (the last one
+    shorter), so that a tile has at most ``model_dim`` tokens and one tile's ``[tile, ffn]`` intermediate is
+    no larger than the MLP's ``[ffn, model_dim]`` weight, whatever the sequence length (DeepSpeed ALST's
+    TiledMLP splits a sequence into ``ceil(seqlen / hidden_size)`` shards, arXiv:2506.13996)."""
+    tiles = max(1, math.ceil(tokens / max(1, model_dim)))
+    return max(1, math.ceil(tokens / tiles))
+
+
+def tiled_mlp(mlp: nn.Module, x: Tensor, tile_tokens: int | None = None) -> Tensor:
+    """``mlp(x)`` computed over tiles of ``x``'s second-to-last (token) dim, with the same result; only ``x``
+    is saved for the backward.
+
+    Args:
+        mlp: a module that maps every token alone (``[..., T, d] -> [..., T, d_out]``) to one tensor.
+        x: ``[..., T, d]`` (``[B, S, d]`` or ``[T, d]``).
+        tile_tokens: tokens per tile; ``None``: :func:`auto_tile_tokens`.
+
+    Returns:
+        ``mlp(x)``, differentiable in ``x`` and in ``mlp``'s parameters.
+    """
+    return _tiled(mlp, mlp, x, tile_tokens)
+
+
+def tile_mlps(model: nn.Module, tile_tokens: int | None = None, *, name: str = "mlp") -> list[str]:
+    """Make every dense submodule named ``name`` (GPT's and ``transformers``' decoder layers call theirs
+    ``mlp``) run through :func:`tiled_mlp`; returns their qualified names. A mixture of experts stays whole.
+
+    The modules stay where they are (the forward of each instance is replaced), so parameter names,
+    checkpoints and FSDP units are unchanged. Call it once, before training (``configure_model``).
+
+    Raises:
+        ValueError: when ``model`` has no such submodule.
+    """
+    named = [
+        (qualified, module) for qualified, module in model.named_modules() if qualified.split(".")[-1] == name
+    ]
+    if not named:
+        raise ValueError(f"{type(model).__name__} has no submodule named {name!r} to tile; pass name=.")
+    return _tile([(qualified, module) for qualified, module in named if _is_dense(module)], tile_tokens)
+
+
+def _is_dense(mlp: nn.Module) -> bool:
+    """Not a mixture of experts: no submodule named ``experts`` and no grouped (3-D) expert weights. Experts
+    are left whole: a router may record its logits per call (an auxiliary loss) or route by capacity."""
+    names = {qualified.split(".")[-1] for qualified, _ in mlp.named_modules()}
+    return "experts" not in names and all(p.dim() <= 2 for p in mlp.parameters())
+
+
+def tile_norms(model: nn.Module, tile_tokens: int | None = None) -> list[str]:
+    """Make every RMSNorm and LayerNorm of ``model`` that takes one tensor run over sequence tiles like
+    :func:`tiled_mlp`; returns their qualified names.
+
+    A norm's own backward keeps an fp32 copy of its input and the normalized input (``transformers``'
+    RMSNorms), or what ``torch``'s kernels keep; tiled, it keeps only its input, which under a bf16 residual
+    stream is a bf16 tensor the layer holds anyway. The norms are ``nn.LayerNorm`` and ``nn.RMSNorm`` over
+    the last dim and the modules whose class name ends in ``RMSNorm`` or ``LayerNorm`` (every
+    ``transformers`` decoder's, the per-head ``q_norm`` / ``k_norm`` included) whose forward takes one
+    tensor: gated norms (a second input) stay as they are. Every one normalizes each vector of the last dim
+    alone, so the tiles give the same output and gradients. Call it once, before training.
+
+    Raises:
+        ValueError: when ``model`` has no such norm.
+    """
+    found = [(qualified, module) for qualified, module in model.named_modules() if _is_token_norm(module)]
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no RMSNorm or LayerNorm of one input to tile.")
+    return _tile(found, tile_tokens)
+
+
+def _is_token_norm(module: nn.Module) -> bool:
+    if getattr(module, "_lightning_cp_tiled", False):
+        return True
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        norm = len(module.normalized_shape) == 1
+    else:
+        norm = type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+    parameters = list(inspect.signature(module.forward).parameters.values())
+    return norm and len(parameters) == 1 and parameters[0].kind is not inspect.Parameter.VAR_POSITIONAL
+
+
+def _tile(found: list[tuple[str, nn.Module]], tile_tokens: int | None) -> list[str]:
+    for _, module in found:
+        if not getattr(module, "_lightning_cp_tiled", False):
+            module.forward = _TiledForward(module.forward, tile_tokens)
+            module._lightning_cp_tiled = True
+    return [qualified for qualified, _ in found]
+
+
+class _TiledForward:
+    """A module instance's forward, over tiles (they run the original forward)."""
+
+    def __init__(self, forward: Any, tile_tokens: int | None) -> None:
+        self.original = forward
+        self.tile_tokens = tile_tokens
+
+    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if args or kwargs or x.dim() < 2:
+            raise ValueError("a tiled module takes one [..., T, d] tensor; this module gets other arguments.")
+        return _tiled(self.original, self.original.__self__, x, self.tile_tokens)
+
+
+def _tiled(forward: Any, module: nn.Module, x: Tensor, tile_tokens: int | None) -> Tensor:
+    """``forward(x)`` tile by tile; ``module`` holds its parameters."""
+    if tile_tokens is None:
+        tile_tokens = auto_tile_tokens(x.shape[-2], x.shape[-1])
+    if tile_tokens < 1:
+        raise ValueError(f"tile_tokens={tile_tokens} must be a positive number of tokens.")
+    if not torch.is_grad_enabled():
+        return _tile_outputs(forward, x, tile_tokens)
+    params = [p for p in module.parameters() if p.requires_grad]
+    return _Tiled.apply(x, forward, tile_tokens, *params)
+
+
+def _tile_outputs(forward: Any, x: Tensor, tile_tokens: int) -> Tensor:
+    outputs = [forward(tile) for tile in x.split(tile_tokens, dim=-2)]
+    if not all(isinstance(out, Tensor) for out in outputs):
+        raise ValueError(
+            "a tiled module must return one tensor per token; this one returns "
+            f"{type(outputs[0]).__name__} (a mixture of experts with router outputs cannot be tiled)."
+        )
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)
+
+
+class _Tiled(torch.autograd.Function):
+    """``x [..., T, d]`` -> ``forward(x)``, tile by tile; saves ``x`` only and recomputes tiles in the
+    backward, under the forward's autocast state."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, forward: Any, tile_tokens: int, *params: Tensor) -> Tensor:
+        with torch.no_grad():
+            out = _tile_outputs(forward, x, tile_tokens)
+        ctx.save_for_backward(x)
+        ctx.forward, ctx.tile_tokens, ctx.params = forward, tile_tokens, params  # the module's own
+        device = x.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        params = ctx.params
+        device, dtype, enabled = ctx.autocast
+        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        dparams: list[Tensor | None] = [None] * len(params)
+        for start in range(0, x.shape[-2], ctx.tile_tokens):
+            rows = slice(start, start + ctx.tile_tokens)
+            tile = x[..., rows, :].detach().requires_grad_(dx is not None)
+            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+                out = ctx.forward(tile)
+            inputs = [tile, *params] if dx is not None else params
+            if not inputs:
+                break
+            grads = torch.autograd.grad(out, inputs, dout[..., rows, :], allow_unused=True)
+            if dx is not None:
+                dx[..., rows, :] = grads[0]
+                grads = grads[1:]
+            for i, g in enumerate(grads):
+                if g is not None:
+                    dparams[i] = g if dparams[i] is None else dparams[i] + g
+        return (dx, None, None, *dparams)

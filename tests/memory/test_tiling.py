@@ -1,0 +1,278 @@
+"""Tiled MLPs and norms against the same modules run whole: outputs and gradients, GPT's and a Llama SwiGLU
+MLP, ``transformers``' and ``torch``'s norms, whole models.
+
+The reference is the untouched module (plain autograd over all tokens), in float64 so that any tile that
+is dropped, doubled or misplaced shows far above rounding; in bf16 (a bf16 residual stream) and under
+autocast against the same module's own bf16 autograd.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+from lightning_cp.memory import auto_tile_tokens, tile_mlps, tile_norms, tiled_mlp
+from lightning_cp.models.gpt import GPT, GPTConfig
+
+
+def _gelu_mlp(dim=8, ratio=4):
+    return nn.Sequential(nn.Linear(dim, ratio * dim), nn.GELU(), nn.Linear(ratio * dim, dim)).double()
+
+
+def _swiglu_mlp(dim=8, ffn=24):
+    config = LlamaConfig(
+        hidden_size=dim, intermediate_size=ffn, num_attention_heads=2, hidden_act="silu", mlp_bias=False
+    )
+    return LlamaMLP(config).double()
+
+
+def _grads(module, x, run):
+    x = x.clone().requires_grad_()
+    out = run(module, x)
+    out.backward(torch.arange(out.numel(), dtype=out.dtype).view_as(out).sin())
+    return out.detach(), x.grad, [p.grad for p in module.parameters()]
+
+
+@pytest.mark.parametrize("make", [_gelu_mlp, _swiglu_mlp], ids=["gelu", "swiglu"])
+@pytest.mark.parametrize("tile_tokens", [1, 3, 5, 16, None], ids=lambda t: f"tile{t}")
+def test_tiled_mlp_matches_the_whole_mlp(make, tile_tokens):
+    torch.manual_seed(0)
+    mlp = make()
+    x = torch.randn(2, 13, 8, dtype=torch.float64)  # 13 tokens: the last tile is a short one
+    want = _grads(copy.deepcopy(mlp), x, lambda m, t: m(t))
+    got = _grads(mlp, x, lambda m, t: tiled_mlp(m, t, tile_tokens))
+    for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_auto_tiles_have_at_most_model_dim_tokens_whatever_the_length():
+    assert auto_tile_tokens(131072, 4096) == 4096  # 32 tiles: a [4096, ffn] intermediate at 1M / cp 8
+    assert auto_tile_tokens(10, 8) == 5  # 2 equal tiles rather than 8 + 2
+    assert auto_tile_tokens(4097, 4096) == 2049
+    assert auto_tile_tokens(8, 8) == 8 and auto_tile_tokens(1, 8) == 1
+
+
+def test_the_tiled_backward_saves_only_the_input():
+    mlp = _gelu_mlp(dim=8, ratio=8)
+    x = torch.randn(64, 8, dtype=torch.float64, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        tiled_mlp(mlp, x)
+    assert sum(saved) == x.numel() * x.element_size()  # not the [64, 64] intermediates
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mlp(x)
+    assert sum(saved) > 8 * x.numel() * x.element_size()
+
+
+def test_tile_mlps_makes_a_gpt_tile_its_mlps_with_the_same_loss_and_gradients():
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16)
+    model = GPT(config).double()
+    reference = copy.deepcopy(model)
+    assert tile_mlps(model, tile_tokens=5) == ["blocks.0.mlp", "blocks.1.mlp"]
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    tokens = torch.randint(0, 64, (2, 32))
+    positions = torch.arange(32).expand(2, 32)
+    weights = torch.randn(2, 32, 16, dtype=torch.float64)
+    losses = []
+    for m in (model, reference):
+        loss = (m(tokens, positions) * weights).sum()
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-12, atol=1e-12)
+    for (name, a), b in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_tile_mlps_refuses_a_model_without_mlps_and_an_mlp_that_returns_a_tuple():
+    with pytest.raises(ValueError, match="no submodule named 'mlp'"):
+        tile_mlps(nn.Linear(2, 2))
+
+    class _Router(nn.Module):
+        def forward(self, x):
+            return x, x.sum(-1)
+
+    holder = nn.Module()
+    holder.mlp = _Router()
+    tile_mlps(holder, tile_tokens=2)
+    with pytest.raises(ValueError, match="mixture of experts"):
+        holder.mlp(torch.randn(4, 3, requires_grad=True))
+
+
+def test_a_tiled_mlp_inside_a_checkpointed_block_gives_the_same_gradients():
+    torch.manual_seed(0)
+    block = nn.Sequential()
+    block.mlp = _swiglu_mlp()
+    reference = copy.deepcopy(block)
+    tile_mlps(block, tile_tokens=4)
+    x = torch.randn(2, 13, 8, dtype=torch.float64)
+
+    def checkpointed(m, t):
+        return torch.utils.checkpoint.checkpoint(m, t, use_reentrant=False)
+
+    got, want = _grads(block, x, checkpointed), _grads(reference, x, lambda m, t: m(t))
+    for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _norms():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    llama = LlamaRMSNorm(8)
+    gemma = GemmaRMSNorm(8)
+    for norm in (llama, gemma):
+        norm.weight.data.normal_()
+    return {"llama": llama, "gemma": gemma, "torch-rms": nn.RMSNorm(8), "torch-layer": nn.LayerNorm(8)}
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma", "torch-rms", "torch-layer"])
+@pytest.mark.parametrize("tile_tokens", [1, 4, None], ids=lambda t: f"tile{t}")
+def test_a_tiled_norm_matches_the_whole_norm(kind, tile_tokens):
+    norm = _norms()[kind].double()
+    x = torch.randn(2, 13, 8, dtype=torch.float64) * 3
+    want = _grads(copy.deepcopy(norm), x, lambda m, t: m(t))
+    holder = nn.Sequential()
+    holder.norm = norm
+    assert tile_norms(holder, tile_tokens) == ["norm"]
+    got = _grads(norm, x, lambda m, t: m(t))
+    tolerance = 1e-6 if kind == "gemma" else 1e-12  # Gemma's norm computes `1 + weight.float()` in fp32
+    for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]], strict=True):
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
+
+
+def test_a_tiled_bf16_norm_saves_its_input_only_and_matches_its_bf16_autograd():
+    """A bf16 residual stream (FSDP's bf16 weights): transformers' RMSNorm saves an fp32 copy of the input,
+    the reciprocal RMS and the bf16 normalized input; tiled, the bf16 input alone. Outputs equal bit for
+    bit (the same row-wise ops); gradients within bf16 rounding of the weight's sum over tiles."""
+    norm = _norms()["llama"].to(torch.bfloat16)
+    reference = copy.deepcopy(norm)
+    tile_norms(norm, tile_tokens=16)
+    x = torch.randn(64, 8, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    for module in (reference, norm):
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            module(x)
+        if module is reference:
+            assert sum(saved) - 16 >= 64 * 8 * (4 + 2)  # fp32 input copy and bf16 normalized (+ weight)
+    assert sum(saved) == x.numel() * x.element_size()
+    want, got = _grads(reference, x.detach(), lambda m, t: m(t)), _grads(norm, x.detach(), lambda m, t: m(t))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])  # output and dx: row-wise
+    torch.testing.assert_close(got[2][0], want[2][0], rtol=2e-2, atol=2e-2)
+
+
+def test_tile_norms_finds_a_llama_s_and_a_qwen3_s_norms_and_leaves_gated_ones():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    class GatedRMSNorm(nn.RMSNorm):  # a second input, as Mamba's and Gated DeltaNet's gated norms take
+        def forward(self, x, gate):
+            return super().forward(x) * gate
+
+    config = Qwen3Config(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
+    model = Qwen3ForCausalLM(config)
+    model.gated = GatedRMSNorm(8)
+    names = tile_norms(model)
+    assert names == [
+        "model.layers.0.self_attn.q_norm",
+        "model.layers.0.self_attn.k_norm",
+        "model.layers.0.input_layernorm",
+        "model.layers.0.post_attention_layernorm",
+        "model.norm",
+    ]
+    assert tile_norms(model) == names  # once only
+    with pytest.raises(ValueError, match="no RMSNorm or LayerNorm"):
+        tile_norms(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+
+
+def test_a_qwen3_with_tiled_norms_and_mlps_gives_the_same_loss_and_gradients():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
+    model = Qwen3ForCausalLM(config).double()
+    reference = copy.deepcopy(model)
+    tile_norms(model, tile_tokens=3)
+    tile_mlps(model)
+    ids = torch.randint(0, 32, (2, 20))
+    losses = []
+    for m in (model, reference):
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-12, atol=1e-12)
+    for (name, a), b in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_the_tiles_are_recomputed_under_the_forward_s_autocast():
+    """DDP's bf16-mixed: the MLP runs in bf16 under autocast, and its backward (outside autocast, as
+    Lightning runs it) recomputes the tiles in bf16 too: the input's gradient equals the untiled module's
+    bf16 autograd row for row."""
+    torch.manual_seed(0)
+    mlp = _swiglu_mlp(dim=16, ffn=48).float()
+    reference = copy.deepcopy(mlp)
+    x = torch.randn(32, 16)
+
+    def autocast(m, t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return tiled_mlp(m, t, 8) if m is mlp else m(t)
+
+    got, want = _grads(mlp, x, autocast), _grads(reference, x, autocast)
+    assert got[0].dtype == torch.bfloat16
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+
+
+def test_tile_mlps_leaves_a_mixture_of_experts_whole():
+    """Routing by capacity, or a router recording its logits per call, is not token-wise: only the dense
+    MLP of a Qwen3-MoE with one dense layer is tiled."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        mlp_only_layers=[1],
+    )
+    model = Qwen3MoeForCausalLM(config)
+    assert tile_mlps(model) == ["model.layers.1.mlp"]
+    assert not getattr(model.model.layers[0].mlp, "_lightning_cp_tiled", False)
