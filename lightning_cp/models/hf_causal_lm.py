@@ -16,6 +16,7 @@ from lightning_cp.hf.loading import causal_lm_config, check_causal_lm_config, lo
 from lightning_cp.hf.registration import UnsupportedAttentionClasses
 from lightning_cp.hf.router_loss import load_balancing_loss
 from lightning_cp.loss import CPLossMixin
+from lightning_cp.memory import tile_mlps, tile_norms
 from lightning_cp.parallel.layout import current_layout
 
 
@@ -47,6 +48,9 @@ class HFCausalLM(CPLossMixin, LightningModule):
             the fp32 master weights of ``"bf16-mixed"``). Pretrained weights are cast tensor by tensor.
         gradient_checkpointing: recompute every decoder layer in the backward (``transformers``' own,
             non-reentrant), trading compute for activation memory.
+        tiled: run the dense MLPs and the norms over sequence tiles, saving only their inputs
+            (:func:`~lightning_cp.memory.tile_mlps`, :func:`~lightning_cp.memory.tile_norms`; exact): the
+            ``+tiled`` of ``lightning-cp plan``.
         lr: peak AdamW learning rate.
         betas: AdamW betas.
         weight_decay: AdamW weight decay.
@@ -70,6 +74,7 @@ class HFCausalLM(CPLossMixin, LightningModule):
         config: dict[str, Any] | str,
         dtype: Literal["float32", "bfloat16", "float16"] | None = None,
         gradient_checkpointing: bool = False,
+        tiled: bool = False,
         lr: float = 3e-4,
         betas: tuple[float, float] = (0.9, 0.95),
         weight_decay: float = 0.0,
@@ -116,6 +121,9 @@ class HFCausalLM(CPLossMixin, LightningModule):
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+        if self.hparams.tiled:
+            tile_mlps(model)
+            tile_norms(model)
         self.model = model
 
     def forward(self, batch: dict[str, Any]) -> Tensor:

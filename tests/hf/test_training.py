@@ -5,6 +5,8 @@ attention, in a plain single-process loop with the same AdamW on the same global
 steps the model is plain ``"sdpa"`` attention again.
 """
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy
 from lightning_cp.data import LongRangeCopyDataset, collate_padded
 from lightning_cp.hf import decoder
+from lightning_cp.memory import tiling
 from lightning_cp.models import HFCausalLM
 from lightning_cp.parallel import shard_batch
 from tests._trainer import cp_trainer as _trainer
@@ -50,21 +53,24 @@ MODES = {
 """The CP attention modes (the strategies' arguments): at cp = 4 Ulysses replicates the two key/value heads."""
 
 
-def _fit(cps, gradient_checkpointing=False, mode="allgather"):
+def _fit(cps, gradient_checkpointing=False, mode="allgather", tiled=False):
     """For each model and CP size: per-step losses and final weights after STEPS optimizer steps."""
     results = {}
     for name in CONFIGS:
         for cp in cps:
-            module = HFCausalLM(CONFIGS[name], lr=LR, gradient_checkpointing=gradient_checkpointing)
+            module = HFCausalLM(
+                CONFIGS[name], lr=LR, gradient_checkpointing=gradient_checkpointing, tiled=tiled
+            )
             seed_everything(0)
             module.configure_model()
+            assert getattr(module.model.model.norm, "_lightning_cp_tiled", False) == tiled
             recorder = _Losses()
             strategy = MegatronCPStrategy(cp=cp, **MODES[mode])
             trainer = _trainer(cp, max_steps=STEPS, callbacks=[recorder], strategy=strategy)
             dp = dist.get_world_size() // cp
-            trainer.fit(
-                module, DataLoader(_dataset(), batch_size=GLOBAL_BATCH // dp, collate_fn=collate_padded)
-            )
+            loader = DataLoader(_dataset(), batch_size=GLOBAL_BATCH // dp, collate_fn=collate_padded)
+            with mock.patch.object(tiling, "auto_tile_tokens", lambda tokens, dim: 3):  # several tiles a rank
+                trainer.fit(module, loader)
             results[name, cp] = recorder.losses, {k: v.clone() for k, v in module.model.state_dict().items()}
     return results
 
@@ -111,9 +117,10 @@ def _check(results):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_dp1_cp2_with_gradient_checkpointing_matches_the_unsharded_model(world2, mode):
-    # The recomputed layers get cp_shard again: without it they would refuse the sharded positions.
-    _check(world2.run(_fit, (2,), gradient_checkpointing=True, mode=mode)[0])
+def test_dp1_cp2_with_gradient_checkpointing_and_tiles_matches_the_unsharded_model(world2, mode):
+    # The recomputed layers get cp_shard again: without it they would refuse the sharded positions. The
+    # tiled MLPs and norms (HFCausalLM(tiled=True)) run inside them.
+    _check(world2.run(_fit, (2,), gradient_checkpointing=True, mode=mode, tiled=True)[0])
 
 
 @pytest.mark.parametrize("mode", MODES)
