@@ -70,7 +70,9 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         Args:
             fsdp_wrap: the modules that become FSDP units (gathered one at a time), as classes or class
                 names. Default: the ``_no_split_modules`` the model declares (Hugging Face models, the
-                package GPT), else none (the whole model is one unit).
+                package GPT), else none (the whole model is one unit), and an untied token embedding
+                (``get_input_embeddings()``, gathered for its forward and its backward only, not held
+                through the step in the root unit).
             *args, **kwargs: the arguments of :class:`~lightning_cp.strategies.base.MegatronCPBase`
                 (``MegatronCPFSDPStrategy(4)`` is ``cp=4``, as for ``MegatronCPStrategy``).
         """
@@ -120,12 +122,13 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         _fsdp.forget_meshes()  # also what a collective after the last teardown cached (a save after fit)
         wrap = self.fsdp_wrap if self.fsdp_wrap is not None else _fsdp.default_wrap(self.model)
         units = resolve_classes(type(self).__name__, "fsdp_wrap", wrap, self.model)
+        embeddings = _fsdp.untied_token_embeddings(self.model) if self.fsdp_wrap is None else []
         policy = _fsdp.mixed_precision_policy(str(self.precision_plugin.precision))
         group = self.layout.loss_group
         broadcast_from_first([p for p in self.model.parameters() if not p.is_meta], group)
         # FSDP needs a group object also for a single replica, which (tp = 1) is a world of one process.
         mesh = _fsdp.sharding_mesh(group or dist.group.WORLD, self.root_device.type)
-        self.model = _fsdp.shard(self.model, mesh, units, policy)
+        self.model = _fsdp.shard(self.model, mesh, units, policy, also=embeddings)
         _fsdp.callable_outside_the_step(self.model)
         if on_meta:
             for integration in integrations():

@@ -7,6 +7,7 @@ build must not lose, and are stored in bfloat16 to be read into fp32 parameters.
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -59,21 +60,25 @@ def fit_and_save(directory, cp, fsdp, checkpoint, steps=3):
 
 
 class _Logits(HFCausalLM):
-    """``predict_step`` returns this rank's logits ``[B, S_local, V]`` and input ids ``[B, S_local]``, and the
-    rows and dtype of every parameter's local shard (what the rank holds)."""
+    """``predict_step`` returns this rank's logits ``[B, S_local, V]`` and input ids ``[B, S_local]``, the
+    rows and dtype of every parameter's local shard (what the rank holds), whether the embedding is tied and
+    whether it is an FSDP unit of its own."""
 
     def on_predict_start(self):
         self.local = {
             n: (len(p.to_local() if isinstance(p, DTensor) else p), len(p), p.dtype)
             for n, p in self.model.named_parameters()
         }
-        self.tied = self.model.get_output_embeddings().weight is self.model.get_input_embeddings().weight
+        embedding = self.model.get_input_embeddings()
+        self.tied = self.model.get_output_embeddings().weight is embedding.weight
+        self.embedding_unit = isinstance(embedding, FSDPModule)
 
     def predict_step(self, batch, batch_idx):
         weight = self.model.get_output_embeddings().weight
         weight = weight.full_tensor() if isinstance(weight, DTensor) else weight
         logits = (self(batch) @ weight.T).float()
-        return {"logits": logits, "ids": batch["input_ids"], "local": self.local, "tied": self.tied}
+        tied = self.tied, self.embedding_unit
+        return {"logits": logits, "ids": batch["input_ids"], "local": self.local, "tied": tied}
 
 
 def sharded_logits(directory, cp, precision, ckpt_path=None, fsdp=True):

@@ -83,8 +83,9 @@ def _check_against_from_pretrained(pool, directory, cp, precision="32-true"):
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
     reference = assert_logits_of(directory, rows, dtype)
     world = pool.world_size
-    for local, tied in shards:
+    for local, (tied, embedding_unit) in shards:
         assert tied == reference.config.tie_word_embeddings
+        assert embedding_unit == (not tied)  # gathered only to be used, unless the head reads it
         for name, (held, rows, param_dtype) in local.items():  # FSDP shards dim 0
             assert param_dtype == dtype, name
             assert held <= -(-rows // world), f"{name}: {held} of {rows} rows on one of {world} ranks"

@@ -1,11 +1,13 @@
 """MegatronCPFSDPStrategy: FSDP2 over DP x CP trains exactly as a plain single-process loop.
 
 The reference is ``test_megatron_cp``'s hand-written loop (``F.cross_entropy`` on materialized logits, the
-token mean over the global batch, the same AdamW). Each case runs on the shared pool of 4 gloo ranks.
+token mean over the global batch, the same AdamW); under bf16-mixed, its first step computed in bf16. Each
+case runs on the shared pool of 4 gloo ranks.
 """
 
 import inspect
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -33,7 +35,7 @@ from tests.strategies.test_megatron_cp import (
 
 
 class _Probe(Callback):
-    """What the strategy built: the mesh, and each parameter's shard and dtypes."""
+    """What the strategy built: the mesh, each parameter's shard and dtypes, the residual stream's dtypes."""
 
     def on_train_start(self, trainer, pl_module):
         mesh = trainer.strategy.device_mesh
@@ -48,9 +50,18 @@ class _Probe(Callback):
         )
         self.forward_dtype = None
         trainer.strategy.model.module.model.blocks[0].mlp.register_forward_pre_hook(self._record_dtype)
+        # The dtypes of the hidden states into each block and out of the last.
+        blocks = pl_module.model.blocks
+        self.residual_dtypes = [None] * (len(blocks) + 1)
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(partial(self._record_residual, i))
+        blocks[-1].register_forward_hook(partial(self._record_residual, -1))
 
     def _record_dtype(self, module, args):
         self.forward_dtype = module[0].weight.dtype
+
+    def _record_residual(self, index, module, args, output=None):
+        self.residual_dtypes[index] = (args[0] if output is None else output).dtype
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         param = pl_module.model.blocks[0].mlp[0].weight
@@ -90,6 +101,7 @@ def _fit(cp, packed, accumulate=1, clip=None, precision="32-true", steps=STEPS, 
         "mesh": probe.mesh,
         "shards": probe.shards,
         "dtypes": probe.dtypes,
+        "residual_dtypes": tuple(probe.residual_dtypes),
     }
 
 
@@ -131,6 +143,7 @@ def test_fsdp_matches_single_process(world4, case):
     if options.get("clip") is not None:  # clipping must change the run, or the comparison says little
         unclipped = _reference(options["packed"])[0]
         assert abs(unclipped[-1] - ref_losses[-1]) > 1e-3 * abs(ref_losses[-1])
+    assert set(result["residual_dtypes"]) == {torch.float32}  # the hidden states too
     cp = options["cp"]
     for rank, rank_result in enumerate(per_rank):
         assert rank_result["mesh"] == (("dp", "cp", "tp"), (4 // cp, cp, 1), (rank // cp, rank % cp, 0))
@@ -154,12 +167,32 @@ def test_mixed_precision_follows_the_trainer_precision(world4):
     assert mixed_precision_policy("32-true") == MixedPrecisionPolicy()
     with pytest.raises(ValueError, match=r"precision='16-mixed'.*bf16-mixed"):
         mixed_precision_policy("16-mixed")
-    mixed = world4.run(_fit, cp=2, packed=False, steps=1, precision="bf16-mixed")[0]
-    # fp32 master weights and gradients (reduce-scattered in fp32), bf16 weights in the forward.
-    assert mixed["dtypes"] == (torch.float32, torch.float32, torch.bfloat16)
-    assert math.isfinite(mixed["losses"][0])
+    # bf16-mixed: test_bf16_mixed_matches_a_single_process_loop_in_bf16.
     true = world4.run(_fit, cp=2, packed=False, steps=1, precision="bf16-true")[0]
     assert true["dtypes"] == (torch.bfloat16, torch.bfloat16, torch.bfloat16)
+
+
+@pytest.mark.parametrize(("cp", "packed"), [(2, False), (4, True)], ids=["dp2-cp2-padded", "dp1-cp4-packed"])
+def test_bf16_mixed_matches_a_single_process_loop_in_bf16(world4, cp, packed):
+    result = world4.run(_fit, cp=cp, packed=packed, steps=1, precision="bf16-mixed")[0]
+    # fp32 master weights and gradients (reduce-scattered in fp32), bf16 weights in the forward; so the
+    # hidden states into every block and out of the last are bf16 (from the embedding's bf16 weight on).
+    assert result["dtypes"] == (torch.float32, torch.float32, torch.bfloat16)
+    assert set(result["residual_dtypes"]) == {torch.bfloat16}
+    grads = {}
+    losses, weights = _reference(packed, steps=1, compute_dtype=torch.bfloat16, gradients=grads)
+    loss = losses[0]
+    # Measured: 1.5e-5 relative (6e-5) on both layouts, bf16 rounding in another order (the reference in fp32
+    # is as close: bf16 rounds the ~0.1 logits at initialization by at most ~2.5e-4). 1e-4 leaves room for
+    # that and is 1/100 of a 1% error.
+    assert result["losses"][0] == pytest.approx(loss, rel=1e-4)
+    # AdamW's first step moves a weight by LR * sign(gradient), whatever the gradient's scale: bf16 flips the
+    # sign of gradients below ~1% of their tensor's largest (measured), so only the weights whose gradient is
+    # above 5% of it are compared (64% of all; 1/4 of the qkv weights). There the update is exact to fp32
+    # rounding (measured <= 1.2e-7); one applied to bf16 weights, or 1% too large, is off by up to 1e-4.
+    for name, value in weights.items():
+        large = grads[name].abs() > 0.05 * grads[name].abs().max()
+        torch.testing.assert_close(result["weights"][name][large], value[large], rtol=0, atol=1e-6, msg=name)
 
 
 class _EpochWeights(Callback):
@@ -326,6 +359,19 @@ def test_the_default_units_are_the_no_split_modules_the_model_declares():
     # its text model's list) left out.
     assert default_wrap(module) == ("_Block", "LlamaDecoderLayer")
     assert default_wrap(torch.nn.Linear(2, 2)) == ()
+
+
+def test_an_untied_token_embedding_is_a_unit_of_its_own_and_a_tied_one_stays_in_the_root():
+    transformers = pytest.importorskip("transformers")
+    config = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1}
+    config |= {"num_attention_heads": 2, "num_key_value_heads": 1}
+    untied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, tie_word_embeddings=False))
+    tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, tie_word_embeddings=True))
+    holder = torch.nn.Module()  # a LightningModule holding the model: the embedding found once
+    holder.model = untied
+    assert _fsdp.untied_token_embeddings(holder) == [untied.model.embed_tokens]
+    assert _fsdp.untied_token_embeddings(tied) == []  # the head reads the same weight
+    assert _fsdp.untied_token_embeddings(GPTModule(CONFIG)) == []  # no get_input_embeddings
 
 
 def test_the_device_mesh_is_not_available_before_setup():

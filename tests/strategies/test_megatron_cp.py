@@ -4,6 +4,7 @@ One pool of 2 and one of 4 gloo ranks run every layout; the reference is a hand-
 (``F.cross_entropy`` on materialized logits, token mean over the global batch, the same AdamW).
 """
 
+import copy
 import itertools
 import os
 
@@ -134,8 +135,12 @@ def _targets(batch, packed):
     return ids, labels
 
 
-def _reference(packed, steps=STEPS, clip=None):
-    """Per-step losses and final weights of a plain loop; ``clip``: clip the global gradient norm to it."""
+def _reference(packed, steps=STEPS, clip=None, compute_dtype=None, gradients=None):
+    """Per-step losses and final weights of a plain loop; ``clip``: clip the global gradient norm to it.
+
+    ``compute_dtype``: each forward and backward through a copy of the weights in it (``bf16-mixed`` under
+    FSDP), its gradients applied to the fp32 weights, the logits upcast as the fused loss does.
+    ``gradients``: a dict to fill with the last step's gradients, by parameter name."""
     seed_everything(0)
     model = GPT(CONFIG)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
@@ -154,11 +159,16 @@ def _reference(packed, steps=STEPS, clip=None):
         if step == steps:
             break
         ids, labels = _targets(batch, packed)
-        hidden = model(ids, torch.arange(ids.shape[1]).expand_as(ids))
-        logits = hidden @ model.lm_head_weight.T
+        compute = model if compute_dtype is None else copy.deepcopy(model).to(compute_dtype)
+        hidden = compute(ids, torch.arange(ids.shape[1]).expand_as(ids))
+        logits = (hidden @ compute.lm_head_weight.T).float()
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
         optimizer.zero_grad()
         loss.backward()
+        for param, low in zip(model.parameters(), compute.parameters(), strict=True):
+            param.grad = low.grad.float()
+        if gradients is not None:
+            gradients.update({name: param.grad.clone() for name, param in model.named_parameters()})
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
