@@ -7,7 +7,7 @@ Run::
 
 ``MODEL`` is a ``transformers`` config (a JSON file with its ``model_type``, or a local ``save_pretrained``
 directory; no weights are read) or a JSON file of :class:`~lightning_cp.models.GPTConfig` fields. Every
-layout (cp, DDP or FSDP, checkpointing, offload, tiled MLP) gets its parameters, gradients, optimizer
+layout (cp, DDP or FSDP, checkpointing, offload, tiled MLPs and norms) gets its parameters, gradients, optimizer
 state, saved activations, largest transient and reserve per rank (:mod:`lightning_cp.plan`); those that
 fit are listed cheapest in communication first. ``--max-seq`` finds the longest sequence that fits. Bad
 input is one line on stderr and exit status 2.

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from lightning_cp.memory.tiling import auto_tile_tokens
 from lightning_cp.ops._plan import chunk_budget, chunk_tokens
 from lightning_cp.plan.shape import ModelShape
 
@@ -46,8 +47,9 @@ class Layout:
     """Activation checkpointing of every decoder layer (``activation_checkpointing=[<layer class>]``)."""
     offload: bool = False
     """The checkpointed layers' inputs moved to host memory (needs ``checkpointing``)."""
-    tiled_mlp: bool = False
-    """``lightning_cp.memory.tile_mlps``: the MLP's ``[tokens, ffn]`` intermediates recomputed per tile."""
+    tiled: bool = False
+    """``lightning_cp.memory.tile_mlps`` and ``tile_norms``: the MLP's ``[tokens, ffn]`` intermediates and the
+    norms' fp32 copies recomputed per tile, only their inputs saved."""
     attention: Literal["allgather", "ulysses"] = "allgather"
     """The strategies' ``cp_attention``: the key/value heads all-gathered, or Ulysses' all-to-all."""
     kv_rounds: int = 1
@@ -72,7 +74,7 @@ class Layout:
             for flag, on in (
                 ("+ckpt", self.checkpointing),
                 ("+offload", self.offload),
-                ("+tiled", self.tiled_mlp),
+                ("+tiled", self.tiled),
             )
             if on
         ]
@@ -95,8 +97,10 @@ class MemoryEstimate:
     optimizer: int
     """AdamW's two states per parameter, in the master weights' dtype."""
     fsdp_gathered: int
-    """FSDP only: the unsharded root (embedding, head) in the compute dtype for the step, and two decoder
-    units' parameters plus one unit's gradients (in compute dtype and fp32 for the reduce-scatter)."""
+    """FSDP only: the unsharded root (the head, the final norm, and the token embedding when tied) in the
+    compute dtype for the step, and two decoder units' parameters plus one unit's gradients (in compute
+    dtype and fp32 for the reduce-scatter). An untied embedding is a unit of its own, gathered only for its
+    forward and its backward, away from the peak."""
     activations: int
     """Saved for backward over the whole forward: every layer's saved tensors, or only each layer's input
     under checkpointing (none of them on the device under offload); the final norm's and the embedding's
@@ -160,16 +164,26 @@ def local_tokens(seq_len: int, cp: int) -> int:
 
 
 def saved_per_token(
-    shape: ModelShape, *, cp: int = 1, tiled_mlp: bool = False, ulysses: bool = False
-) -> tuple[int, int]:
-    """Elements one decoder layer saves for backward per local token: ``(residual, compute)``.
+    shape: ModelShape,
+    *,
+    cp: int = 1,
+    tiled_norms: bool = False,
+    tiled_mlp: bool = False,
+    ulysses: bool = False,
+    residual_bytes: int = 4,
+    compute_bytes: int = 4,
+) -> int:
+    """Bytes one decoder layer saves for backward per local token.
 
-    ``residual``: the norms' inputs, normalized inputs and reciprocal RMS, in the master dtype (the residual
-    stream is fp32 under ``bf16-mixed``); ``compute``: what the projections read and the attention's and the
-    MLP's tensors, in the compute dtype. Per layer, ``d`` the hidden size:
+    ``residual_bytes``: the residual stream's dtype (fp32 under DDP's ``bf16-mixed``, where the embedding
+    is fp32; bf16 under FSDP's, whose gathered bf16 weights make every hidden state bf16; see
+    :func:`residual_bytes`); ``compute_bytes``: the projections' inputs and the attention's and the MLP's
+    tensors. Per layer, ``d`` the hidden size:
 
-    - both: two RMSNorms keep their input, the normalized input and the reciprocal RMS (``2d + 1`` each), and
-      their weighted output, the projections' input (``d`` each);
+    - two norms: each keeps an fp32 copy of its input (the input itself when the stream is fp32), the
+      reciprocal RMS and the normalized input in the stream's dtype (:func:`norm_bytes`), and its output,
+      which the next projections read, in the compute dtype; tiled (:func:`~lightning_cp.memory.tile_norms`),
+      only its input; the second norm's output is the tiled MLP's input, saved in the stream's dtype;
     - attention of a ``transformers`` layer: the rotated ``q`` and ``k`` (token-major copies under CP),
       ``v`` (the projection's output), the attention output (which the output projection reads in place)
       and the log-sum-exp per head;
@@ -180,18 +194,34 @@ def saved_per_token(
       heads and the key/value heads they read, replicated when ``Hkv < cp``: ``max(Hkv, cp)`` heads' worth per
       local token), and the output brought back, which the output projection reads (``q_dim`` more);
     - MLP: GELU's input and output (``2 ffn``), or a gated MLP's gate, up, activation and product
-      (``4 ffn``), and a mixture of experts' routed experts (:func:`routed_per_token`); none with the tiled
-      MLP (it saves only its input, the second norm's output).
+      (``4 ffn``), and a mixture of experts' routed experts (:func:`routed_per_token`); none tiled
+      (:func:`~lightning_cp.memory.tile_mlps`: it saves only its input).
     """
-    residual = 2 * (2 * shape.hidden + 1)
-    norm_outputs = 2 * shape.hidden
+    d = shape.hidden
+    inputs = 2 * (residual_bytes * d if tiled_norms else norm_bytes(d, residual_bytes))
+    norms = inputs + compute_bytes * d + (residual_bytes if tiled_mlp else compute_bytes) * d
     attention = 2 * shape.q_dim + 2 * shape.kv_dim + shape.heads
     if ulysses:
         attention += shape.q_dim + 2 * (max(shape.kv_heads, cp) - shape.kv_heads) * shape.head_dim
     if shape.architecture == "gpt":
         attention += shape.q_dim + shape.kv_dim + (shape.q_dim if cp == 1 else 0)
     mlp = (2 if shape.architecture == "gpt" else 4) * shape.ffn + routed_per_token(shape)
-    return residual, norm_outputs + attention + (0 if tiled_mlp else mlp)
+    return norms + (attention + (0 if tiled_mlp else mlp)) * compute_bytes
+
+
+def norm_bytes(hidden: int, residual_bytes: int) -> int:
+    """Bytes an untiled RMSNorm saves per token besides its output: an fp32 copy of its input (the input
+    itself in an fp32 stream), the fp32 reciprocal RMS, the normalized input in the stream's dtype."""
+    return 4 * hidden + 4 + residual_bytes * hidden
+
+
+def residual_bytes(precision: Precision, fsdp: bool) -> int:
+    """Bytes of one element of the residual stream: the master weights' dtype, but the compute dtype under
+    FSDP, which gathers the weights in it (``MixedPrecisionPolicy(param_dtype=bf16)``), so the embedding and
+    everything after it are bf16 under ``bf16-mixed``; DDP's autocast leaves the embedding fp32."""
+    if precision == "32-true":
+        return 4
+    return 2 if fsdp or precision == "bf16-true" else 4
 
 
 def routed_per_token(shape: ModelShape) -> int:
@@ -253,13 +283,19 @@ def estimate(
     gathered = 0
     if layout.fsdp:
         root = params - shape.layers * shape.layer_params
+        if not shape.tied:  # an untied token embedding is a unit of its own, gathered only to use it
+            root -= shape.vocab * shape.hidden
         gathered = root * compute + shape.layer_params * (3 * compute + 4)
 
     # tile_mlps tiles a dense MLP (a mixture of experts' grouped experts are no nn.Linear: one tile).
-    tiled = layout.tiled_mlp and not shape.experts
+    tiled = layout.tiled and not shape.experts
     ulysses = layout.attention == "ulysses" and layout.cp > 1
-    residual, per_compute = saved_per_token(shape, cp=layout.cp, tiled_mlp=tiled, ulysses=ulysses)
-    attention_layer = tokens * (residual * master + per_compute * compute)
+    stream = residual_bytes(precision, layout.fsdp)
+    dtypes = {"residual_bytes": stream, "compute_bytes": compute}
+    per_token = saved_per_token(
+        shape, cp=layout.cp, tiled_norms=layout.tiled, tiled_mlp=tiled, ulysses=ulysses, **dtypes
+    )
+    attention_layer = tokens * per_token
     mixer = shape.mixer
     mixer_layer = 0
     if mixer is not None:  # a hybrid's other layers: the attention's tensors replaced by the mixer's (fp32)
@@ -267,8 +303,10 @@ def estimate(
         mixer_layer = attention_layer - tokens * attention_part * compute
         mixer_layer += math.ceil(tokens * mixer.saved_per_token(device)) * 4
     weight_copies = shape.layer_params * compute if precision == "bf16-mixed" and not layout.fsdp else 0
-    final = tokens * (TOKEN_BYTES + (2 * shape.hidden + 1) * master)  # the final norm's input and RMS
-    layer_input = tokens * shape.hidden * master
+    # The final norm's saved tensors (its output goes to the fused loss, which saves none of it).
+    final_norm = stream * shape.hidden if layout.tiled else norm_bytes(shape.hidden, stream)
+    final = tokens * (TOKEN_BYTES + final_norm)
+    layer_input = tokens * shape.hidden * stream
     mixer_layers = mixer.layers if mixer is not None else 0
     host = 0
     if layout.offload:
@@ -307,26 +345,32 @@ def estimate(
         kernels = math.ceil(tokens * mixer.saved_per_token(device) * (1 / 3 if device == "cpu" else 1)) * 4
         attention = max(attention, kernels + 3 * exchanged)
     if tiled:
-        tile = math.ceil(tokens / math.ceil(shape.mlp_width / shape.hidden))
+        tile = auto_tile_tokens(tokens, shape.hidden)
         mlp = (7 if shape.architecture == "hf" else 4) * tile * shape.mlp_width * compute
+        mlp += 2 * tokens * shape.hidden * compute  # the incoming gradient and the tiles' input gradient
     else:
         mlp = (2 if shape.architecture == "hf" else 1) * tokens * shape.mlp_width * compute
     chunk = loss_chunk or loss_chunk_tokens(shape, tokens, device)
     head = shape.vocab * shape.hidden
-    loss = 2 * min(chunk, tokens) * shape.vocab * 4 + tokens * shape.hidden * compute + head * master
-    # A checkpointed layer's backward holds its recomputed tensors (its input is already saved, or back from
-    # the host) besides the attention's or the MLP's own transient.
+    # Its input (the final norm's output), its preallocated input and head-weight gradients, two blocks.
+    loss = 2 * min(chunk, tokens) * shape.vocab * 4 + 2 * tokens * shape.hidden * compute + head * master
+    # A checkpointed layer's backward holds its recomputed tensors besides the attention's or the MLP's own
+    # transient; the first norm saves the layer's input itself (already saved, or back from the host) when
+    # tiled or in an fp32 stream, else an fp32 copy of it.
     recompute = 0
     if layout.checkpointing:  # (a mixer's kernels free what they saved as their backward runs, measured)
-        rebuilt = weight_copies - (0 if layout.offload else layer_input)
+        shared = (layout.tiled or stream == 4) and not layout.offload
+        rebuilt = weight_copies - (layer_input if shared else 0)
         # Under CP on the blocked kernel, a recomputed attention layer with a tiled MLP peaks as high as
         # without tiles (measured on the CPU: the score blocks meet the tiles' buffers): its untiled bytes.
         recomputed_attention = attention_layer
         if tiled and layout.cp > 1 and not flash:
-            untiled = saved_per_token(shape, cp=layout.cp, ulysses=ulysses)[1]
-            recomputed_attention = tokens * (residual * master + untiled * compute)
+            recomputed_attention = tokens * saved_per_token(shape, cp=layout.cp, ulysses=ulysses, **dtypes)
+        # With tiles, the layer's MLP side (the second norm's and the MLP's inputs) is gone by the
+        # attention's backward (measured on the CPU; untiled, the fitted transients include it).
+        mlp_side = 2 * tokens * shape.hidden * stream if tiled else 0
         recompute = rebuilt + max(
-            recomputed_attention + max(layer_transient, mlp) if shape.attention_layers else 0,
+            recomputed_attention + max(layer_transient - mlp_side, mlp) if shape.attention_layers else 0,
             mixer_layer + mlp if mixer is not None else 0,
         )
 

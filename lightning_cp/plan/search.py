@@ -17,7 +17,7 @@ SAVINGS: tuple[tuple[bool, bool, bool], ...] = (
     (True, True, False),
     (True, True, True),
 )
-"""``(checkpointing, offload, tiled_mlp)`` combinations tried, from no recomputation to the most."""
+"""``(checkpointing, offload, tiled)`` combinations tried, from no recomputation to the most."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Candidate:
     def cost(self) -> tuple[int, int, int]:
         """Sort key: bytes communicated per step, then recomputation (checkpointing, tiles), then host copies."""
         layout = self.layout
-        return (self.estimate.communication, layout.checkpointing + layout.tiled_mlp, int(layout.offload))
+        return (self.estimate.communication, layout.checkpointing + layout.tiled, int(layout.offload))
 
 
 def layouts(gpus: int, shape: ModelShape | None = None) -> list[Layout]:

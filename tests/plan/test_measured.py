@@ -1,8 +1,9 @@
-"""The memory plan against measurement: tiny GPT and Llama training steps on the CPU, fp32.
+"""The memory plan against measurement: tiny GPT and Llama training steps on the CPU, fp32 (and the
+Llama's saved activations in bf16, FSDP's residual stream).
 
 Parameters, gradients and AdamW state are counted exactly from the tensors after a real optimizer step;
 saved activations through ``saved_tensors_hooks``; the step's peak through a dispatch mode that tracks
-live storages (``_measure.PeakTracker``); with and without checkpointing and the tiled MLP, at cp = 1
+live storages (``_measure.PeakTracker``); with and without checkpointing and tiles, at cp = 1
 and as rank 0 of a simulated CP group of 2 (``SimulatedCPGroup``: the other rank's K/V are zeros, which
 changes no byte).
 """
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_cp.hf.mixers import adapt_token_mixers
-from lightning_cp.memory import tile_mlps
+from lightning_cp.memory import tile_mlps, tile_norms
 from lightning_cp.models.gpt import GPT, GPTConfig
 from lightning_cp.ops import linear_cross_entropy
 from lightning_cp.parallel import _varlen, context_parallel_attention
@@ -98,6 +99,7 @@ class _Step:
         adapt_token_mixers(self.model, cp)  # a hybrid's mixers, as the strategy's setup (none in the others)
         if tiled:
             tile_mlps(self.model)
+            tile_norms(self.model)
         if checkpointing:
             apply_checkpointing(self.model, [layer])
         self.tokens = TOKENS // cp  # the blocked kernel of CP ranks is slow on the CPU
@@ -162,7 +164,7 @@ def test_activations_and_peak_within_10_percent(
     step = _Step(build, checkpointing, tiled, cp)
     with step.peers.recording():
         step()  # AdamW's state exists from here on, as in every later step
-    layout = Layout(gpus=cp, cp=cp, checkpointing=checkpointing, tiled_mlp=tiled)
+    layout = Layout(gpus=cp, cp=cp, checkpointing=checkpointing, tiled=tiled)
     planned = estimate(step.shape, step.tokens, layout, precision="32-true", device="cpu", flash=False)
 
     with step.peers.recording():
@@ -176,6 +178,27 @@ def test_activations_and_peak_within_10_percent(
     planned_step = planned.counted - planned.parameters - planned.optimizer - buckets
     assert abs(planned.activations - saved) <= TOLERANCE * saved, (planned.activations, saved)
     assert abs(planned_step - tracker.peak) <= TOLERANCE * tracker.peak, (planned_step, tracker.peak)
+
+
+@pytest.mark.parametrize("cp", [1, 2], ids=["cp1", "cp2"])
+@pytest.mark.parametrize(
+    ("checkpointing", "tiled"),
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["plain", "ckpt", "tiled", "ckpt+tiled"],
+)
+def test_a_bf16_residual_stream_s_activations_within_10_percent(
+    cp: int, checkpointing: bool, tiled: bool
+) -> None:
+    """The tiny Llama in bf16, as FSDP's ``bf16-mixed`` computes it (its weights gathered in bf16, so the
+    embedding and every hidden state are bf16): ``transformers``' RMSNorms keep fp32 copies of their bf16
+    inputs, tiled norms only the bf16 inputs, checkpointing the bf16 layer inputs."""
+    step = _Step(_llama, checkpointing, tiled, cp)
+    step.model.to(torch.bfloat16)
+    with step.peers.recording():
+        saved = saved_bytes(step.model, step.hidden)
+    layout = Layout(gpus=cp, cp=cp, fsdp=True, checkpointing=checkpointing, tiled=tiled)
+    planned = estimate(step.shape, step.tokens, layout, precision="bf16-mixed", device="cpu", flash=False)
+    assert abs(planned.activations - saved) <= TOLERANCE * saved, (planned.activations, saved)
 
 
 @pytest.mark.parametrize(

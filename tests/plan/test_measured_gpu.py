@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_cp.memory import tile_mlps
+from lightning_cp.memory import tile_mlps, tile_norms
 from lightning_cp.models.gpt import GPT, GPTConfig
 from lightning_cp.ops import linear_cross_entropy
 from lightning_cp.parallel.sharding import shard_batch
@@ -57,6 +57,7 @@ def test_step_peak_within_10_percent_of_the_plan(build, checkpointing: bool, til
     model.to(device)
     if tiled:
         tile_mlps(model)
+        tile_norms(model)
     if checkpointing:
         layer = model.blocks[0] if isinstance(model, GPT) else model.model.layers[0]
         apply_checkpointing(model, [type(layer)])
@@ -68,7 +69,7 @@ def test_step_peak_within_10_percent_of_the_plan(build, checkpointing: bool, til
     torch.cuda.reset_peak_memory_stats()
     _step(model, batch, optimizer)
     measured = torch.cuda.max_memory_allocated() - base
-    layout = Layout(gpus=1, cp=1, checkpointing=checkpointing, tiled_mlp=tiled)
+    layout = Layout(gpus=1, cp=1, checkpointing=checkpointing, tiled=tiled)
     planned = estimate(shape, TOKENS, layout, precision="bf16-mixed")
     planned_step = planned.counted - planned.parameters - planned.optimizer
     assert abs(planned_step - measured) <= 0.10 * measured, (planned.as_dict(), measured)

@@ -48,7 +48,12 @@ def test_fsdp_divides_static_bytes_by_every_rank_and_ddp_adds_buckets(llama: Mod
     assert ddp.gradients == 8 * params  # fp32 gradients and DDP's bucket copy of them
     assert single.gradients == 4 * params  # one replica: no DDP wrapper, no buckets
     assert fsdp.parameters == 4 * -(-params // 8) and fsdp.optimizer == 8 * -(-params // 8)
-    assert fsdp.fsdp_gathered > 0 and ddp.fsdp_gathered == 0
+    assert ddp.fsdp_gathered == 0
+    # The root (Llama-3-8B's untied head and final norm; its embedding is a unit of its own) in bf16 for the
+    # step, two decoder units' bf16 parameters and one unit's bf16 and fp32 gradients.
+    root = params - llama.layers * llama.layer_params - llama.vocab * llama.hidden
+    assert llama.vocab * llama.hidden <= root <= llama.vocab * llama.hidden + llama.hidden
+    assert fsdp.fsdp_gathered == 2 * root + llama.layer_params * (2 * 2 + 2 + 4)
     true_bf16 = estimate(llama, 8192, Layout(gpus=8, cp=4, fsdp=True), precision="bf16-true")
     assert true_bf16.parameters * 2 == fsdp.parameters and true_bf16.optimizer * 2 == fsdp.optimizer
 
@@ -59,21 +64,39 @@ def test_checkpointing_keeps_layer_inputs_and_offload_moves_them_to_the_host(lla
     plain = estimate(llama, seq, Layout(gpus=8, cp=cp))
     ckpt = estimate(llama, seq, Layout(gpus=8, cp=cp, checkpointing=True))
     offload = estimate(llama, seq, Layout(gpus=8, cp=cp, checkpointing=True, offload=True))
-    inputs = llama.layers * tokens * llama.hidden * 4  # fp32 residual stream under bf16-mixed
+    inputs = llama.layers * tokens * llama.hidden * 4  # DDP's bf16-mixed: an fp32 residual stream
     assert ckpt.activations - offload.activations == inputs == offload.host
+    # FSDP gathers the weights in bf16, so the embedding and every hidden state are bf16.
+    sharded = Layout(gpus=8, cp=cp, fsdp=True, checkpointing=True, offload=True)
+    assert estimate(llama, seq, sharded).host == inputs // 2
     assert plain.activations > 10 * ckpt.activations
     assert plain.recompute == 0 < ckpt.recompute
     assert ckpt.communication > plain.communication  # the recomputed forward gathers K/V once more
 
 
-def test_tiled_mlp_removes_the_ffn_intermediates(llama: ModelShape) -> None:
-    seq = 1 << 16
+@pytest.mark.parametrize(
+    ("fsdp", "stream"), [(False, 4), (True, 2)], ids=["ddp-fp32-stream", "fsdp-bf16-stream"]
+)
+def test_tiles_remove_the_ffn_intermediates_and_the_norms_fp32_copies(
+    llama: ModelShape, fsdp: bool, stream: int
+) -> None:
+    seq, d = 1 << 20, llama.hidden
     tokens = local_tokens(seq, 8)
-    plain = estimate(llama, seq, Layout(gpus=8, cp=8))
-    tiled = estimate(llama, seq, Layout(gpus=8, cp=8, tiled_mlp=True))
-    # SwiGLU saves gate, up, activation and product per layer in bf16.
-    assert plain.activations - tiled.activations == llama.layers * tokens * 4 * llama.ffn * 2
-    assert tiled.mlp < plain.mlp
+    plain = estimate(llama, seq, Layout(gpus=8, cp=8, fsdp=fsdp))
+    tiled = estimate(llama, seq, Layout(gpus=8, cp=8, fsdp=fsdp, tiled=True))
+    # SwiGLU saves gate, up, activation and product per layer in bf16. A norm saves an fp32 copy of its
+    # input (the input itself in an fp32 stream), its fp32 reciprocal RMS and its normalized input in the
+    # stream's dtype; tiled, its input; the tiled MLP saves the second norm's output as it is.
+    mlp = 4 * llama.ffn * 2
+    norms = 2 * (4 * d + 4 + stream * d) - 2 * stream * d
+    second_output = (stream - 2) * d
+    per_layer = mlp + norms - second_output
+    final_norm = 4 * d + 4
+    assert plain.activations - tiled.activations == tokens * (llama.layers * per_layer + final_norm)
+    assert tiled.mlp < plain.mlp / 2
+    # One tile has hidden-size tokens whatever the length: its SwiGLU buffers stay [4096, ffn].
+    longer = estimate(llama, 4 * seq, Layout(gpus=8, cp=8, fsdp=fsdp, tiled=True))
+    assert longer.mlp - tiled.mlp == 2 * 3 * tokens * d * 2  # only the [tokens, d] gradients grow
 
 
 def test_attention_transient_is_three_copies_of_a_round_s_kv_or_ulysses_buffers(llama: ModelShape) -> None:

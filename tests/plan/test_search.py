@@ -34,12 +34,10 @@ def test_plan_orders_by_communication(shape: ModelShape) -> None:
     costs = [c.cost() for c in candidates]
     assert costs == sorted(costs)
     first = candidates[0].layout
-    assert (first.cp, first.checkpointing, first.tiled_mlp, first.offload) == (1, False, False, False)
+    assert (first.cp, first.checkpointing, first.tiled, first.offload) == (1, False, False, False)
 
 
-@pytest.mark.parametrize(
-    "layout", [Layout(8, 8), Layout(8, 4, fsdp=True, checkpointing=True, tiled_mlp=True)]
-)
+@pytest.mark.parametrize("layout", [Layout(8, 8), Layout(8, 4, fsdp=True, checkpointing=True, tiled=True)])
 def test_max_seq_len_is_the_longest_that_fits(shape: ModelShape, layout: Layout) -> None:
     memory = 20 * GiB
     longest = max_seq_len(shape, layout, memory)
