@@ -84,9 +84,14 @@ def test_tile_mlps_makes_a_gpt_tile_its_mlps_with_the_same_loss_and_gradients():
     tokens = torch.randint(0, 64, (2, 32))
     positions = torch.arange(32).expand(2, 32)
     weights = torch.randn(2, 32, 16, dtype=torch.float64)
+    _assert_same_loss_and_gradients(model, reference, lambda m: (m(tokens, positions) * weights).sum())
+
+
+def _assert_same_loss_and_gradients(model, reference, loss_of):
+    """``loss_of(model)`` and its parameters' gradients equal ``loss_of(reference)``'s (float64)."""
     losses = []
     for m in (model, reference):
-        loss = (m(tokens, positions) * weights).sum()
+        loss = loss_of(m)
         loss.backward()
         losses.append(loss.detach())
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-12, atol=1e-12)
@@ -178,23 +183,20 @@ def test_a_tiled_bf16_norm_saves_its_input_only_and_matches_its_bf16_autograd():
     torch.testing.assert_close(got[2][0], want[2][0], rtol=2e-2, atol=2e-2)
 
 
-def test_tile_norms_finds_a_llama_s_and_a_qwen3_s_norms_and_leaves_gated_ones():
+def _qwen3(layers):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    sizes = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 40, "head_dim": 8}
+    heads = {"num_attention_heads": 2, "num_key_value_heads": 1}
+    return Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers, **sizes, **heads))
+
+
+def test_tile_norms_finds_a_llama_s_and_a_qwen3_s_norms_and_leaves_gated_ones():
     class GatedRMSNorm(nn.RMSNorm):  # a second input, as Mamba's and Gated DeltaNet's gated norms take
         def forward(self, x, gate):
             return super().forward(x) * gate
 
-    config = Qwen3Config(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-    )
-    model = Qwen3ForCausalLM(config)
+    model = _qwen3(layers=1)
     model.gated = GatedRMSNorm(8)
     names = tile_norms(model)
     assert names == [
@@ -210,31 +212,13 @@ def test_tile_norms_finds_a_llama_s_and_a_qwen3_s_norms_and_leaves_gated_ones():
 
 
 def test_a_qwen3_with_tiled_norms_and_mlps_gives_the_same_loss_and_gradients():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-    )
-    model = Qwen3ForCausalLM(config).double()
+    model = _qwen3(layers=2).double()
     reference = copy.deepcopy(model)
     tile_norms(model, tile_tokens=3)
     tile_mlps(model)
     ids = torch.randint(0, 32, (2, 20))
-    losses = []
-    for m in (model, reference):
-        loss = m(input_ids=ids, labels=ids).loss
-        loss.backward()
-        losses.append(loss.detach())
-    torch.testing.assert_close(losses[0], losses[1], rtol=1e-12, atol=1e-12)
-    for (name, a), b in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12, msg=name)
+    _assert_same_loss_and_gradients(model, reference, lambda m: m(input_ids=ids, labels=ids).loss)
 
 
 def test_the_tiles_are_recomputed_under_the_forward_s_autocast():
