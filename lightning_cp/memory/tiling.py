@@ -98,13 +98,12 @@ def tile_norms(model: nn.Module, tile_tokens: int | None = None) -> list[str]:
 
 
 def _is_token_norm(module: nn.Module) -> bool:
-    if getattr(module, "_lightning_cp_tiled", False):
-        return True
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         norm = len(module.normalized_shape) == 1
     else:
         norm = type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
-    parameters = list(inspect.signature(module.forward).parameters.values())
+    forward = module.forward.original if isinstance(module.forward, _TiledForward) else module.forward
+    parameters = list(inspect.signature(forward).parameters.values())
     return norm and len(parameters) == 1 and parameters[0].kind is not inspect.Parameter.VAR_POSITIONAL
 
 

@@ -206,7 +206,8 @@ def test_tile_norms_finds_a_llama_s_and_a_qwen3_s_norms_and_leaves_gated_ones():
         "model.layers.0.post_attention_layernorm",
         "model.norm",
     ]
-    assert tile_norms(model) == names  # once only
+    assert tile_mlps(model) == ["model.layers.0.mlp"]
+    assert tile_norms(model) == names  # once only, and only the norms
     with pytest.raises(ValueError, match="no RMSNorm or LayerNorm"):
         tile_norms(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
 
