@@ -26,7 +26,7 @@ from tests._trainer import quiet_trainer
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 120
-_QWEN3_5_TEXT = {
+_TEXT_SIZES = {
     "vocab_size": VOCAB,
     "hidden_size": 64,
     "intermediate_size": 96,
@@ -34,12 +34,15 @@ _QWEN3_5_TEXT = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
+    "max_position_embeddings": 256,
+}
+_QWEN3_5_TEXT = {
+    **_TEXT_SIZES,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
     "linear_key_head_dim": 8,
     "linear_value_head_dim": 8,
     "layer_types": ["linear_attention", "full_attention"],
-    "max_position_embeddings": 256,
     "rope_parameters": {
         "rope_type": "default",
         "rope_theta": 10000.0,
@@ -69,17 +72,10 @@ COMPOSITES = {
     },
     "gemma3": {
         "text_config": {
-            "vocab_size": VOCAB,
-            "hidden_size": 64,
-            "intermediate_size": 96,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
+            **_TEXT_SIZES,
             "query_pre_attn_scalar": 16,
             "sliding_window": 8,
             "layer_types": ["sliding_attention", "full_attention"],
-            "max_position_embeddings": 256,
         },
         "vision_config": {
             "model_type": "siglip_vision_model",

@@ -45,17 +45,23 @@ def _llama() -> tuple[nn.Module, ModelShape, type[nn.Module]]:
     return model, shape, type(model.model.layers[0])
 
 
+_QWEN3_SIZES = {
+    "vocab_size": VOCAB,
+    "hidden_size": 128,
+    "intermediate_size": 352,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+}
+"""The tiny Qwen3.5's and Qwen3-MoE's common sizes (the tiny Llama's)."""
+
+
 def _qwen3_5() -> tuple[nn.Module, ModelShape, type[nn.Module]]:
     """A hybrid: Gated DeltaNet layers (transformers' torch kernels) beside an attention layer."""
     model, shape = hf_model(
         model_type="qwen3_5_text",
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=352,
+        **_QWEN3_SIZES,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         linear_key_head_dim=32,
@@ -69,16 +75,11 @@ def _qwen3_moe() -> tuple[nn.Module, ModelShape, type[nn.Module]]:
     """A mixture of experts: top 2 of 4 experts per token."""
     model, shape = hf_model(
         model_type="qwen3_moe",
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=352,
+        **_QWEN3_SIZES,
         moe_intermediate_size=176,
         num_experts=4,
         num_experts_per_tok=2,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
     )
     return model, shape, type(model.model.layers[0])
 
