@@ -4,7 +4,7 @@ An MLP (GPT's ``Linear -> GELU -> Linear``, a SwiGLU ``down(act(gate(x)) * up(x)
 LayerNorm: over the last dim) act on every token alone, so running them on tiles of the tokens gives the
 same output. :func:`tiled_mlp` runs the tiles one after another without building a graph and saves only
 its input; the backward recomputes each tile's forward and back-propagates through it, summing the
-parameters' gradients over the tiles. One tile's intermediates are alive at a time (forward and backward),
+parameters' gradients over the tiles in fp32. One tile's intermediates are alive at a time (forward and backward),
 instead of the whole ``[T_local, ffn]`` ones autograd would keep for an MLP, or a norm's fp32 copies of its
 input and its normalized input. The price is one extra forward of the module in the backward (as with
 activation checkpointing, which recomputes the layer anyway; tiled inside a checkpointed layer, it runs
@@ -185,5 +185,14 @@ class _Tiled(torch.autograd.Function):
                 grads = grads[1:]
             for i, g in enumerate(grads):
                 if g is not None:
-                    dparams[i] = g if dparams[i] is None else dparams[i] + g
+                    g = _accumulation(g)
+                    dparams[i] = g if dparams[i] is None else dparams[i].add_(g)
+        dparams = [None if g is None else g.to(p.dtype) for g, p in zip(dparams, params, strict=True)]
         return (dx, None, None, *dparams)
+
+
+def _accumulation(grad: Tensor) -> Tensor:
+    """A tile's parameter gradient in the dtype the tiles' sum is kept in: fp32, or the gradient's own when
+    wider. Summed in bf16 (FSDP's gathered parameters), the rounding of every partial sum would add up over
+    the tiles; in fp32 the sum is rounded once, when it is returned in the parameter's dtype."""
+    return grad.to(torch.promote_types(grad.dtype, torch.float32))
