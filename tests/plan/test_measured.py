@@ -94,6 +94,7 @@ class _Step:
         tiled: bool,
         cp: int = 1,
         attention: AttentionMode | None = None,
+        tokens: int = TOKENS,
     ) -> None:
         torch.manual_seed(0)
         self.model, self.shape, layer = build()
@@ -103,7 +104,7 @@ class _Step:
             tile_norms(self.model)
         if checkpointing:
             apply_checkpointing(self.model, [layer])
-        self.tokens = TOKENS // cp  # the blocked kernel of CP ranks is slow on the CPU
+        self.tokens = tokens // cp  # the blocked kernel of CP ranks is slow on the CPU
         # Rank 0 of cp simulated ranks (no process group): every exchange records, peers' tokens are zeros.
         self.peers = SimulatedCPGroup(cp)
         ids = {"input_ids": torch.randint(0, VOCAB, (1, self.tokens))}
