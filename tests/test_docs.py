@@ -102,3 +102,36 @@ def test_every_section_the_code_cites_exists():
     assert citations, "no file cites a section of docs/design.md: has the citation form changed?"
     wrong = [(file, section) for file, section in citations if section not in headings]
     assert not wrong, f"sections of docs/design.md that do not exist (headings: {sorted(headings)}): {wrong}"
+
+
+def _own_strategy_arguments() -> list[str]:
+    """The strategies' own ``__init__`` arguments (not Lightning's ``DDPStrategy``'s)."""
+    import inspect
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_cp import MegatronCPFSDPStrategy
+    from lightning_cp.strategies.base import MegatronCPBase
+
+    def names(function: object) -> list[str]:
+        kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        return [p.name for p in inspect.signature(function).parameters.values() if p.kind not in kinds]
+
+    lightning = set(names(DDPStrategy.__init__))
+    own = [n for n in names(MegatronCPBase.__init__) if n not in lightning]
+    return own + [n for n in names(MegatronCPFSDPStrategy.__init__) if n not in lightning]
+
+
+def test_readme_and_the_usage_table_name_every_strategy_argument():
+    flags = re.MULTILINE | re.DOTALL
+    readme = re.search(r"^## Configuration\n(.*?)(?=^## )", (ROOT / "README.md").read_text(), flags)
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    arguments = _own_strategy_arguments()
+    assert "cp" in arguments and "fsdp_wrap" in arguments
+    assert readme, "README.md has no '## Configuration' section"
+    missing = [a for a in arguments if f"`{a}`" not in readme.group(1)]
+    assert not missing, f"README.md's Configuration names the strategies' init_args; add {missing}"
+    unlisted = [a for a in arguments if not re.search(rf"init_args\.{a}`|`\.{a}`", usage)]
+    assert not unlisted, (
+        f"docs/usage.md's configuration table lists the strategies' init_args; add {unlisted}"
+    )
