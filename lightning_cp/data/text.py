@@ -133,7 +133,8 @@ class TextDataModule(_CPDataModule):
     assistant message adds to the rendering, up to its end-of-turn (EOS) token
     (:data:`~lightning_cp.data.tokenization.ChatTargets`; ``setup`` logs which). A conversation longer
     than ``seq_len`` is dropped (``overlong="drop"``) or cut to its first ``seq_len`` tokens
-    (``"truncate"``); one without a target token left is dropped. Each conversation is packed whole.
+    (``"truncate"``); one without a target token left is dropped (under either ``overlong``, one whose prompt
+    alone fills ``seq_len``), and counted. Each conversation is packed whole.
 
     Validation: ``val_path``, a file of its own, or else a seeded ``val_fraction`` of the documents (at least
     one) held out before packing. ``batch_size`` counts rows per data-parallel rank; the loaders are

@@ -320,3 +320,47 @@ def test_a_missing_column_is_named_at_prepare_data(tiny_chat_dir, tmp_path):
     )
     with pytest.raises(ValueError, match=r"has no column 'messages' \(its columns: \['text'\]\)"):
         data.prepare_data()
+
+
+def _chat_file(path, conversations):
+    path.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in conversations))
+    return path
+
+
+@pytest.mark.parametrize("overlong", ["drop", "truncate"])
+def test_a_prompt_longer_than_seq_len_is_dropped_and_counted_never_trained_without_targets(
+    overlong, tiny_chat_dir, tmp_path
+):
+    """A conversation whose prompt alone fills ``seq_len`` has no target in its first ``seq_len`` tokens: it
+    is dropped and counted under either ``overlong`` (never served as a row without targets); one whose first
+    reply starts inside ``seq_len`` is cut there under ``truncate`` and counted as truncated."""
+    seq_len = 32
+    question = {"role": "user", "content": "What is the capital of Peru?"}
+    answer = {"role": "assistant", "content": "The capital of Peru is Lima."}
+    long_prompt = [{"role": "system", "content": " ".join(["Answer briefly."] * 12)}, question, answer]
+    long_reply = [question, {"role": "assistant", "content": " ".join(["red green blue"] * 8)}]
+    conversations = [[question, answer]] * 3 + [long_prompt, long_reply]
+    train = _chat_file(tmp_path / "chat_train.jsonl", conversations)
+    val = _chat_file(tmp_path / "chat_val.jsonl", [[question, answer]])
+    data = TextDataModule(
+        str(train),
+        str(tiny_chat_dir),
+        format="chat",
+        seq_len=seq_len,
+        overlong=overlong,
+        val_path=str(val),
+        cache_dir=str(tmp_path / "cache"),
+    )
+    data.prepare_data()
+    data.setup("fit")
+    references = [_reference_chat(data._tokenizer, messages) for messages in conversations]
+    first_target = [mask.index(1) for _, mask in references]
+    assert first_target[3] >= seq_len and first_target[4] < seq_len < len(references[4][0])  # the cases hold
+    kept = {document: (ids, mask) for document, _, ids, mask in _pieces(data._train)}
+    assert sorted(kept) == ([0, 1, 2, 4] if overlong == "truncate" else [0, 1, 2])
+    for document, (ids, mask) in kept.items():
+        reference_ids, reference_mask = references[document]
+        assert ids == reference_ids[:seq_len] and mask == reference_mask[:seq_len] and sum(mask) > 0
+    summary = data.summary["train"]
+    assert summary.documents == 5
+    assert (summary.dropped, summary.truncated) == ((1, 1) if overlong == "truncate" else (2, 0))
