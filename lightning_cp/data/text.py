@@ -29,10 +29,19 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import Dataset
 
 from lightning_cp.constants import INPUT_IDS, LOSS_MASK
+from lightning_cp.data.chat_messages import normalize_messages
 from lightning_cp.data.collate import collate_packed
 from lightning_cp.data.datamodule import _CPDataModule
 from lightning_cp.data.packing import Piece, pack_documents
+from lightning_cp.data.text_files import (
+    check_file,
+    check_first_record,
+    check_json_lines,
+    load_records,
+    record_location,
+)
 from lightning_cp.data.tokenization import (
+    RecordError,
     TextFormat,
     chat_targets,
     load_tokenizer,
@@ -40,8 +49,6 @@ from lightning_cp.data.tokenization import (
     tokenize_texts,
 )
 
-_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
-"""File extension -> the ``datasets`` builder that reads it."""
 _TOKENIZER_FILE_PREFIXES = (
     "tokenizer",
     "special_tokens_map",
@@ -62,7 +69,10 @@ class PackingSummary:
     documents: int
     """Documents (or conversations) of the split before any was dropped."""
     dropped: int
-    """Conversations left out: longer than ``seq_len`` (``overlong="drop"``), or without a target token."""
+    """Conversations left out for their length: longer than ``seq_len`` (``overlong="drop"``), or without a
+    target token in their first ``seq_len`` tokens (a prompt that alone fills ``seq_len``)."""
+    untrained: int
+    """Conversations left out without any target token (no assistant message)."""
     truncated: int
     """Conversations cut to their first ``seq_len`` tokens (``overlong="truncate"``)."""
     split: int
@@ -81,8 +91,8 @@ class PackingSummary:
     def __str__(self) -> str:
         return (
             f"{self.documents} documents, {self.tokens} tokens in {self.rows} rows of {self.seq_len}, packing "
-            f"efficiency {self.efficiency:.1%}; dropped {self.dropped}, truncated {self.truncated}, split "
-            f"{self.split}"
+            f"efficiency {self.efficiency:.1%}; dropped {self.dropped} (length), {self.untrained} without an "
+            f"assistant reply, truncated {self.truncated}, split {self.split}"
         )
 
 
@@ -127,7 +137,8 @@ class TextDataModule(_CPDataModule):
     special tokens and ended by EOS; every token is a target. A document longer than ``seq_len`` is cut
     into rows of ``seq_len`` tokens and a last piece; the others are packed whole, best-fit decreasing.
 
-    ``format="chat"``: a ``messages`` column of conversations (lists of ``{"role": ..., "content": ...}``),
+    ``format="chat"``: a ``messages`` column of conversations (lists of ``{"role": ..., "content": ...}``, or
+    ShareGPT's ``{"from": "human" | "gpt" | "system", "value": ...}``, read as user / assistant / system),
     rendered with the tokenizer's chat template; the only targets are the assistant's replies: the tokens
     the template's ``{% generation %}`` blocks mark, or, for a template without them, the tokens each
     assistant message adds to the rendering, up to its end-of-turn (EOS) token
@@ -160,12 +171,17 @@ class TextDataModule(_CPDataModule):
 
     Raises:
         ImportError: ``datasets`` or ``transformers`` is missing (``pip install 'lightning-cp[hf,data]'``).
-        ValueError: in the constructor, a missing file or one of another type, an unknown ``format`` or
-            ``overlong``, ``seq_len < 2``, a bad ``val_fraction``, both ``val_fraction`` and ``val_path``, a
-            tokenizer directory that does not load, without EOS (``text``) or without a chat template
-            (``chat``); at ``prepare_data`` / ``setup``, a missing column, a conversation whose assistant
-            turns a template without ``{% generation %}`` blocks does not render as prefixes, or a split left
-            without documents.
+        ValueError: one line naming the argument (and the file's line where there is one) and the fix. In the
+            constructor: a missing file or one of another type, an empty file, a first JSON line that is not
+            UTF-8, not a JSON object or without ``column`` (or a conversation that is no list of messages),
+            an unknown ``format`` or ``overlong``, ``seq_len < 2``, a bad ``val_fraction``, both
+            ``val_fraction`` and ``val_path``, a tokenizer directory that does not load, without EOS
+            (``text``) or without a chat template (``chat``). At ``prepare_data`` / ``setup``: a file with no
+            record, a JSON line that is not UTF-8 or not an object, a missing column, a record that is no
+            document or conversation (a ShareGPT sender other than human / gpt / system), a conversation the
+            chat template fails on or whose assistant turns a template without ``{% generation %}`` blocks
+            does not render as prefixes, a chat file without any assistant reply, or a split left without
+            documents.
     """
 
     def __init__(
@@ -193,9 +209,11 @@ class TextDataModule(_CPDataModule):
             raise ValueError(f"overlong={overlong!r} is not supported; use 'drop' or 'truncate'.")
         if seq_len < 2:
             raise ValueError(f"seq_len={seq_len} must be at least 2 (a token and its target).")
+        read_column = column or ("text" if format == "text" else "messages")
         for name, file in (("path", path), ("val_path", val_path)):
             if file is not None:
-                _check_file(name, file)
+                check_file(name, file)
+                check_first_record(name, file, read_column, chat=format == "chat")
         if val_path is not None and val_fraction is not None:
             raise ValueError(
                 f"val_fraction={val_fraction} and val_path={val_path!r} are both set; validate on the file "
@@ -211,7 +229,7 @@ class TextDataModule(_CPDataModule):
         self.chat_targets = chat_targets(self._tokenizer, tokenizer) if format == "chat" else None
         self.save_hyperparameters()
         self.path, self.tokenizer, self.seq_len, self.format = path, tokenizer, seq_len, format
-        self.column = column or ("text" if format == "text" else "messages")
+        self.column = read_column
         self.val_fraction, self.val_path, self.overlong = val_fraction, val_path, overlong
         self.seed, self.cache_dir = seed, cache_dir
         self.vocab_size = len(self._tokenizer)
@@ -219,9 +237,9 @@ class TextDataModule(_CPDataModule):
 
     def prepare_data(self) -> None:
         """Tokenize the files into ``datasets``' cache (each node's local rank 0, before ``setup``)."""
-        for file in (self.path, self.val_path):
+        for name, file in (("path", self.path), ("val_path", self.val_path)):
             if file is not None:
-                self._tokenized(file)
+                self._tokenized(name, file)
 
     def setup(self, stage: str) -> None:
         """Read the tokenized files from the cache, split off validation, pack both splits; log the summary."""
@@ -229,7 +247,7 @@ class TextDataModule(_CPDataModule):
             return
         if self.chat_targets is not None:
             rank_zero_info(f"TextDataModule chat targets: {_CHAT_TARGETS[self.chat_targets]}")
-        documents = self._tokenized(self.path)
+        documents = self._tokenized("path", self.path)
         indices = np.arange(len(documents))
         if self.val_path is None:
             num_val = max(1, round(self.val_fraction * len(documents)))
@@ -244,39 +262,39 @@ class TextDataModule(_CPDataModule):
                 "val": (documents, np.sort(order[:num_val])),
             }
         else:
-            val_documents = self._tokenized(self.val_path)
+            val_documents = self._tokenized("val_path", self.val_path)
             splits = {"train": (documents, indices), "val": (val_documents, np.arange(len(val_documents)))}
         datasets = {}
         for name, (source, selected) in splits.items():
             datasets[name], self.summary[name] = self._pack(source, selected)
             if len(datasets[name]) == 0:
-                raise ValueError(
-                    f"TextDataModule: the {name} split has no document left ({self.summary[name]}); use "
-                    "overlong='truncate', a larger seq_len or more data."
-                )
+                raise _empty_split(name, self.summary[name])
             rank_zero_info(f"TextDataModule {name}: {self.summary[name]}")
         self._train, self._val = datasets["train"], datasets["val"]
 
     def _pack(self, documents: Any, selected: np.ndarray) -> tuple[PackedRows, PackingSummary]:
         """Pack ``documents[selected]``: chat conversations kept, cut or dropped by ``overlong``."""
         lengths = np.asarray(documents["length"], dtype=np.int64)[selected]
-        count, dropped, truncated = len(selected), 0, 0
+        count, dropped, untrained, truncated = len(selected), 0, 0, 0
         if self.format == "chat":
             first_target = np.asarray(documents["first_target"], dtype=np.int64)[selected]
+            trained = first_target >= 0
             too_long = lengths > self.seq_len
             if self.overlong == "truncate":
                 truncated = int((too_long & (first_target < self.seq_len)).sum())
                 lengths = np.minimum(lengths, self.seq_len)
-                keep = (first_target >= 0) & (first_target < self.seq_len)
+                keep = trained & (first_target < self.seq_len)
             else:
-                keep = (first_target >= 0) & ~too_long
-            dropped = int((~keep).sum())
+                keep = trained & ~too_long
+            untrained = int((~trained).sum())
+            dropped = int((~keep).sum()) - untrained
             selected, lengths = selected[keep], lengths[keep]
         rows = pack_documents(lengths.tolist(), self.seq_len)
         rows = [[Piece(int(selected[p.document]), p.start, p.length) for p in row] for row in rows]
         summary = PackingSummary(
             documents=count,
             dropped=dropped,
+            untrained=untrained,
             truncated=truncated,
             split=int((lengths > self.seq_len).sum()),
             tokens=int(lengths.sum()),
@@ -285,17 +303,15 @@ class TextDataModule(_CPDataModule):
         )
         return PackedRows(documents, rows), summary
 
-    def _tokenized(self, file: str) -> Any:
-        """The tokenized ``datasets.Dataset`` of ``file`` (``input_ids``, ``length``; chat: ``loss_mask``,
-        ``first_target``), from the cache when an equal file, tokenizer and format were tokenized before."""
-        import datasets
-
-        builder = _BUILDERS[os.path.splitext(file)[1]]
-        raw = datasets.load_dataset(builder, data_files=file, split="train", cache_dir=self.cache_dir)
+    def _tokenized(self, name: str, file: str) -> Any:
+        """The tokenized ``datasets.Dataset`` of ``file`` (the argument ``name``: ``input_ids``, ``length``;
+        chat: ``loss_mask``, ``first_target``), from the cache when an equal file, tokenizer and format were
+        tokenized before."""
+        raw = load_records(name, file, self.cache_dir)
         if self.column not in raw.column_names:
             raise ValueError(
-                f"{file!r} has no column {self.column!r} (its columns: {raw.column_names}); set column to the "
-                f"one holding the {'conversations' if self.format == 'chat' else 'documents'}."
+                f"{name}={file!r} has no column {self.column!r} (its columns: {raw.column_names}); set column to "
+                f"the one holding the {'conversations' if self.format == 'chat' else 'documents'}."
             )
         tokenizer, chat = self._tokenizer, self.format == "chat"
 
@@ -303,7 +319,7 @@ class TextDataModule(_CPDataModule):
             if chat:
                 out = tokenize_conversations(tokenizer, values, self.chat_targets, indices)
             else:
-                out = tokenize_texts(tokenizer, values)
+                out = tokenize_texts(tokenizer, values, indices)
             out["length"] = [len(ids) for ids in out[INPUT_IDS]]
             if chat:
                 out["first_target"] = [
@@ -311,15 +327,31 @@ class TextDataModule(_CPDataModule):
                 ]
             return out
 
-        return raw.map(
-            tokenize,
-            input_columns=self.column,
-            with_indices=True,
-            batched=True,
-            remove_columns=raw.column_names,
-            new_fingerprint=self._fingerprint(raw._fingerprint),
-            desc=f"Tokenizing {os.path.basename(file)} ({self.format})",
-        )
+        try:
+            documents = raw.map(
+                tokenize,
+                input_columns=self.column,
+                with_indices=True,
+                batched=True,
+                remove_columns=raw.column_names,
+                new_fingerprint=self._fingerprint(raw._fingerprint),
+                desc=f"Tokenizing {os.path.basename(file)} ({self.format})",
+            )
+        except RecordError as error:
+            raise ValueError(
+                f"{name}={file!r} {record_location(name, file, error.index)}: {error.reason}"
+            ) from None
+        except UnicodeDecodeError:  # pyarrow stores a byte that is not UTF-8 unchecked: find its line
+            check_json_lines(name, file)
+            raise
+        if chat and np.max(documents["first_target"]) < 0:
+            roles = [message["role"] for message in normalize_messages(raw[0][self.column])]
+            raise ValueError(
+                f"{name}={file!r}: none of its {len(raw)} conversations has an assistant reply to train on "
+                f"({record_location(name, file, 0)} has the roles {roles}); format='chat' trains on the messages "
+                "of role 'assistant' (ShareGPT: from 'gpt'): rename the replies' role, or use format='text'."
+            )
+        return documents
 
     def _fingerprint(self, source: str) -> str:
         """The cache key of a tokenized file: its ``datasets`` fingerprint, the tokenizer files' content, the
@@ -342,11 +374,10 @@ _CHAT_TARGETS = {
 }
 
 
-def _check_file(name: str, file: str) -> None:
-    if not os.path.isfile(file):
-        raise ValueError(f"{name}={file!r} does not exist; pass a .jsonl, .json, .parquet or .arrow file.")
-    extension = os.path.splitext(file)[1]
-    if extension not in _BUILDERS:
-        raise ValueError(
-            f"{name}={file!r} has the extension {extension!r}; TextDataModule reads {', '.join(_BUILDERS)} files."
-        )
+def _empty_split(name: str, summary: PackingSummary) -> ValueError:
+    """The error of a split left without documents, with the advice that fits why."""
+    if summary.untrained == summary.documents:
+        advice = "none has an assistant reply: give the conversations messages of role 'assistant'"
+    else:
+        advice = "use overlong='truncate', a larger seq_len or more data"
+    return ValueError(f"TextDataModule: the {name} split has no document left ({summary}); {advice}.")

@@ -18,6 +18,8 @@ import os
 import re
 from typing import Any, Literal
 
+from lightning_cp.data.chat_messages import normalize_messages
+
 TextFormat = Literal["text", "chat"]
 
 ChatTargets = Literal["generation", "turns"]
@@ -87,44 +89,95 @@ def chat_targets(tokenizer: Any, path: str) -> ChatTargets:
     return "generation" if _GENERATION_BLOCK.search(template) else "turns"
 
 
-def tokenize_texts(tokenizer: Any, texts: list[str]) -> dict[str, list[list[int]]]:
-    """``input_ids`` of every document, each ending with EOS; a ``datasets`` batched-map function body."""
+class RecordError(ValueError):
+    """A record of a file that cannot be tokenized; the data module names the file and the line.
+
+    Attributes:
+        index: the record's index in its file, as ``datasets`` numbers it (0-based, blank lines skipped).
+        reason: why, and what to change.
+    """
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"record {index}: {reason}")
+        self.index, self.reason = index, reason
+
+
+def not_a_document(value: Any) -> str:
+    """Why ``value``, a ``format="text"`` record's column, is no document (it is not a string)."""
+    kind = "null" if value is None else f"a {type(value).__name__}"
+    return f"the document is {kind}, not a string; write the text as a JSON string."
+
+
+def tokenize_texts(tokenizer: Any, texts: list[Any], indices: list[int]) -> dict[str, list[list[int]]]:
+    """``input_ids`` of every document, each ending with EOS; ``indices`` number them in their file, for
+    errors. A ``datasets`` batched-map function body.
+
+    Raises:
+        RecordError: a document that is not a string.
+    """
+    for index, text in zip(indices, texts, strict=True):
+        if not isinstance(text, str):
+            raise RecordError(index, not_a_document(text))
     eos = tokenizer.eos_token_id
     ids = tokenizer(texts)["input_ids"]
     return {"input_ids": [doc if doc and doc[-1] == eos else [*doc, eos] for doc in ids]}
 
 
 def tokenize_conversations(
-    tokenizer: Any, conversations: list[list[dict]], targets: ChatTargets, indices: list[int]
+    tokenizer: Any, conversations: list[Any], targets: ChatTargets, indices: list[int]
 ) -> dict[str, list[list[int]]]:
     """``input_ids`` and ``loss_mask`` (1 on the assistant's tokens, found as ``targets`` says) of every
-    conversation; ``indices`` number them in their file, for errors. A ``datasets`` batched-map body.
+    conversation (its messages read by :func:`~lightning_cp.data.chat_messages.normalize_messages`: ShareGPT's
+    ``{"from", "value"}`` too); ``indices`` number them in their file, for errors. A ``datasets``
+    batched-map body.
 
     Raises:
-        ValueError: (``"turns"``) a conversation whose prefixes the template does not render as prefixes of
-            the whole, naming it and what to change.
+        RecordError: a conversation that is no list of messages, that the chat template fails on, or
+            (``"turns"``) whose prefixes the template does not render as prefixes of the whole; naming the
+            reason and what to change.
     """
-    if targets == "generation":
-        encoded = tokenizer.apply_chat_template(
-            conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        return {"input_ids": encoded["input_ids"], "loss_mask": encoded["assistant_masks"]}
     ids, masks = [], []
-    for index, messages in zip(indices, conversations, strict=True):
-        ids.append(_render(tokenizer, messages, prompt=False))
-        masks.append(_turn_mask(tokenizer, messages, ids[-1], index))
+    for index, conversation in zip(indices, conversations, strict=True):
+        try:
+            messages = normalize_messages(conversation)
+            if targets == "generation":
+                encoded = _apply_template(
+                    tokenizer, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+                )
+                ids.append(list(encoded["input_ids"]))
+                masks.append(list(encoded["assistant_masks"]))
+            else:
+                ids.append(_render(tokenizer, messages, prompt=False))
+                masks.append(_turn_mask(tokenizer, messages, ids[-1]))
+        except ValueError as error:
+            raise RecordError(index, str(error)) from None
     return {"input_ids": ids, "loss_mask": masks}
+
+
+def _apply_template(tokenizer: Any, messages: list[dict], **options: Any) -> Any:
+    """``tokenizer.apply_chat_template(messages, **options)``; a template that fails on the messages (a
+    missing key, its own ``raise_exception``) raises a one-line ``ValueError`` saying so."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, **options)
+    except (TemplateError, TypeError, KeyError) as error:
+        detail = " ".join(str(error).split()) or "no message"
+        raise ValueError(
+            f"the chat template fails on it ({type(error).__name__}: {detail}); check the messages' keys and "
+            "roles against the template (chat_template.jinja in the tokenizer directory)."
+        ) from error
 
 
 def _render(tokenizer: Any, messages: list[dict], prompt: bool) -> list[int]:
     return list(
-        tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, add_generation_prompt=prompt
-        )["input_ids"]
+        _apply_template(tokenizer, messages, tokenize=True, return_dict=True, add_generation_prompt=prompt)[
+            "input_ids"
+        ]
     )
 
 
-def _turn_mask(tokenizer: Any, messages: list[dict], ids: list[int], index: int) -> list[int]:
+def _turn_mask(tokenizer: Any, messages: list[dict], ids: list[int]) -> list[int]:
     """1 on each assistant message's tokens in ``ids``, the rendered conversation (``"turns"``)."""
     mask = [0] * len(ids)
     for i, message in enumerate(messages):
@@ -134,7 +187,7 @@ def _turn_mask(tokenizer: Any, messages: list[dict], ids: list[int], index: int)
         end = len(through := _render(tokenizer, messages[: i + 1], prompt=False))
         if ids[:start] != before or ids[:end] != through or end <= start:
             raise ValueError(
-                f"conversation {index}: the chat template does not render its first {i + 1} messages as a "
+                f"the chat template does not render its first {i + 1} messages as a "
                 "prefix of the whole conversation (it rewrites earlier turns), so the assistant's tokens "
                 "cannot be found from the rendering; mark them with {% generation %}...{% endgeneration %} "
                 "around the assistant message's content and end-of-turn token in chat_template.jinja."

@@ -4,6 +4,7 @@ conversations, the validation split, the tokenization cache, exact mid-epoch res
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -275,7 +276,7 @@ def _drops_earlier_replies(template):
 def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_conversation(tiny_chat_dir, tmp_path):
     directory = _tokenizer_with_template(tiny_chat_dir, tmp_path, _drops_earlier_replies)
     assert "loop.last" in (directory / "chat_template.jinja").read_text()
-    with pytest.raises(ValueError, match=r"conversation \d+: the chat template does not render its first"):
+    with pytest.raises(ValueError, match=r"line \d+: the chat template does not render its first"):
         _module(directory, tmp_path)
 
 
@@ -314,10 +315,15 @@ def test_constructor_mistakes_are_one_line_errors(case, expected, tiny_chat_dir,
     assert expected in str(error.value) and "\n" not in str(error.value)
 
 
-def test_a_missing_column_is_named_at_prepare_data(tiny_chat_dir, tmp_path):
-    data = TextDataModule(
-        str(tiny_chat_dir / "text.jsonl"), str(tiny_chat_dir), format="chat", cache_dir=str(tmp_path)
-    )
+def test_a_missing_column_is_named_in_the_constructor_or_at_prepare_data(tiny_chat_dir, tmp_path):
+    """A JSON-lines file's first record is read where the data module is built; a parquet file's columns
+    only when ``datasets`` reads it, at ``prepare_data``."""
+    with pytest.raises(ValueError, match=r"text.jsonl' line 1 has no 'messages' \(its keys: \['text'\]\)"):
+        TextDataModule(str(tiny_chat_dir / "text.jsonl"), str(tiny_chat_dir), format="chat")
+    datasets = pytest.importorskip("datasets")
+    parquet = tmp_path / "text.parquet"
+    datasets.Dataset.from_list(_records(tiny_chat_dir, "text.jsonl")).to_parquet(str(parquet))
+    data = TextDataModule(str(parquet), str(tiny_chat_dir), format="chat", cache_dir=str(tmp_path / "cache"))
     with pytest.raises(ValueError, match=r"has no column 'messages' \(its columns: \['text'\]\)"):
         data.prepare_data()
 
@@ -364,3 +370,98 @@ def test_a_prompt_longer_than_seq_len_is_dropped_and_counted_never_trained_witho
     summary = data.summary["train"]
     assert summary.documents == 5
     assert (summary.dropped, summary.truncated) == ((1, 1) if overlong == "truncate" else (2, 0))
+
+
+_QUESTION = {"role": "user", "content": "What is 2 plus 2?"}
+_GOOD = (
+    json.dumps({"messages": [_QUESTION, {"role": "assistant", "content": "2 plus 2 is 4."}]}).encode() + b"\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("content", "when", "expected"),
+    [
+        (b"", "built", r"holds no record \(it is empty\); pass a file with at least one"),
+        (b"\n  \n", "built", r"holds no record \(it is empty\)"),
+        (
+            b"messages: [hi]\n",
+            "built",
+            r"line 1 is not JSON \(Expecting value, at column 1\); write one JSON",
+        ),
+        (_GOOD + b"[1, 2]\n", "prepared", r"line 2 is a JSON list, not an object; write one object per"),
+        (
+            b'{"messages": "hi"}\n',
+            "built",
+            r"line 1: the conversation is a str, not a list of messages; write",
+        ),
+        (_GOOD + b"\n" + _GOOD[:-3] + b"\n", "prepared", r"line 3 is not JSON \(Expecting ',' delimiter"),
+        (
+            _GOOD + _GOOD.replace(b"2 plus 2 is 4", b"caf\xe9"),
+            "prepared",
+            rf"line 2: byte {_GOOD.index(b'2 plus 2 is 4') + 4} of the line \(b'\\xe9'\) is not UTF-8; re-encode the file as UTF-8",
+        ),
+        (
+            _GOOD + b'{"messages": [{"from": "bing", "value": "hi"}]}\n',
+            "prepared",
+            r"line 2: message 0 is from 'bing', which is not a ShareGPT sender .*; rename it",
+        ),
+        (
+            _GOOD + b'{"messages": [{"role": "user"}]}\n',
+            "prepared",
+            r"line 2: the chat template fails on it \(UndefinedError: .*\); check the messages' keys",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]}\n' * 2,
+            "prepared",
+            r"none of its 2 conversations has an assistant reply to train on \(line 1 has the roles \['user', "
+            + r"'bot'\]\); format='chat' trains on the messages of role 'assistant' \(ShareGPT: from 'gpt'\)",
+        ),
+    ],
+)
+def test_a_bad_chat_file_fails_before_training_in_one_line_naming_the_file_the_line_and_the_fix(
+    content, when, expected, tiny_chat_dir, tmp_path
+):
+    """An empty file, a line that is not JSON (or not an object), a byte that is not UTF-8, a sender or
+    a message the template cannot render, a file without any assistant reply: one line naming the file and
+    the line, in the constructor where the first record shows it, else at ``prepare_data``."""
+    file = tmp_path / "chat.jsonl"
+    file.write_bytes(content)
+    with pytest.raises(ValueError) as error:
+        data = TextDataModule(str(file), str(tiny_chat_dir), format="chat", cache_dir=str(tmp_path / "cache"))
+        assert when == "prepared", "the constructor accepted the file"
+        data.prepare_data()
+    message = str(error.value)
+    assert message.startswith(f"path={str(file)!r}") and "\n" not in message
+    assert re.search(expected, message), message
+
+
+def test_sharegpt_conversations_train_as_their_role_and_content_messages(tiny_chat_dir, tmp_path):
+    """ShareGPT's ``{"from": "human" | "gpt" | "system", "value"}`` messages give exactly the tokens and
+    targets of the same conversations written as user / assistant / system messages."""
+    sender = {"user": "human", "assistant": "gpt", "system": "system"}
+    records = _records(tiny_chat_dir, "chat.jsonl")[:20]
+    file = tmp_path / "sharegpt.jsonl"
+    file.write_text(
+        "".join(
+            json.dumps(
+                {"conversations": [{"from": sender[m["role"]], "value": m["content"]} for m in r["messages"]]}
+            )
+            + "\n"
+            for r in records
+        )
+    )
+    data = TextDataModule(
+        str(file),
+        str(tiny_chat_dir),
+        format="chat",
+        column="conversations",
+        val_fraction=0.1,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    data.prepare_data()
+    data.setup("fit")
+    pieces = [p for dataset in (data._train, data._val) for p in _pieces(dataset)]
+    assert sorted(document for document, *_ in pieces) == list(range(len(records)))
+    assert any(records[document]["messages"][0]["role"] == "system" for document, *_ in pieces)
+    for document, _, ids, mask in pieces:
+        assert (ids, mask) == _reference_chat(data._tokenizer, records[document]["messages"])
