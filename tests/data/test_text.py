@@ -273,11 +273,42 @@ def _drops_earlier_replies(template):
     )
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_conversation(tiny_chat_dir, tmp_path):
+def test_a_template_that_rewrites_earlier_turns_trains_each_turn_after_its_own_prompt(
+    tiny_chat_dir, tmp_path
+):
+    """A template that renders earlier replies as '...' (as Qwen3 drops earlier reasoning): every assistant
+    turn is a sample of its own, its context exactly the inference prompt (earlier replies as '...'), its
+    targets its content and <|im_end|>; a conversation's samples stay on one side of the validation split."""
     directory = _tokenizer_with_template(tiny_chat_dir, tmp_path, _drops_earlier_replies)
-    assert "loop.last" in (directory / "chat_template.jinja").read_text()
-    with pytest.raises(ValueError, match=r"line \d+: the chat template does not render its first"):
-        _module(directory, tmp_path)
+    data = _module(directory, tmp_path, val_fraction=0.2)
+    tokenizer, records = data._tokenizer, _records(directory, "chat.jsonl")
+    sides = {}
+    for side, dataset in (("train", data._train), ("val", data._val)):
+        owners = list(dataset.documents["conversation"])
+        for document, start, ids, mask in _pieces(dataset):
+            conversation = owners[document]
+            sides.setdefault(conversation, set()).add(side)
+            turn = document - owners.index(conversation)  # its samples are consecutive rows, turn by turn
+            messages = records[conversation]["messages"]
+            i = [k for k, m in enumerate(messages) if m["role"] == "assistant"][turn]
+            prompt = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False)
+            assert turn == 0 or "<|im_start|>assistant\n...<|im_end|>" in prompt
+            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            assert start == 0 and ids[: len(prompt_ids)] == prompt_ids and sum(mask[: len(prompt_ids)]) == 0
+            target = [t for t, m in zip(ids, mask) if m]
+            assert tokenizer.decode(target) == messages[i]["content"] + "<|im_end|>", (
+                f"conversation {conversation}"
+            )
+            assert tokenizer.decode(ids[len(prompt_ids) + len(target) :]) == "\n"
+        summary = data.summary[side]
+        assert summary.documents == len({c for c, s in sides.items() if side in s})
+        assert summary.samples == sum(
+            sum(m["role"] == "assistant" for m in records[c]["messages"])
+            for c, s in sides.items()
+            if side in s
+        )
+    assert sorted(sides) == list(range(len(records))) and all(len(s) == 1 for s in sides.values())
+    assert data.summary["train"].samples > data.summary["train"].documents  # multi-turn conversations split
 
 
 def _no_template_tokenizer(tiny_chat_dir, tmp_path):
@@ -465,3 +496,38 @@ def test_sharegpt_conversations_train_as_their_role_and_content_messages(tiny_ch
     assert any(records[document]["messages"][0]["role"] == "system" for document, *_ in pieces)
     for document, _, ids, mask in pieces:
         assert (ids, mask) == _reference_chat(data._tokenizer, records[document]["messages"])
+
+
+def test_chat_template_kwargs_reach_every_rendering_and_the_cache_key(stock_chat_dir, tmp_path):
+    """Qwen3.5's small models' template opens an empty <think> block unless enable_thinking is set: the
+    same file trains after either prompt (each tokenization cached under its own key); reasoning data is
+    refused without the option, naming the line and the option."""
+    directory = stock_chat_dir("qwen3_5_nothink")
+    question = {"role": "user", "content": "What is 2 plus 2?"}
+
+    def target(file, **kwargs):
+        data = TextDataModule(
+            str(file),
+            str(directory),
+            format="chat",
+            seq_len=64,
+            val_path=str(file),
+            cache_dir=str(tmp_path / "cache"),
+            **kwargs,
+        )
+        data.prepare_data()
+        data.setup("fit")
+        [(_, _, ids, mask), *_] = _pieces(data._train)
+        return data._tokenizer.decode([t for t, m in zip(ids, mask) if m])
+
+    plain = _chat_file(tmp_path / "chat.jsonl", [[question, {"role": "assistant", "content": "4."}]] * 2)
+    assert target(plain) == "4.<|im_end|>"
+    thinking = {"chat_template_kwargs": {"enable_thinking": True}}
+    assert target(plain, **thinking) == "\n</think>\n\n4.<|im_end|>"
+    reasoned = [[question, {"role": "assistant", "reasoning_content": "Add them.", "content": "4."}]] * 2
+    reasoned = _chat_file(tmp_path / "chat_reasoned.jsonl", reasoned)
+    with pytest.raises(
+        ValueError, match=r"line 1: the chat template's generation prompt .* enable_thinking: true"
+    ):
+        target(reasoned)
+    assert target(reasoned, **thinking) == "Add them.\n</think>\n\n4.<|im_end|>"
