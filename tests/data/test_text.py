@@ -531,3 +531,36 @@ def test_chat_template_kwargs_reach_every_rendering_and_the_cache_key(stock_chat
     ):
         target(reasoned)
     assert target(reasoned, **thinking) == "Add them.\n</think>\n\n4.<|im_end|>"
+
+
+@pytest.mark.parametrize("overlong", ["drop", "truncate"])
+def test_a_later_turn_whose_prompt_fills_seq_len_is_dropped_and_counted_alone(
+    overlong, tiny_chat_dir, tmp_path
+):
+    """With a sample per turn (a template that rewrites earlier turns), a turn whose own prompt fills
+    ``seq_len`` is dropped and counted; the conversation's earlier turn still trains."""
+    directory = _tokenizer_with_template(tiny_chat_dir, tmp_path, _drops_earlier_replies)
+    question = {"role": "user", "content": "What is the capital of Peru?"}
+    answer = {"role": "assistant", "content": "The capital of Peru is Lima."}
+    long_question = {"role": "user", "content": " ".join(["Reverse the words: red green blue"] * 6)}
+    conversations = [[question, answer, long_question, answer], [question, answer]]
+    data = TextDataModule(
+        str(_chat_file(tmp_path / "chat_train.jsonl", conversations)),
+        str(directory),
+        format="chat",
+        seq_len=48,
+        overlong=overlong,
+        val_path=str(_chat_file(tmp_path / "chat_val.jsonl", [[question, answer]])),
+        cache_dir=str(tmp_path / "cache"),
+    )
+    data.prepare_data()
+    data.setup("fit")
+    prompt = data._tokenizer.apply_chat_template(conversations[0][:3], add_generation_prompt=True)[
+        "input_ids"
+    ]
+    assert len(prompt) >= 48  # the case holds
+    owners = list(data._train.documents["conversation"])
+    kept = [(owners[document], ids, mask) for document, _, ids, mask in _pieces(data._train)]
+    assert sorted(owner for owner, *_ in kept) == [0, 1] and all(sum(mask) > 0 for *_, mask in kept)
+    summary = data.summary["train"]
+    assert (summary.documents, summary.samples, summary.dropped, summary.truncated) == (2, 3, 1, 0)
