@@ -237,3 +237,17 @@ def test_a_reply_after_a_rewritten_history_is_found_only_where_its_rendering_alo
         ValueError, match=r"generation prompt for message 3 ends .*: the reply's tokens cannot"
     ):
         turn_samples(tokenizer, messages, stops, {})
+
+
+def test_stop_tokens_are_eos_and_the_generation_configs_and_a_bad_config_is_named(tiny_chat_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_dir)
+    assert stop_tokens(tokenizer, str(tmp_path)) == {tokenizer.eos_token_id}
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [0, 1]}')
+    assert stop_tokens(tokenizer, str(tmp_path)) == {tokenizer.eos_token_id, 0, 1}
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": "<|im_end|>"}')
+    with pytest.raises(
+        ValueError, match=r"generation_config.json' has eos_token_id='<\|im_end\|>'; it must be"
+    ):
+        stop_tokens(tokenizer, str(tmp_path))
