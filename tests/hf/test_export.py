@@ -268,3 +268,79 @@ def test_a_fit_that_would_export_into_a_used_output_is_one_line_before_any_rank_
     assert status.value.code == 2 and out == ""
     [line] = err.strip().splitlines()
     assert line.startswith("lightning-cp: error: export_hf: output_dir") and "overwrite=True" in line
+
+
+def _safetensors(directory):
+    from safetensors import safe_open
+
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})  # noqa: SIM118
+    return tensors
+
+
+def test_a_composite_export_casts_only_the_text_model_and_writes_its_own_untied_head(tmp_path):
+    """A Gemma-3 composite with an untied head, which ``save_pretrained`` stores as
+    ``language_model.lm_head.weight`` beside ``language_model.model.*``: exported in bf16 from an fp32
+    checkpoint, the text tensors (the head included) are the trained ones in bf16, every vision tensor keeps
+    its stored fp32 bytes, and ``transformers``' composite class gives the trained text model's logits."""
+    from lightning_cp.hf.loading import load_pretrained
+    from tests.hf.test_composite import COMPOSITES
+
+    directory = tmp_path / "gemma3"
+    spec = {**COMPOSITES["gemma3"], "tie_word_embeddings": False}
+    spec["text_config"] = {**spec["text_config"], "tie_word_embeddings": False}
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("gemma3", **spec)
+    transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(directory)
+    stored = _safetensors(directory)
+    assert "language_model.lm_head.weight" in stored and "lm_head.weight" not in stored
+    text = load_pretrained(directory, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        for parameter in text.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)  # "trained"
+    checkpoint = _checkpoint_of(text, str(directory), tmp_path / "trained.ckpt")
+
+    export_hf(checkpoint, tmp_path / "export", dtype=torch.bfloat16)
+    written = _safetensors(tmp_path / "export")
+    assert written.keys() == stored.keys()
+    towers = [name for name in stored if not name.startswith("language_model.")]
+    assert len(towers) > 10 and all(stored[name].dtype == torch.float32 for name in towers)
+    for name in towers:
+        assert written[name].dtype == torch.float32 and torch.equal(written[name], stored[name]), name
+    assert torch.equal(written["language_model.lm_head.weight"], text.lm_head.weight.to(torch.bfloat16))
+
+    composite = transformers.AutoModelForImageTextToText.from_pretrained(
+        tmp_path / "export", dtype=torch.float32
+    )
+    with torch.no_grad():  # the weights as exported (buffers such as the rotary frequencies stay fp32)
+        for parameter in text.parameters():
+            parameter.copy_(parameter.to(torch.bfloat16))
+    ids = torch.randint(3, 100, (2, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            composite(input_ids=ids).logits, text(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )
+
+
+def test_a_bf16_folder_exports_in_bf16(tmp_path):
+    """An FSDP folder of bf16 parameters (``bf16-true``), as ``MegatronCPFSDPStrategy`` writes it: the export
+    keeps bf16 (files and config) and holds its exact values."""
+    from lightning_cp.checkpoint_format import save_sharded
+
+    pretrained = save_pretrained("llama", tmp_path / "llama")  # stored in bf16
+    torch.manual_seed(5)
+    trained = build("llama", "sdpa").to(torch.bfloat16)
+    state = {f"model.{name}": tensor for name, tensor in trained.state_dict().items()}
+    save_sharded(
+        {"state_dict": state, "hyper_parameters": {"config": str(pretrained)}}, tmp_path / "fsdp.ckpt", 0
+    )
+
+    export_hf(tmp_path / "fsdp.ckpt", tmp_path / "export")
+    assert {tensor.dtype for tensor in _safetensors(tmp_path / "export").values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert loaded.dtype == torch.bfloat16
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
