@@ -93,6 +93,11 @@ class SigtermAgreement:
 
         signal.signal(signal.SIGTERM, record)
 
+    @property
+    def received(self) -> bool:
+        """Whether this rank recorded SIGTERM (not yet agreed on: see :meth:`agree`)."""
+        return self._received
+
     def agree(self) -> bool:
         """Whether every rank stops after this check point: the same answer on every rank.
 
