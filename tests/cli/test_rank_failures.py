@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -30,22 +31,37 @@ _GLOO_CLOSED = (
 _MAX_LINES = 40
 
 
-def _fit_with_a_failing_rank(tmp_path, rank: int, how: str, devices: int = 2) -> subprocess.CompletedProcess:
-    """``lightning-cp fit`` of the main job on ``devices`` ranks, rank ``rank`` failing after step 2.
+_ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+}
 
-    Two ranks run the config's cp=2 (one sequence over both, collectives in every layer); any other number
-    runs cp=1 (DDP's gradient all-reduce every step).
-    """
+
+def _fit_with_a_failing_rank(tmp_path, rank: int, how: str, devices: int = 2) -> subprocess.CompletedProcess:
+    """``lightning-cp fit`` of the main job on ``devices`` ranks, rank ``rank`` failing after step 2."""
     callback = {
         "class_path": "tests.cli._failing_rank.FailRank",
         "init_args": {"rank": rank, "step": 2, "how": how},
     }
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    command = [
+    return subprocess.run(
+        _fit_command(tmp_path, devices, callback),
+        cwd=REPO,
+        env=_ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _fit_command(tmp_path, devices: int, callback: dict) -> list[str]:
+    """``lightning-cp fit`` of the main job on ``devices`` ranks with ``callback``.
+
+    Two ranks run the config's cp=2 (one sequence over both, collectives in every layer); any other number
+    runs cp=1 (DDP's gradient all-reduce every step).
+    """
+    return [
         str(CONSOLE_SCRIPT),
         "fit",
         "--config",
@@ -71,9 +87,6 @@ def _fit_with_a_failing_rank(tmp_path, rank: int, how: str, devices: int = 2) ->
         "--data.init_args.num_train_samples",
         "64",
     ]
-    return subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False
-    )
 
 
 def _output(result: subprocess.CompletedProcess) -> str:
@@ -115,6 +128,43 @@ def test_a_killed_launcher_is_reported_once_by_the_ranks_it_started(tmp_path):
     )
     assert "Traceback" not in output
     assert len(output.splitlines()) < _MAX_LINES, output
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_during_setup_ends_every_rank_with_the_launcher_and_nothing_is_printed_after(tmp_path):
+    """Before the change the launcher died alone and its rank went on with its setup (here 60 s held in a
+    callback's ``setup``) until a collective with the launcher failed, printing C++ frames after the prompt."""
+    callback = {
+        "class_path": "tests.cli._failing_rank.HoldInSetup",
+        "init_args": {"folder": str(tmp_path), "seconds": 60},
+    }
+    run = subprocess.Popen(
+        _fit_command(tmp_path, 2, callback),
+        cwd=REPO,
+        env=_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    markers = [tmp_path / "setup-0", tmp_path / "setup-1"]
+    deadline = time.monotonic() + 120
+    while not all(marker.exists() and marker.read_text() for marker in markers):
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.1)
+    pids = [int(marker.read_text()) for marker in markers]
+    run.send_signal(signal.SIGTERM)
+    out, err = run.communicate(timeout=20)  # the end of the output: every process that held it has ended
+    assert run.returncode == -signal.SIGTERM
+    assert not any(_alive(pid) for pid in pids)
+    output = out + err
+    assert "Traceback" not in output and "frame #" not in output and "lightning-cp:" not in output, output
 
 
 def test_the_launcher_reports_a_dead_rank_when_its_own_collective_never_returns(tmp_path):
