@@ -258,3 +258,38 @@ def test_other_errors_are_not_peer_gone_errors():
 def test_first_line_names_the_type_and_the_first_line():
     assert first_line(ValueError("rank 1 cannot go on\nthe second line")) == "ValueError: rank 1 cannot go on"
     assert first_line(KeyError()) == "KeyError"
+
+
+class _EndedRank:
+    """What the launcher reads of a rank process it started that has ended."""
+
+    def __init__(self, pid: int, returncode: int) -> None:
+        self.pid, self.returncode = pid, returncode
+
+    def poll(self) -> int:
+        return self.returncode
+
+
+def test_the_ranks_of_the_second_node_are_named_by_their_global_rank(tmp_path, monkeypatch, capsys):
+    """Node 1 of 2, three ranks a node (global ranks 3, 4, 5): its launcher failed, rank 4 was killed, rank 5
+    raised (and reported it, under its global rank, through handle_failure)."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    monkeypatch.setenv("NODE_RANK", "1")
+    launcher = rank_failures.ReportingLauncher(LightningEnvironment(), num_processes=3, num_nodes=2)
+    launcher.reports = tmp_path
+    launcher.procs = [_EndedRank(1001, -signal.SIGKILL), _EndedRank(1002, 1)]
+    monkeypatch.setenv(rank_failures._REPORTS_ENV, str(tmp_path))
+    monkeypatch.setenv(rank_failures._LAUNCHER_ENV, str(os.getppid()))
+    rank_5 = SimpleNamespace(
+        strategy=SimpleNamespace(launcher=None), global_rank=5, local_rank=2, world_size=6
+    )
+    assert handle_failure(ValueError("bad batch"), rank_5) is None  # its traceback is its own to print
+
+    status = launcher.summarise(ValueError("no memory"))
+    assert status == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"lightning-cp: rank 3 of 6 (pid {os.getpid()}) failed: ValueError: no memory",
+        "lightning-cp: rank 4 of 6 (pid 1001) was killed by SIGKILL (also what the out-of-memory killer sends)",
+        "lightning-cp: rank 5 of 6 (pid 1002) failed: ValueError: bad batch",
+    ]
