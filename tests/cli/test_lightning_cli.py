@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 
 from lightning.pytorch import Callback
 
 from lightning_cp.cli import main
-from tests.test_cli import MAIN_JOB
+from tests.cli.test_rank_failures import fit_arguments
 
 
 class RaiseOnEveryRank(Callback):
@@ -20,32 +19,17 @@ class RaiseOnEveryRank(Callback):
         raise RuntimeError("the user's error")
 
 
-def _fit(tmp_path, *args: str) -> tuple[str, str]:
-    """Every rank: ``lightning-cp fit`` of two steps of the main job at dp=1 x cp=2 without checkpointing;
-    returns what it printed and the error it raised (``""`` for none)."""
+def _fit(tmp_path, callbacks: list[dict]) -> tuple[str, str]:
+    """Every rank: ``lightning-cp fit`` of two steps of the main job at dp=1 x cp=2 with ``callbacks`` and
+    checkpointing disabled; returns what it printed and the error it raised (``""`` for none)."""
     command = [
-        "fit",
-        "--config",
-        str(MAIN_JOB),
-        "--ckpt_path",
-        "null",
-        "--trainer.devices",
-        "2",
+        *fit_arguments(tmp_path, 2, callbacks),
         "--trainer.max_steps",
         "2",
-        "--trainer.logger",
-        "false",
         "--trainer.enable_checkpointing",
         "false",
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.enable_model_summary",
-        "false",
-        "--trainer.default_root_dir",
-        str(tmp_path),
         "--data.init_args.num_train_samples",
         "8",
-        *args,
     ]
     printed = io.StringIO()
     try:
@@ -57,14 +41,14 @@ def _fit(tmp_path, *args: str) -> tuple[str, str]:
 
 
 def test_a_run_without_checkpointing_ends_with_its_summary(world2, tmp_path):
-    (printed, error), (_, other) = world2.run(_fit, tmp_path, "--trainer.callbacks", "[]")
+    (printed, error), (_, other) = world2.run(_fit, tmp_path, [])
     assert (error, other) == ("", "")
     assert "lightning-cp: training finished after 2 steps" in printed
     assert "checkpoint:" not in printed  # none was configured
 
 
 def test_an_error_of_a_run_without_checkpointing_is_the_error_raised(world2, tmp_path):
-    callbacks = json.dumps([{"class_path": "tests.cli.test_lightning_cli.RaiseOnEveryRank"}])
-    (printed, error), (_, other) = world2.run(_fit, tmp_path, "--trainer.callbacks", callbacks)
+    callbacks = [{"class_path": "tests.cli.test_lightning_cli.RaiseOnEveryRank"}]
+    (printed, error), (_, other) = world2.run(_fit, tmp_path, callbacks)
     assert error == other == "RuntimeError: the user's error"
     assert "lightning-cp: training stopped by an error after 1 steps" in printed

@@ -45,7 +45,7 @@ def _fit_with_a_failing_rank(tmp_path, rank: int, how: str, devices: int = 2) ->
         "init_args": {"rank": rank, "step": 2, "how": how},
     }
     return subprocess.run(
-        _fit_command(tmp_path, devices, callback),
+        [str(CONSOLE_SCRIPT), *fit_arguments(tmp_path, devices, [callback])],
         cwd=REPO,
         env=_ENV,
         capture_output=True,
@@ -55,14 +55,14 @@ def _fit_with_a_failing_rank(tmp_path, rank: int, how: str, devices: int = 2) ->
     )
 
 
-def _fit_command(tmp_path, devices: int, callback: dict) -> list[str]:
-    """``lightning-cp fit`` of the main job on ``devices`` ranks with ``callback``.
+def fit_arguments(tmp_path, devices: int, callbacks: list[dict]) -> list[str]:
+    """The arguments of ``lightning-cp fit`` of the main job on ``devices`` ranks with ``callbacks`` (only),
+    quiet, writing under ``tmp_path``; later arguments override these.
 
     Two ranks run the config's cp=2 (one sequence over both, collectives in every layer); any other number
     runs cp=1 (DDP's gradient all-reduce every step).
     """
     return [
-        str(CONSOLE_SCRIPT),
         "fit",
         "--config",
         str(MAIN_JOB),
@@ -83,7 +83,7 @@ def _fit_command(tmp_path, devices: int, callback: dict) -> list[str]:
         "--trainer.default_root_dir",
         str(tmp_path),
         "--trainer.callbacks",
-        json.dumps([callback]),
+        json.dumps(callbacks),
         "--data.init_args.num_train_samples",
         "64",
     ]
@@ -146,7 +146,7 @@ def test_sigterm_during_setup_ends_every_rank_with_the_launcher_and_nothing_is_p
         "init_args": {"folder": str(tmp_path), "seconds": 60},
     }
     run = subprocess.Popen(
-        _fit_command(tmp_path, 2, callback),
+        [str(CONSOLE_SCRIPT), *fit_arguments(tmp_path, 2, [callback])],
         cwd=REPO,
         env=_ENV,
         stdout=subprocess.PIPE,
