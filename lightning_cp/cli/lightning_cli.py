@@ -30,7 +30,7 @@ from typing import Any
 from jsonargparse import set_parsing_settings
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
@@ -260,7 +260,7 @@ class CPLightningCLI(LightningCLI):
             label = "logs:" if logger is trainer.loggers[0] else ""
             lines.append(f"  {label:<12}{logger.log_dir or logger.save_dir}  ({type(logger).__name__})")
         resume_from = _resume_checkpoint(trainer)
-        if trainer.checkpoint_callback is not None:
+        if isinstance(trainer.checkpoint_callback, ModelCheckpoint):
             lines.append(f"  {'checkpoint:':<12}{resume_from or '(none saved)'}")
         if resume_from and outcome != "finished":
             lines.append(f"  {'resume:':<12}the same command with --ckpt_path {resume_from}")
@@ -295,8 +295,8 @@ def _resume_checkpoint(trainer: Trainer) -> str | None:
         if isinstance(callback, PreemptionCheckpoint) and callback.saved_path:
             return callback.saved_path
     checkpoint = trainer.checkpoint_callback
-    if checkpoint is None:
-        return None
+    if not isinstance(checkpoint, ModelCheckpoint):
+        return None  # checkpointing disabled, or a Checkpoint callback of another kind
     return checkpoint.last_model_path or checkpoint.best_model_path or None
 
 
