@@ -43,7 +43,11 @@ from torch.distributed.tensor import DTensor
 
 from lightning_cp.constants import CP_SHARD, CU_SEQLENS, INPUT_IDS, POSITION_IDS
 from lightning_cp.hf.causal_lm import decoder, output_head
-from lightning_cp.hf.check import check_attention_is_context_parallel, check_config_is_context_parallel
+from lightning_cp.hf.check import (
+    check_attention_is_context_parallel,
+    check_config_is_context_parallel,
+    check_token_mixers,
+)
 from lightning_cp.parallel.layout import ParallelLayout
 from lightning_cp.parallel.sharding import shard_batch, unshard
 
@@ -65,18 +69,20 @@ class _Recorded:
     outputs: dict[tuple[str, str], Tensor]
 
 
-def check_configs(module: nn.Module, layout: ParallelLayout) -> None:
-    """The checks that need no weights: :func:`~lightning_cp.hf.check_attention_is_context_parallel`
+def check_configs(module: nn.Module, cp: int) -> None:
+    """The checks that need no weights, for ``cp`` ranks per sequence: :func:`~lightning_cp.hf.check_attention_is_context_parallel`
     (cp > 1), and for every ``transformers`` model in ``module`` (the outermost ones: a causal LM, a teacher,
     a user's own) :func:`~lightning_cp.hf.check.check_config_is_context_parallel` (what a short probe
-    cannot show). No communication.
+    cannot show) and :func:`~lightning_cp.hf.check.check_token_mixers` (Mamba1, mixers whose heads do not
+    split). They read classes, configs and sizes only, so they also run on a ``meta`` build. No communication.
 
     Raises:
-        ValueError: naming the model, the attribute and what to change.
+        ValueError: naming the model, the attribute or module and what to change.
     """
-    check_attention_is_context_parallel(module, layout.cp)
+    check_attention_is_context_parallel(module, cp)
     for where, model in transformers_models(module):
-        check_config_is_context_parallel(model, where, layout.cp)
+        check_config_is_context_parallel(model, where, cp)
+        check_token_mixers(model, where, cp)
 
 
 def probe_models(module: nn.Module, layout: ParallelLayout, device: torch.device) -> None:

@@ -49,6 +49,15 @@ KINDS: dict[str, str] = {
 """The kind of each adapted mixer class (``gated_deltanet``, ``kda``, ``mamba2``, ``short_conv``), by class name:
 what the memory plan counts for it."""
 
+REFUSED: dict[str, str] = dict.fromkeys(
+    ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer"),
+    "is a state-space (Mamba) layer, whose recurrence over the sequence would see one shard: Mamba1 has no "
+    "context-parallel forward in lightning_cp (its x_proj mixes every channel of a token, so its channels cannot "
+    "be split over the ranks as Mamba2's heads are)",
+)
+"""Token mixer classes that no adapter makes exact under CP, by class name: why (the end of a sentence that
+starts with the module's name). Refused from the model's structure alone, before any weights are read."""
+
 _ADAPTED = "_lightning_cp_adapted_mixer"
 
 
@@ -63,22 +72,33 @@ def adapt_token_mixers(model: nn.Module, cp: int) -> list[str]:
         ValueError: a mixer whose heads (or channels) do not split over ``cp`` ranks, naming the module, the
             config value and ``cp``.
     """
+    check_token_mixers_split(model, cp)
     adapted = []
     for name, module in model.named_modules():
-        adapter = ADAPTERS.get(type(module).__name__)
-        if adapter is None:
+        if type(module).__name__ not in ADAPTERS:
             continue
-        problem = adapter.split_problem(module, cp)
-        if problem is not None:
-            raise ValueError(
-                f"{name} ({type(module).__name__}) cannot be split over cp={cp} ranks: {problem}. Use a cp that "
-                "divides these numbers."
-            )
         if not getattr(module, _ADAPTED, False):
             module.forward = types.MethodType(_forward, module)
             setattr(module, _ADAPTED, True)
         adapted.append(name)
     return adapted
+
+
+def check_token_mixers_split(model: nn.Module, cp: int) -> None:
+    """Raise if a token mixer of ``model`` that :data:`ADAPTERS` knows cannot be split over ``cp`` ranks. Reads
+    the modules' sizes only (a ``meta`` build will do); changes nothing.
+
+    Raises:
+        ValueError: the first such mixer, naming the module, its numbers and ``cp``.
+    """
+    for name, module in model.named_modules():
+        adapter = ADAPTERS.get(type(module).__name__)
+        problem = None if adapter is None else adapter.split_problem(module, cp)
+        if problem is not None:
+            raise ValueError(
+                f"{name} ({type(module).__name__}) cannot be split over cp={cp} ranks: {problem}. Use a cp that "
+                "divides these numbers."
+            )
 
 
 def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
