@@ -149,6 +149,17 @@ HYBRIDS: dict[str, dict] = {
         "mamba_d_ssm": 128,
         "mamba_rms_norm": True,
         "num_hidden_layers": 2,
+        # muP multipliers as real Falcon-H1 configs have them (none is 1): the mixer's ssm_in_multiplier and
+        # mup_vector (one multiplier per part of [z | x | B | C | dt]), the layer's and the head's
+        "ssm_multipliers": [0.6, 1.4, 0.8, 1.25, 0.7],
+        "ssm_in_multiplier": 0.9,
+        "ssm_out_multiplier": 1.3,
+        "attention_in_multiplier": 0.8,
+        "attention_out_multiplier": 1.2,
+        "key_multiplier": 0.7,
+        "mlp_multipliers": [1.3, 0.8],
+        "embedding_multiplier": 1.5,
+        "lm_head_multiplier": 0.5,
     },
     "zamba2": {
         "model_type": "zamba2",
