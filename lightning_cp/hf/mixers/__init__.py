@@ -37,17 +37,10 @@ from torch import Tensor, nn
 from lightning_cp.constants import CP_SHARD
 from lightning_cp.hf.mixers import delta_rule, mamba2, short_conv
 from lightning_cp.hf.mixers._adapter import MixerAdapter
+from lightning_cp.hf.mixers.kinds import MixerShape
 
 ADAPTERS: dict[str, MixerAdapter] = {**delta_rule.ADAPTERS, **mamba2.ADAPTERS, **short_conv.ADAPTERS}
 """The adapter of each mixer class, by class name."""
-
-KINDS: dict[str, str] = {
-    **{name: "kda" if name in delta_rule.KDA else "gated_deltanet" for name in delta_rule.ADAPTERS},
-    **dict.fromkeys(mamba2.ADAPTERS, "mamba2"),
-    **dict.fromkeys(short_conv.ADAPTERS, "short_conv"),
-}
-"""The kind of each adapted mixer class (``gated_deltanet``, ``kda``, ``mamba2``, ``short_conv``), by class name:
-what the memory plan counts for it."""
 
 REFUSED: dict[str, str] = dict.fromkeys(
     ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer"),
@@ -59,6 +52,13 @@ REFUSED: dict[str, str] = dict.fromkeys(
 starts with the module's name). Refused from the model's structure alone, before any weights are read."""
 
 _ADAPTED = "_lightning_cp_adapted_mixer"
+
+
+def mixer_shape(module: nn.Module) -> MixerShape | None:
+    """``module``'s :class:`~lightning_cp.hf.mixers.kinds.MixerShape` if :data:`ADAPTERS` knows its class (its
+    sizes, split rule and plan terms), else ``None``. Reads sizes only: a ``meta`` build will do."""
+    adapter = ADAPTERS.get(type(module).__name__)
+    return None if adapter is None else adapter.shape(module)
 
 
 def adapt_token_mixers(model: nn.Module, cp: int) -> list[str]:
@@ -92,8 +92,8 @@ def check_token_mixers_split(model: nn.Module, cp: int) -> None:
         ValueError: the first such mixer, naming the module, its numbers and ``cp``.
     """
     for name, module in model.named_modules():
-        adapter = ADAPTERS.get(type(module).__name__)
-        problem = None if adapter is None else adapter.split_problem(module, cp)
+        shape = mixer_shape(module)
+        problem = None if shape is None else shape.split_problem(cp)
         if problem is not None:
             raise ValueError(
                 f"{name} ({type(module).__name__}) cannot be split over cp={cp} ranks: {problem}. Use a cp that "

@@ -1,5 +1,4 @@
-"""What every mixer adapter shares: its interface, the modeling module's kernels, the depthwise convolution,
-the split check."""
+"""What every mixer adapter shares: its interface, the modeling module's kernels, the depthwise convolution."""
 
 from __future__ import annotations
 
@@ -10,16 +9,16 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from lightning_cp.parallel.head_parallel import head_slices, shared_heads
+from lightning_cp.hf.mixers.kinds import MixerShape
 from lightning_cp.parallel.sharding import CPShard
 
 
 class MixerAdapter(Protocol):
     """The context-parallel forward of one kind of token mixer."""
 
-    def split_problem(self, module: nn.Module, cp: int) -> str | None:
-        """Why ``module``'s heads (or channels) cannot be split over ``cp`` ranks, with the numbers; ``None``
-        when they can."""
+    def shape(self, module: nn.Module) -> MixerShape:
+        """``module``'s sizes as its kind describes them (:mod:`.kinds`): what the forward splits, the split
+        rule, the plan's terms."""
 
     def forward(self, module: nn.Module, hidden_states: Tensor, shard: CPShard) -> Tensor:
         """``module``'s output ``[B, S_local, hidden]`` for this rank's tokens ``hidden_states`` of the batch
@@ -81,13 +80,3 @@ def _conv_input(x: Tensor) -> Tensor:
     if x.shape[-1] % CHANNEL_LAST_MULTIPLE:
         return channels_first.contiguous()
     return channels_first
-
-
-def head_split_problem(heads: int, shared: int, cp: int, heads_name: str, shared_name: str) -> str | None:
-    """Why ``heads`` (and the ``shared`` heads they read: key heads, B/C groups) cannot be split over ``cp``
-    ranks (:func:`~lightning_cp.parallel.head_parallel.shared_heads`), with the numbers; ``None`` if they can."""
-    try:
-        shared_heads(head_slices(heads, cp, heads_name), heads, shared, shared_name)
-    except ValueError as error:
-        return str(error)
-    return None
