@@ -27,22 +27,6 @@ from lightning_cp.parallel.attention_mode import AttentionMode
 from lightning_cp.parallel.layout import ParallelLayout
 
 
-def check_models(module: nn.Module, layout: ParallelLayout, device: torch.device) -> None:
-    """What the strategy's setup does for models every rank holds whole (``MegatronCPStrategy``):
-    :func:`~lightning_cp.hf.probe.check_configs`, :func:`prepare_models`, then
-    :func:`~lightning_cp.hf.probe.probe_models` on ``device``. Refuses, before the first step, anything in
-    ``module`` whose training under ``layout`` could differ from the unsharded model's.
-
-    Every rank of the CP group must call this with the same module (the probe's collectives).
-
-    Raises:
-        ValueError: naming the model, the module or config attribute, and what to change.
-    """
-    check_configs(module, layout.cp)
-    prepare_models(module, layout)
-    probe_models(module, layout, device)
-
-
 def check_before_launch(
     config: Mapping[str, Any] | str, cp: int, attention: AttentionMode, owner: str = "HFCausalLM"
 ) -> None:
@@ -125,3 +109,22 @@ class TransformersIntegration:
 
 TRANSFORMERS = TransformersIntegration()
 """The instance ``import lightning_cp`` registers with the strategies."""
+
+
+def check_models(module: nn.Module, layout: ParallelLayout, device: torch.device) -> None:
+    """The ``transformers`` integration's setup steps in one call, for a module every rank holds whole, outside
+    a strategy (a script of your own, a test): :meth:`TransformersIntegration.check`,
+    :meth:`~TransformersIntegration.prepare`, then :meth:`~TransformersIntegration.probe` on ``device``, in
+    the order ``MegatronCPStrategy``'s setup calls them through the integration seam
+    (:mod:`lightning_cp.strategies.integrations`; the strategies call those methods, not this). Refuses,
+    before the first step, anything in ``module`` whose training under ``layout`` could differ from the
+    unsharded model's, and leaves its models ready for the batch's shard.
+
+    Every rank of the CP group must call this with the same module (the probe's collectives).
+
+    Raises:
+        ValueError: naming the model, the module or config attribute, and what to change.
+    """
+    TRANSFORMERS.check(module, layout)
+    TRANSFORMERS.prepare(module, layout)
+    TRANSFORMERS.probe(module, layout, device)

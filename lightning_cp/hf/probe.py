@@ -22,9 +22,10 @@ refusal, and a head that needs transforms is marked so that the loss refuses its
 What a short probe cannot show is checked on the config (:mod:`lightning_cp.hf.check`): RoPE scalings
 that pick their frequencies from the sequence length, chunked attention, attention dropout.
 
-:func:`~lightning_cp.hf.integration.check_models` is both (with the token mixers adapted in between), for
-models every rank holds whole (DDP). Under FSDP the strategy runs :func:`check_configs` before sharding
-and :func:`probe_models` after it, inside the root unit's forward, so
+The strategies call both through the ``transformers`` integration (:mod:`lightning_cp.hf.integration`,
+with the token mixers adapted in between). Under DDP :func:`check_configs` runs before wrapping and
+:func:`probe_models` on the whole models; under FSDP :func:`check_configs` runs before sharding and
+:func:`probe_models` after it, inside the root unit's forward, so
 that models loaded shard by shard (:func:`~lightning_cp.load_pretrained`) are probed too, and the head's
 mark (:meth:`~lightning_cp.ops.OutputHead.mark_weight`) lands on the gathered weight the loss is given.
 """

@@ -1,4 +1,5 @@
-"""The strategy's setup check (``lightning_cp.hf.check_models``): what it refuses, what it names, what it leaves.
+"""The setup's checks and probe (``lightning_cp.hf.check_models``: the ``transformers`` integration's setup steps
+in one call): what they refuse, what they name, what they leave.
 
 Distributed cases run at cp = 2 on the shared gloo pool; the families themselves are in
 ``tests/hf/test_families.py``. Here each branch is driven by a small change to a tiny Llama.
