@@ -27,9 +27,7 @@ from lightning_cp.parallel.attention_mode import AttentionMode
 from lightning_cp.parallel.layout import ParallelLayout
 
 
-def check_before_launch(
-    config: Mapping[str, Any] | str, cp: int, attention: AttentionMode, owner: str = "HFCausalLM"
-) -> None:
+def check_before_launch(config: Mapping[str, Any] | str, cp: int, attention: AttentionMode) -> None:
     """The setup's checks that need no weights, run on the causal LM that ``config`` builds (a config dict, or a
     ``save_pretrained`` directory of which only ``config.json`` is read) before any rank starts, so that a
     launcher (``lightning-cp fit``) refuses in one line what every rank's setup would refuse: the model built on
@@ -57,7 +55,7 @@ def check_before_launch(
         try:
             attention.ulysses(heads, kv_heads, cp)
         except ValueError as error:
-            raise ValueError(f"{owner}(config=...) ({type(model).__name__}): {error}") from None
+            raise ValueError(f"model ({type(model).__name__}): {error}") from None
 
 
 def prepare_models(module: nn.Module, layout: ParallelLayout) -> None:

@@ -42,7 +42,7 @@ def test_ulysses_with_heads_that_do_not_split_is_refused_and_auto_falls_back():
     six_heads = _llama(num_attention_heads=6, hidden_size=48)  # 6 query heads, 2 key/value heads
     message = _refusal(six_heads, MegatronCPStrategy(cp=4, cp_attention="ulysses"))
     assert message == (
-        "HFCausalLM(config=...) (LlamaForCausalLM): cp_attention='ulysses' splits the query heads over the CP "
+        "model (LlamaForCausalLM): cp_attention='ulysses' splits the query heads over the CP "
         "ranks, but 6 query heads and 2 key/value heads do not split over cp=4 (query heads a multiple of cp, "
         "key/value heads a multiple or a divisor of it): use cp_attention='allgather' or 'auto', or another cp."
     )
