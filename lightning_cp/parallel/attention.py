@@ -117,7 +117,8 @@ def context_parallel_attention(
     rounds = 1
     if cp_shard is not None and keys.order is not None:
         per_head = 2 * keys.gathered_tokens * (k.shape[-1] + v.shape[-1]) * k.element_size()
-        rounds = cp_shard.attention.gather_rounds(k.shape[1], per_head, q.device)
+        per_round = cp_shard.attention.heads_per_gather(k.shape[1], per_head, cp_shard.kv_gather_budget)
+        rounds = k.shape[1] // per_round
     out = _CPAttention.apply(
         _token_major(q), _token_major(k), _token_major(v), sinks, keys, exchange, scale, softcap, rounds
     )

@@ -99,6 +99,11 @@ class CPShard:
     ``split.cp_rank``); ``None`` for a shard built without its group (only a split over one rank needs none)."""
     attention: AttentionMode = field(default_factory=AttentionMode)
     """How every attention layer of the batch reaches the other ranks' tokens (all-gather or Ulysses)."""
+    kv_gather_budget: int | None = None
+    """Bytes one all-gather round's key/value copies may take, the same on every rank of the CP group
+    (:meth:`AttentionMode.gather_budget <lightning_cp.parallel.attention_mode.AttentionMode.gather_budget>`,
+    asked once per batch by :func:`shard_batch`); ``None``: no budget. Every attention layer of the batch,
+    and a checkpointed layer's recomputation, sizes its rounds from it."""
     _keys: dict[int | None, KeySelection] = field(default_factory=dict, repr=False)
     _sequence_order: list[Tensor] = field(default_factory=list, repr=False)
     _whole: list[CPShard] = field(default_factory=list, repr=False)
@@ -242,7 +247,8 @@ def shard_batch(
 ) -> dict[str, Any]:
     """Shift labels to the next token, pad and keep this CP rank's two chunks of every sequence.
 
-    Runs locally (no communication); every CP peer calls it on the same full batch.
+    Every CP peer calls it on the same full batch. Local, but for one all-reduce of one integer over
+    ``cp_group`` on CUDA when the all-gather's rounds are sized by free memory (``attention``).
 
     Args:
         batch: ``input_ids`` ``[B, S]`` (padded) or ``[1, T]`` with ``cu_seqlens`` ``[n + 1]`` (packed).
@@ -259,7 +265,8 @@ def shard_batch(
             ``cp_rank``. ``None``: a shard of the data only (under CP, attention refuses it).
         attention: how the batch's attention layers reach the other ranks' tokens (:class:`AttentionMode`:
             all-gather by rounds of key/value heads, or Ulysses); default: the all-gather, all heads at once
-            on the CPU.
+            on the CPU. With ``kv_heads_per_gather=None`` on CUDA under CP, the rounds' memory budget is
+            agreed over ``cp_group`` here, once for the batch (:attr:`CPShard.kv_gather_budget`).
         ignore_index: label of positions that are not targets.
         pad_id: token id used to pad sequences to a multiple of ``2 * cp_size``.
 
@@ -335,8 +342,13 @@ def shard_batch(
         for marked in (position_ids, out.get(INPUT_IDS)):
             if isinstance(marked, Tensor):
                 setattr(marked, _SHARDED_UNDER_CP, True)
+    attention = attention or AttentionMode()
     out[CP_SHARD] = replace(
-        shard, position_ids=position_ids, exchange=exchange, attention=attention or AttentionMode()
+        shard,
+        position_ids=position_ids,
+        exchange=exchange,
+        attention=attention,
+        kv_gather_budget=attention.gather_budget(device, exchange),
     )
     if packed:
         out[CU_SEQLENS] = shard.cu_seqlens
