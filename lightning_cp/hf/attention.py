@@ -170,7 +170,8 @@ def hf_context_parallel_attention(
             ``position_bias`` must be ``None``.
 
     Returns:
-        ``([B, S_local, Hq, Dv], None)``: the output in ``query``'s dtype, and no attention weights.
+        ``([B, S_local, Hq, Dv], None)``: the output (with ``cp_shard`` in the compute dtype of
+        :func:`~lightning_cp.parallel.attention.compute_dtype`, else SDPA's), and no attention weights.
 
     Communication: with ``cp_shard``, that of ``context_parallel_attention`` over the shard's CP
     group (one all-gather of K and V forward; the same again and one reduce-scatter backward; none

@@ -48,19 +48,30 @@ Pieces = list[tuple[int, int, int, int]]
 """``(q_start, q_stop, k_start, k_stop)`` of every piece, on the host."""
 
 
-def use_flash(q: Tensor, v: Tensor, softcap: float | None) -> bool:
-    """Whether the FlashAttention-2 kernels run for tensors like ``q``, ``v`` (else the torch kernel).
+def use_flash(q: Tensor, k: Tensor, v: Tensor, softcap: float | None) -> bool:
+    """Whether the FlashAttention-2 kernels run for tensors like ``q``, ``k``, ``v`` (else the torch kernel):
+    :func:`flash_chosen` of their device, dtypes and head dim."""
+    return flash_chosen(q.device, (q.dtype, k.dtype, v.dtype), max(q.shape[-1], v.shape[-1]), softcap)
+
+
+def flash_chosen(
+    device: torch.device, dtypes: tuple[torch.dtype, ...], head_dim: int, softcap: float | None
+) -> bool:
+    """Whether the FlashAttention-2 kernels run for ``q``, ``k``, ``v`` of ``dtypes`` on ``device`` whose
+    larger head dim is ``head_dim``: CUDA, one dtype, fp16 or bf16, a head dim that is a multiple of 8 up to
+    256, FlashAttention enabled, no ``softcap``. Else the torch kernel.
 
     Logs once per process and reason which kernel runs (INFO; WARNING when CUDA inputs that could run
     FlashAttention take the slower torch kernel because of ``softcap``).
     """
-    dim = max(q.shape[-1], v.shape[-1])
-    if not q.is_cuda:
-        reason = f"{q.device.type} tensors (FlashAttention-2 is CUDA only)"
-    elif q.dtype not in (torch.float16, torch.bfloat16):
-        reason = f"{q.dtype} inputs (FlashAttention-2 takes fp16 / bf16)"
-    elif dim % 8 or dim > 256:
-        reason = f"head dim {dim} (FlashAttention-2 takes multiples of 8 up to 256)"
+    if device.type != "cuda":
+        reason = f"{device.type} tensors (FlashAttention-2 is CUDA only)"
+    elif len(set(dtypes)) > 1:
+        reason = f"q, k, v of different dtypes {', '.join(map(str, dtypes))} (FlashAttention-2 takes one)"
+    elif dtypes[0] not in (torch.float16, torch.bfloat16):
+        reason = f"{dtypes[0]} inputs (FlashAttention-2 takes fp16 / bf16)"
+    elif head_dim % 8 or head_dim > 256:
+        reason = f"head dim {head_dim} (FlashAttention-2 takes multiples of 8 up to 256)"
     elif not torch.backends.cuda.flash_sdp_enabled():
         reason = "FlashAttention disabled (torch.backends.cuda.enable_flash_sdp(False))"
     elif softcap is not None:

@@ -21,6 +21,8 @@ at a time (:class:`_CPAttention`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from typing import Any
 
@@ -54,7 +56,9 @@ def context_parallel_attention(
     Args:
         q: ``[B, Hq, S_local, D]``, this rank's queries in ``shard_batch``'s layout (any float dtype).
         k: ``[B, Hkv, S_local, D]`` with ``Hkv`` dividing ``Hq`` (grouped- or multi-query attention when
-            smaller); same dtype and device as ``q``.
+            smaller); on ``q``'s device. ``q``, ``k``, ``v`` are cast to one compute dtype
+            (:func:`compute_dtype`: autocast's under autocast, as SDPA does, else the widest of the three),
+            in which the kernel is chosen and the keys and values are exchanged.
         v: ``[B, Hkv, S_local, Dv]``; ``Dv`` may differ from ``D`` (DeepSeek's multi-head latent attention).
         cp_shard: the batch's ``batch["cp_shard"]`` from :func:`~lightning_cp.parallel.shard_batch`, which
             carries the CP group the batch was split over (``cp_shard.exchange``). Required for packed
@@ -74,7 +78,7 @@ def context_parallel_attention(
             "nothing". Differentiable: its gradient is returned like ``q``'s.
 
     Returns:
-        ``[B, Hq, S_local, Dv]``: the attention output of this rank's queries, in ``q``'s dtype.
+        ``[B, Hq, S_local, Dv]``: the attention output of this rank's queries, in the compute dtype.
 
     Kernels: on CUDA with fp16 / bf16 inputs and head dims (the larger of ``D``, ``Dv``) that are multiples
     of 8 up to 256, PyTorch's FlashAttention-2 varlen kernels (``window`` through their window arguments,
@@ -92,8 +96,43 @@ def context_parallel_attention(
         ValueError: on inconsistent shapes, a shard of another batch, or a ``scale``, ``window``,
             ``softcap`` or ``sinks`` that is not as described above.
     """
-    batch, heads, local_len = _check_shapes(q, k, v)
+    _check_shapes(q, k, v)
     scale = _check_variants(q, scale, window, softcap, sinks)
+    dtype = compute_dtype(q, k, v)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    # Autocast would run the blocked kernel's einsums in its dtype in the forward but not in the backward:
+    # the inputs are in the compute dtype already, and the kernels choose their own accumulation.
+    with torch.autocast(q.device.type, enabled=False) if _autocast_on(q) else contextlib.nullcontext():
+        return _attention(q, k, v, cp_shard, scale, window, softcap, sinks)
+
+
+def compute_dtype(q: Tensor, k: Tensor, v: Tensor) -> torch.dtype:
+    """The dtype attention of ``q``, ``k``, ``v`` computes in, what SDPA would: under autocast for their
+    device, autocast's dtype (float64 inputs stay float64, as autocast leaves them); else the widest of
+    the three (with mixed precision's fp32 rotary tables, q and k arrive fp32 beside a bf16 v)."""
+    dtypes = [q.dtype, k.dtype, v.dtype]
+    if _autocast_on(q):
+        low = torch.get_autocast_dtype(q.device.type)
+        dtypes = [d if d == torch.float64 else low for d in dtypes]
+    return functools.reduce(torch.promote_types, dtypes)
+
+
+def _autocast_on(x: Tensor) -> bool:
+    return torch.is_autocast_enabled(x.device.type)
+
+
+def _attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cp_shard: CPShard | None,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    sinks: Tensor | None,
+) -> Tensor:
+    """:func:`context_parallel_attention` of checked ``q``, ``k``, ``v`` of one dtype, outside autocast."""
+    batch, heads, local_len, _ = q.shape
     # Without softcap and sinks, a window that covers the whole row changes nothing.
     plain = softcap is None and sinks is None and (window is None or window >= local_len)
     if cp_shard is None:
@@ -377,7 +416,7 @@ class _CPAttention(torch.autograd.Function):
         rounds: int,
     ) -> Tensor:
         q = q.contiguous()
-        flash = _varlen.use_flash(q, v, softcap)
+        flash = _varlen.use_flash(q, k, v, softcap)
         out = q.new_empty((*q.shape[:2], v.shape[-1]))
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.promote_types(q.dtype, torch.float32))
         rngs = []

@@ -1,0 +1,70 @@
+"""CP attention in low precision: one compute dtype under autocast, the kernel chooser's CUDA decisions.
+
+The CUDA kernels cannot run here: the chooser (:func:`~lightning_cp.parallel._varlen.flash_chosen`) is
+asked what it would do on a CUDA device, and mixed precision runs under CPU autocast, against the same
+attention of consistent bf16 inputs.
+"""
+
+import logging
+
+import torch
+
+from lightning_cp.parallel import _varlen, context_parallel_attention, groups
+from tests.parallel._collectives import recorded_collectives
+from tests.parallel.test_attention import PADDED_SHAPE, _inputs, _shard_heads
+
+BF16 = torch.bfloat16
+
+
+def _autocast_vs_consistent_bf16():
+    """cp = 2: q, k fp32 and v bf16 under bf16 autocast (mixed precision's fp32 rotary tables), and the
+    same values all bf16 without autocast."""
+    layout = groups.initialize(tp=1, cp=2)
+    rank = layout.cp_rank
+    q, k, v, dout = (_shard_heads(t.to(BF16), 2, rank, None, layout.cp_group) for t in _inputs(*PADDED_SHAPE))
+    shard = q[1]
+    consistent = [t[0].clone().requires_grad_() for t in (q, k, v)]
+    mixed = [q[0].float().requires_grad_(), k[0].float().requires_grad_(), v[0].clone().requires_grad_()]
+    out = context_parallel_attention(*consistent, cp_shard=shard)
+    out.backward(dout[0])
+    with recorded_collectives() as calls, torch.autocast("cpu", dtype=BF16):
+        mixed_out = context_parallel_attention(*mixed, cp_shard=shard)
+    mixed_out.backward(dout[0])
+    gathered = {call.dtype for call in calls if call.kind == "all_gather"}
+    return mixed_out.detach(), out.detach(), [t.grad for t in mixed], [t.grad for t in consistent], gathered
+
+
+def test_mixed_precision_inputs_compute_as_consistent_bf16(world2):
+    """Under autocast q, k, v are cast to bf16 before the kernel choice and the exchange: the output and
+    the gradients are those of bf16 inputs (the kernel's forward not in autocast's dtype and its backward
+    in fp32), and the all-gather moves bf16."""
+    for mixed_out, out, mixed_grads, grads, gathered in world2.run(_autocast_vs_consistent_bf16):
+        assert mixed_out.dtype == BF16 and torch.equal(mixed_out, out)
+        for name, mixed_grad, grad in zip("qkv", mixed_grads, grads, strict=True):
+            assert torch.equal(mixed_grad, grad.to(mixed_grad.dtype)), name
+        assert gathered == {BF16}
+
+
+def test_the_chooser_takes_flash_on_cuda_only_for_one_low_precision_dtype(caplog):
+    _varlen._log_once.cache_clear()
+    cuda = torch.device("cuda", 0)
+    with caplog.at_level(logging.INFO, logger=_varlen.__name__):
+        assert _varlen.flash_chosen(cuda, (BF16,) * 3, 64, None)
+        assert not _varlen.flash_chosen(cuda, (torch.float32, torch.float32, BF16), 64, None)
+    assert [r.getMessage() for r in caplog.records] == [
+        "CP attention: FlashAttention-2 varlen kernels (CUDA).",
+        (
+            "CP attention: the exact blocked torch kernel, for q, k, v of different dtypes torch.float32, "
+            "torch.float32, torch.bfloat16 (FlashAttention-2 takes one)."
+        ),
+    ]
+
+
+def test_under_autocast_the_chooser_is_asked_about_one_dtype(monkeypatch):
+    asked = []
+    monkeypatch.setattr(_varlen, "flash_chosen", lambda *args: asked.append(args[1]) or False)
+    q, k, v, _ = _inputs(1, 10)
+    (q, shard), (k, _), (v, _) = (_shard_heads(t, 1, 0, torch.tensor([0, 4, 10])) for t in (q, k, v))
+    with torch.autocast("cpu", dtype=BF16):
+        context_parallel_attention(q.float(), k.float(), v.to(BF16), cp_shard=shard)
+    assert asked == [(BF16,) * 3]
