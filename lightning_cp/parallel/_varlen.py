@@ -16,8 +16,8 @@ attention probabilities. Attention sinks are a correction of either kernel's res
 
 Two kernels (:func:`use_flash` chooses, and logs its choice once):
 
-- PyTorch's FlashAttention-2 variable-length kernels on CUDA (fp16 / bf16, head dims up to 256 and
-  multiples of 8), the ones behind ``torch.nn.attention.varlen.varlen_attn``; the aten ops are called
+- PyTorch's FlashAttention-2 variable-length kernels on CUDA GPUs of compute capability 8.0 or newer
+  (fp16 / bf16, head dims up to 256 and multiples of 8), the ones behind ``torch.nn.attention.varlen.varlen_attn``; the aten ops are called
   directly so that the backward takes the saved ``lse`` (``varlen_attn``'s autograd would keep the keys).
   Windows go through their ``window_size_left`` / ``window_size_right``; a value head dim other than the
   query's is padded with zeros to the larger one (scores and outputs are unchanged). They have no
@@ -26,7 +26,7 @@ Two kernels (:func:`use_flash` chooses, and logs its choice once):
   ``[heads, block, keys]`` scores bounded by ``_SCORE_BUDGET_BYTES`` and recomputed in the backward, so
   memory is ``O(Tq + Tk)`` plus one block whatever the lengths (with a window, a block spans only the
   keys its queries reach). It is the CPU path (FlexAttention has no CPU backward), and on CUDA the path
-  for fp32 and for softcapping.
+  for fp32, for softcapping and for GPUs older than Ampere (a V100, a T4).
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ _log = logging.getLogger(__name__)
 _SCORE_BUDGET_BYTES = 64 * 2**20
 """fp32 scores of one query block (the torch kernel): a few such temporaries at a time."""
 
+_FLASH_CAPABILITY = (8, 0)
+"""The oldest CUDA compute capability PyTorch's FlashAttention-2 kernels run on (Ampere)."""
+
 Pieces = list[tuple[int, int, int, int]]
 """``(q_start, q_stop, k_start, k_stop)`` of every piece, on the host."""
 
@@ -58,14 +61,23 @@ def flash_chosen(
     device: torch.device, dtypes: tuple[torch.dtype, ...], head_dim: int, softcap: float | None
 ) -> bool:
     """Whether the FlashAttention-2 kernels run for ``q``, ``k``, ``v`` of ``dtypes`` on ``device`` whose
-    larger head dim is ``head_dim``: CUDA, one dtype, fp16 or bf16, a head dim that is a multiple of 8 up to
-    256, FlashAttention enabled, no ``softcap``. Else the torch kernel.
+    larger head dim is ``head_dim``: a CUDA GPU of compute capability 8.0 or newer, one dtype, fp16 or bf16,
+    a head dim that is a multiple of 8 up to 256, FlashAttention enabled, no ``softcap``. Else the torch
+    kernel.
 
-    Logs once per process and reason which kernel runs (INFO; WARNING when CUDA inputs that could run
-    FlashAttention take the slower torch kernel because of ``softcap``).
+    Logs once per process and reason which kernel runs (INFO; WARNING when a GPU takes the slower torch
+    kernel for its generation (a V100, a T4), or inputs that could run FlashAttention because of ``softcap``).
     """
     if device.type != "cuda":
         reason = f"{device.type} tensors (FlashAttention-2 is CUDA only)"
+    elif (capability := torch.cuda.get_device_capability(device)) < _FLASH_CAPABILITY:
+        _log_once(
+            logging.WARNING,
+            "CP attention: the exact blocked torch kernel (fp32 scores, slower than FlashAttention), for a GPU "
+            f"of compute capability {capability[0]}.{capability[1]}: FlashAttention-2 needs "
+            f"{_FLASH_CAPABILITY[0]}.{_FLASH_CAPABILITY[1]} or newer (A100, H100).",
+        )
+        return False
     elif len(set(dtypes)) > 1:
         reason = f"q, k, v of different dtypes {', '.join(map(str, dtypes))} (FlashAttention-2 takes one)"
     elif dtypes[0] not in (torch.float16, torch.bfloat16):

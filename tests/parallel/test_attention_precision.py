@@ -45,8 +45,9 @@ def test_mixed_precision_inputs_compute_as_consistent_bf16(world2):
         assert gathered == {BF16}
 
 
-def test_the_chooser_takes_flash_on_cuda_only_for_one_low_precision_dtype(caplog):
+def test_the_chooser_takes_flash_on_cuda_only_for_one_low_precision_dtype(monkeypatch, caplog):
     _varlen._log_once.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
     cuda = torch.device("cuda", 0)
     with caplog.at_level(logging.INFO, logger=_varlen.__name__):
         assert _varlen.flash_chosen(cuda, (BF16,) * 3, 64, None)
@@ -57,6 +58,27 @@ def test_the_chooser_takes_flash_on_cuda_only_for_one_low_precision_dtype(caplog
             "CP attention: the exact blocked torch kernel, for q, k, v of different dtypes torch.float32, "
             "torch.float32, torch.bfloat16 (FlashAttention-2 takes one)."
         ),
+    ]
+
+
+def test_a_gpu_older_than_ampere_runs_the_torch_kernel_and_says_so_once(monkeypatch, caplog):
+    """FlashAttention-2 needs compute capability 8.0: a V100 (7.0) or a T4 (7.5) would crash in it."""
+    _varlen._log_once.cache_clear()
+    capability = {"now": (7, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["now"])
+    cuda = torch.device("cuda", 0)
+    with caplog.at_level(logging.INFO, logger=_varlen.__name__):
+        for _ in range(3):
+            assert not _varlen.flash_chosen(cuda, (BF16,) * 3, 64, None)
+        capability["now"] = (7, 5)
+        assert not _varlen.flash_chosen(cuda, (torch.float16,) * 3, 128, None)
+        capability["now"] = (8, 0)  # an A100
+        assert _varlen.flash_chosen(cuda, (torch.float16,) * 3, 128, None)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "CP attention: the exact blocked torch kernel (fp32 scores, slower than FlashAttention), for a GPU "
+        f"of compute capability {version}: FlashAttention-2 needs 8.0 or newer (A100, H100)."
+        for version in ("7.0", "7.5")
     ]
 
 
