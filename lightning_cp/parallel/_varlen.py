@@ -285,7 +285,10 @@ def torch_backward(
     window: int | None = None,
     softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Exact blocked backward recomputing each block's probabilities from ``lse``: ``(dq, dk, dv)``."""
+    """Exact blocked backward recomputing each block's probabilities from ``lse``: ``(dq, dk, dv)``, ``dq``
+    in ``q``'s dtype, ``dk`` and ``dv`` in the accumulation dtype (fp32, or float64 for float64 inputs): a
+    key's gradient is a sum over the queries that read it, which CP attention goes on summing over the
+    ranks before it rounds once to the keys' dtype."""
     kv_heads = k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -308,7 +311,7 @@ def torch_backward(
         ds.mul_(scale)
         dq[q0:q1] = torch.einsum("hgbk,khd->bhgd", ds, kb).flatten(1, 2)
         dk[k0:k1] += torch.einsum("hgbk,bhgd->khd", ds, qb)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk, dv
 
 
 def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:

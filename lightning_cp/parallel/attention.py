@@ -15,7 +15,9 @@ head dim of its own are exact on every path.
 Memory: the gathered keys and values live only inside the forward and the backward of a layer. The
 backward all-gathers them again instead of keeping them, so a layer saves ``O(T_local)`` (its local
 ``q``, ``k``, ``v``, output and log-sum-exp), and returns dK, dV to their owners with one
-reduce-scatter (an all-reduce on gloo, which has none). At most two sequence-sized K/V buffers are alive
+reduce-scatter (an all-reduce on gloo, which has none). A key's gradient is a sum over every piece and
+rank whose queries read it: it is summed in fp32 (the kernels' accumulation dtype), the reduce-scatter
+too, and rounded to the keys' dtype once. At most two sequence-sized K/V buffers are alive
 at a time (:class:`_CPAttention`).
 """
 
@@ -278,7 +280,8 @@ def _ordered_keys(k: Tensor, v: Tensor, keys: KeySelection, exchange: GroupExcha
 
 def _rank_major(dk: Tensor, dv: Tensor, keys: KeySelection) -> Tensor:
     """The key and value gradients ``[K, ...]`` (sequence order) at their gathered rows, zeros elsewhere:
-    ``[cp * T_local, Hkv * (D + Dv)]``, what the reduce-scatter returns to the keys' owners."""
+    ``[cp * T_local, Hkv * (D + Dv)]`` in their (accumulation) dtype, what the reduce-scatter sums and
+    returns to the keys' owners."""
     split = dk.shape[1] * dk.shape[2]
     full = dk.new_zeros((keys.gathered_tokens, split + dv.shape[1] * dv.shape[2]))
     full[:, :split].index_copy_(0, keys.order, dk.flatten(1))
@@ -300,11 +303,11 @@ def _put(out: Tensor, rows: Rows, value: Tensor) -> None:
 
 
 def _add(out: Tensor, rows: Rows, value: Tensor) -> None:
-    """``out[rows] += value`` along dim 0 (rows distinct)."""
+    """``out[rows] += value`` along dim 0 (rows distinct), in ``out``'s dtype."""
     if isinstance(rows, slice):
         out[rows] += value
     else:
-        out.index_add_(0, rows, value)
+        out.index_add_(0, rows, value.to(out.dtype))
 
 
 def _flash_forward(
@@ -350,11 +353,13 @@ def _flash_backward(
     rngs: list[tuple[Tensor, Tensor]],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of :func:`_flash_forward` from this rank's ``k``, ``v`` (gathered again here);
-    ``dk``, ``dv`` ``[K, ...]`` in sequence order.
+    ``dk``, ``dv`` ``[K, ...]`` in sequence order, summed over the calls in fp32 (the kernel's
+    accumulation dtype: a bf16 sum would round at every call).
 
     The first call's key gradients become the accumulators when it reads every key in place (full causal
     attention); the keys in sequence order are released before the last call when it reads a copy.
     """
+    accumulate = torch.promote_types(k.dtype, torch.float32)
     k, v = _ordered_keys(k, v, keys, exchange)
     dq = torch.empty_like(q)
     dk = dv = None
@@ -381,11 +386,11 @@ def _flash_backward(
         del call_k, call_v
         _put(dq, call.queries, grads[0])
         if dk is None and isinstance(call.keys, slice) and call.keys == slice(0, keys.num_keys):
-            dk, dv = grads[1], grads[2]
+            dk, dv = grads[1].to(accumulate), grads[2].to(accumulate)
             continue
         if dk is None:
-            dk = q.new_zeros((keys.num_keys, *grads[1].shape[1:]))
-            dv = q.new_zeros((keys.num_keys, *grads[2].shape[1:]))
+            dk = q.new_zeros((keys.num_keys, *grads[1].shape[1:]), dtype=accumulate)
+            dv = q.new_zeros((keys.num_keys, *grads[2].shape[1:]), dtype=accumulate)
         _add(dk, call.keys, grads[1])
         _add(dv, call.keys, grads[2])
     return dq, dk, dv
@@ -398,8 +403,8 @@ class _CPAttention(torch.autograd.Function):
 
     Saves only the local tensors; the backward exchanges the keys and values again. Per layer and round,
     the K/V in flight are the round's gathered buffer while it is put in sequence order, then its keys in
-    sequence order and (backward) their gradients, then those gradients at their gathered rows for the
-    reduce-scatter: ``1 / rounds`` of all heads' at a time.
+    sequence order and (backward) their gradients (fp32), then those gradients at their gathered rows
+    (fp32) for the reduce-scatter: ``1 / rounds`` of all heads' at a time.
     """
 
     @staticmethod
