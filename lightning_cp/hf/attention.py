@@ -187,7 +187,7 @@ def hf_context_parallel_attention(
     if cp_shard is None:
         return _sdpa(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     _check_supported(module, query, key, dropout, kwargs)
-    _check_mask(attention_mask)
+    _check_mask(attention_mask, cp_shard)
     _check_tokens(cp_shard, query)
     _check_positions(cp_shard, kwargs.get("position_ids"), attention_mask)
     out = context_parallel_attention(
@@ -211,6 +211,9 @@ def guard_sharded_calls(module: nn.Module) -> None:
       (:func:`~lightning_cp.parallel.sharding.sharded_under_cp`) without the batch's ``cp_shard`` is refused:
       it passes neither the shard nor its ``position_ids`` to the attention, which would then attend within
       the rank's own tokens;
+    * a call with ``cp_shard`` and an ``attention_mask`` that masks a token of the batch is refused, on every
+      rank of the CP group alike (:meth:`~lightning_cp.parallel.CPShard.masks_tokens`: with right padding
+      only one rank's slice holds the zeros), before any layer reaches the other ranks;
     * a call with ``cp_shard`` and no ``use_cache`` runs with ``use_cache=False``: a KV cache of a shard
       cannot be continued, and ``transformers`` would otherwise build one (its config's default) that keeps
       every layer's K/V of the shard alive until the step's outputs are freed (what ``transformers`` does
@@ -236,24 +239,36 @@ _GUARDED = "_lightning_cp_guards_sharded_calls"
 def _guard_sharded_call(
     module: nn.Module, args: tuple, kwargs: dict[str, Any]
 ) -> tuple[tuple, dict[str, Any]] | None:
-    if kwargs.get(CP_SHARD) is None:
+    cp_shard = kwargs.get(CP_SHARD)
+    if cp_shard is None:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if sharded_under_cp(input_ids):
             raise ValueError(f"{type(module).__name__}: {_WITHOUT_SHARD}")
         return None
-    position = _use_cache_position(type(module))
+    mask = _argument(type(module), "attention_mask", args, kwargs)
+    if isinstance(mask, Tensor) and (mask.dim() != 2 or cp_shard.masks_tokens(mask)):
+        raise ValueError(f"{type(module).__name__}: {_MASK_WITH_SHARD}")
     # use_cache neither given by keyword nor positionally
+    position = _argument_position(type(module), "use_cache")
     if kwargs.get("use_cache") is None and position is not None and position >= len(args):
         return args, {**kwargs, "use_cache": False}
     return None
 
 
+def _argument(model_class: type, name: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The argument ``name`` of a call of ``model_class.forward``, by keyword or by position (else ``None``)."""
+    if name in kwargs:
+        return kwargs[name]
+    position = _argument_position(model_class, name)
+    return args[position] if position is not None and position < len(args) else None
+
+
 @functools.cache
-def _use_cache_position(model_class: type) -> int | None:
-    """The position of ``use_cache`` among the arguments of ``model_class.forward`` (after ``self``), or
-    ``None`` when it takes none: read once per class, not at every call."""
+def _argument_position(model_class: type, name: str) -> int | None:
+    """The position of ``name`` among the arguments of ``model_class.forward`` (after ``self``), or ``None``
+    when it takes none: read once per class, not at every call."""
     parameters = list(inspect.signature(model_class.forward).parameters)[1:]
-    return parameters.index("use_cache") if "use_cache" in parameters else None
+    return parameters.index(name) if name in parameters else None
 
 
 def _sdpa(
@@ -341,21 +356,25 @@ def _check_supported(
         )
 
 
-def _check_mask(attention_mask: DeferredMask | Tensor | None) -> None:
+_MASK_WITH_SHARD = (
+    'attn_implementation="lightning_cp" got an attention mask with cp_shard; the shard already defines '
+    "causality and document boundaries. Do not pass attention_mask to the model (pad on the right and mark "
+    "targets with loss_mask, or pack documents with cu_seqlens instead)."
+)
+
+
+def _check_mask(attention_mask: DeferredMask | Tensor | None, cp_shard: CPShard) -> None:
+    """Refuse a mask that masks a token (a 2-D padding mask: of the whole batch, so that every rank of the
+    CP group refuses it alike), or any other mask."""
     deferred = attention_mask if isinstance(attention_mask, DeferredMask) else None
     user_mask = attention_mask if deferred is None else deferred.padding_mask
     if user_mask is None or (deferred is not None and deferred.verified_no_padding):
         return
     # Some models make an all-ones padding mask themselves: it masks nothing (checked once per forward).
-    if deferred is not None and user_mask.dim() == 2 and bool(user_mask.all()):
+    if deferred is not None and user_mask.dim() == 2 and not cp_shard.masks_tokens(user_mask):
         deferred.verified_no_padding = True
         return
-    if user_mask is not None:
-        raise ValueError(
-            'attn_implementation="lightning_cp" got an attention mask with cp_shard; the shard already '
-            "defines causality and document boundaries. Do not pass attention_mask to the model (pad on the "
-            "right and mark targets with loss_mask, or pack documents with cu_seqlens instead)."
-        )
+    raise ValueError(_MASK_WITH_SHARD)
 
 
 def _check_tokens(cp_shard: CPShard, query: Tensor) -> None:

@@ -48,6 +48,9 @@ _PACKED_KEYS = (CU_SEQLENS, CU_SEQLENS_PADDED)
 _DERIVED_KEYS = (LABELS, LOSS_MASK, INPUT_MASK, POSITION_IDS, CP_SHARD)
 # An attribute of the position_ids and input_ids tensors of a batch split over cp > 1 ranks (sharded_under_cp).
 _SHARDED_UNDER_CP = "_lightning_cp_sharded_under_cp"
+PADDING_MASK = "attention_mask"
+"""The key of a ``[B, S]`` padding mask in a batch (1 on tokens, 0 on padding), as Hugging Face tokenizers
+make it: :func:`shard_batch` records whether it masks a token before the split (:meth:`CPShard.masks_tokens`)."""
 
 
 def sharded_under_cp(tensor: Any) -> bool:
@@ -104,6 +107,12 @@ class CPShard:
     (:meth:`AttentionMode.gather_budget <lightning_cp.parallel.attention_mode.AttentionMode.gather_budget>`,
     asked once per batch by :func:`shard_batch`); ``None``: no budget. Every attention layer of the batch,
     and a checkpointed layer's recomputation, sizes its rounds from it."""
+    padding_mask: Tensor | None = None
+    """``[B, S_local]``: this rank's slice of the batch's ``attention_mask`` (the batch's tensor), ``None``
+    when the batch has none."""
+    batch_padded: Tensor | None = field(default=None, repr=False)
+    """0-d bool on the batch's device: whether the whole batch's ``attention_mask`` masks a token, computed
+    by :func:`shard_batch` before the split (read only by :meth:`masks_tokens`); ``None`` without one."""
     _keys: dict[int | None, KeySelection] = field(default_factory=dict, repr=False)
     _sequence_order: list[Tensor] = field(default_factory=list, repr=False)
     _whole: list[CPShard] = field(default_factory=list, repr=False)
@@ -153,6 +162,25 @@ class CPShard:
         if not self._whole:
             self._whole.append(CPShard.build(CPSplit(1, 0), self.sequence_lengths, self.cu_seqlens.device))
         return self._whole[0]
+
+    def masks_tokens(self, mask: Tensor) -> bool:
+        """Whether ``mask``, a padding mask (1 on tokens, 0 on padding) a model was called with under this
+        shard, masks any token of the batch: the same answer on every rank of the CP group for the batch's
+        own ``attention_mask``.
+
+        Right padding puts the zeros in the last chunk, which one rank holds: a check of each rank's slice
+        would raise on that rank only while the others went on to their first collective. So for
+        :attr:`padding_mask`, or a tensor of the same values (``transformers`` converts it to bool), the
+        answer is the whole batch's, recorded by :func:`shard_batch` before the split; for any other mask,
+        whether it has a zero on this rank. Local, no communication (one read of a device flag).
+        """
+        batch = self.padding_mask
+        of_the_batch = (
+            batch is not None
+            and mask.shape == batch.shape
+            and (mask is batch or torch.equal(mask.bool(), batch.bool()))
+        )
+        return bool(self.batch_padded) if of_the_batch else not bool(mask.all())
 
     @property
     def sequence_lengths(self) -> Tensor:
@@ -277,7 +305,9 @@ def shard_batch(
         False on padding, including the padding added here, so token counts need no knowledge of the
         split), the other sequence tensors, ``cp_shard`` (the :class:`CPShard` the model's attention is
         given), and for packed batches ``cu_seqlens`` (this rank's local boundaries, int32) and
-        ``cu_seqlens_padded`` (boundaries of the padded full sequence, int32).
+        ``cu_seqlens_padded`` (boundaries of the padded full sequence, int32). An ``attention_mask`` is
+        split as the other sequence tensors, and the shard records whether the whole batch's masks a token
+        (:meth:`CPShard.masks_tokens`).
         Local length is ``S_pad / cp`` (padded) or ``sum(len_pad_i) / cp`` (packed).
 
     Raises:
@@ -343,12 +373,16 @@ def shard_batch(
             if isinstance(marked, Tensor):
                 setattr(marked, _SHARDED_UNDER_CP, True)
     attention = attention or AttentionMode()
+    padding = batch.get(PADDING_MASK)
+    padded = isinstance(padding, Tensor) and padding.shape == input_ids.shape
     out[CP_SHARD] = replace(
         shard,
         position_ids=position_ids,
         exchange=exchange,
         attention=attention,
         kv_gather_budget=attention.gather_budget(device, exchange),
+        padding_mask=out[PADDING_MASK] if padded else None,
+        batch_padded=~padding.bool().all() if padded else None,
     )
     if packed:
         out[CU_SEQLENS] = shard.cu_seqlens

@@ -10,9 +10,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_cp.hf import decoder, output_head
+from lightning_cp.hf.attention import guard_sharded_calls
+from lightning_cp.hf.mixers import adapt_token_mixers
 from lightning_cp.parallel import groups, shard_batch
 from lightning_cp.parallel.layout import current_layout, set_current_layout
 from tests.hf._models import CONFIGS, VARIANTS, VOCAB, assert_grads_close, build, build_variant
+from tests.hf.test_hybrid import HYBRIDS, transformers
 
 DOC_LENGTHS = [7, 13, 5, 11]  # odd and unequal: every CP split pads, pieces straddle ranks
 PADDED_SHAPE = (3, 10)
@@ -168,3 +171,79 @@ def _without_position_ids(cp):
 def test_a_model_called_without_position_ids_under_cp_fails_on_every_rank(world2):
     for message in world2.run(_without_position_ids, 2):
         assert message is not None and "position_ids=batch['position_ids']" in message
+
+
+def _right_padded(cp):
+    """A [2, 8] batch whose second row ends in two padding tokens: at cp = 2 the last chunk (tokens 6, 7),
+    and so every zero of the padding mask, is rank 0's. The attention_mask given to the model as a batch
+    key (so sharded) through a bare decoder, through a guarded one, and the same mask as bool (what
+    transformers hands its attention function): each rank's error, or None."""
+
+    def run(rank):
+        torch.manual_seed(0)
+        ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+        mask = torch.ones(2, 8, dtype=torch.long)
+        mask[1, -2:] = 0
+        batch = shard_batch(
+            {"input_ids": ids, "attention_mask": mask}, cp, rank, cp_group=current_layout().cp_group
+        )
+        messages = []
+        for guarded, local_mask in ((False, batch["attention_mask"]), (True, batch["attention_mask"].bool())):
+            model = build("llama", "lightning_cp")
+            if guarded:
+                guard_sharded_calls(model)
+            try:
+                model.model(
+                    input_ids=batch["input_ids"],
+                    position_ids=batch["position_ids"],
+                    attention_mask=local_mask,
+                    cp_shard=batch["cp_shard"],
+                )
+            except ValueError as error:
+                messages.append(str(error))
+            else:
+                messages.append(None)
+        return bool(batch["attention_mask"].all()), messages
+
+    return _in_cp_group(cp, run)
+
+
+def test_right_padding_in_one_rank_s_slice_is_refused_on_every_rank(world2):
+    per_rank = world2.run(_right_padded, 2)
+    assert [all_ones for all_ones, _ in per_rank] == [False, True]  # only rank 0's slice has the zeros
+    for _, messages in per_rank:
+        assert messages[0] is not None and "Do not pass attention_mask to the model" in messages[0]
+        assert messages[1] is not None and messages[1].startswith("LlamaModel: ")
+        assert "Do not pass attention_mask to the model" in messages[1]
+
+
+def _mixer_given_the_padding(cp):
+    """A Gated DeltaNet layer called with the batch's right-padded attention_mask slice (zeros on rank 0
+    only) and cp_shard: each rank's error, or None."""
+
+    def run(rank):
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(**HYBRIDS["qwen3_5_text"])
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        mixer = model.get_submodule(adapt_token_mixers(model, cp)[0])
+        mask = torch.ones(2, 8, dtype=torch.long)
+        mask[1, -2:] = 0
+        hidden = torch.randn(2, 8, config.hidden_size)
+        batch = shard_batch(
+            {"input_ids": torch.zeros(2, 8, dtype=torch.long), "attention_mask": mask, "h": hidden},
+            cp,
+            rank,
+            cp_group=current_layout().cp_group,
+        )
+        try:
+            mixer(batch["h"], attention_mask=batch["attention_mask"], cp_shard=batch["cp_shard"])
+        except ValueError as error:
+            return str(error)
+        return None
+
+    return _in_cp_group(cp, run)
+
+
+def test_a_mixer_refuses_the_batch_s_padding_on_every_rank(world2):
+    for message in world2.run(_mixer_given_the_padding, 2):
+        assert message is not None and "got a padding mask with cp_shard" in message
