@@ -116,6 +116,7 @@ class CPShard:
     _keys: dict[int | None, KeySelection] = field(default_factory=dict, repr=False)
     _sequence_order: list[Tensor] = field(default_factory=list, repr=False)
     _whole: list[CPShard] = field(default_factory=list, repr=False)
+    _reached: list[bool] = field(default_factory=list, repr=False)
 
     @classmethod
     def build(cls, split: CPSplit, lengths: Tensor, device: torch.device | str) -> CPShard:
@@ -189,11 +190,14 @@ class CPShard:
         return 2 * self.split.cp_size * self.chunk_lengths
 
     def group_exchange(self) -> GroupExchange:
-        """:attr:`exchange`, the shard's CP group, which layers that reach their peers use.
+        """:attr:`exchange`, the shard's CP group, which layers that reach their peers use (and so
+        :attr:`reached_peers`).
 
         Raises:
             ValueError: the shard is one of a split over several ranks but was built without its group.
         """
+        if not self._reached:
+            self._reached.append(True)
         if self.exchange is not None:
             return self.exchange
         if self.split.cp_size > 1:
@@ -203,6 +207,13 @@ class CPShard:
                 "MegatronCPStrategy does), so that attention reaches the other ranks' tokens."
             )
         return GroupExchange()
+
+    @property
+    def reached_peers(self) -> bool:
+        """Whether a layer reached the other ranks through this shard (:meth:`group_exchange`): CP attention
+        and the token mixers do at every call under CP. A model whose layers never did attended within
+        each rank's own tokens; the strategies refuse its training step."""
+        return bool(self._reached)
 
     @property
     def num_sequences(self) -> int:
