@@ -189,7 +189,7 @@ def _ulysses(
     qs, ks, vs = to_heads(
         shard, (_token_major(q), query_heads), (_token_major(k), kv_heads), (_token_major(v), kv_heads)
     )
-    own_sinks = None if sinks is None else sinks.index_select(0, query_heads[rank].to(sinks.device))
+    own_sinks = None if sinks is None else sinks.index_select(0, shard.device_index(query_heads[rank]))
     out = context_parallel_attention(
         rows(qs),
         rows(ks),

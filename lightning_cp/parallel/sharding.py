@@ -117,6 +117,8 @@ class CPShard:
     _sequence_order: list[Tensor] = field(default_factory=list, repr=False)
     _whole: list[CPShard] = field(default_factory=list, repr=False)
     _reached: list[bool] = field(default_factory=list, repr=False)
+    _indices: dict[tuple[tuple[int, ...], tuple[int, ...]], Tensor] = field(default_factory=dict, repr=False)
+    _lengths: list[list[tuple[int, Tensor]]] = field(default_factory=list, repr=False)
 
     @classmethod
     def build(cls, split: CPSplit, lengths: Tensor, device: torch.device | str) -> CPShard:
@@ -155,6 +157,32 @@ class CPShard:
             order = self.split.sequence_order(self.chunk_lengths)
             self._sequence_order.append(order.to(self.cu_seqlens.device, non_blocking=True))
         return self._sequence_order[0]
+
+    def device_index(self, index: Tensor) -> Tensor:
+        """``index``, a small integer index on the CPU (the heads or channels a rank takes), on
+        :attr:`cu_seqlens`' device: copied on the first call for its values and cached on the shard, so the
+        layers of a batch that ask for the same index share one copy (a host-to-device copy per layer would
+        hold up the device's stream every time)."""
+        key = (tuple(index.shape), tuple(index.flatten().tolist()))
+        if key not in self._indices:
+            self._indices[key] = index.to(self.cu_seqlens.device, non_blocking=True)
+        return self._indices[key]
+
+    def sequences_by_length(self) -> list[tuple[int, Tensor]]:
+        """``(L, rows)`` for each distinct padded sequence length ``L`` (:attr:`sequence_lengths`), in order
+        of first appearance: ``rows`` ``[n * L]`` int64 on :attr:`cu_seqlens`' device, the positions of those
+        ``n`` sequences' tokens in sequence order (:meth:`sequence_order`), sequence after sequence. Built on
+        the CPU on the first call and cached on the shard."""
+        if not self._lengths:
+            lengths = self.sequence_lengths
+            starts = torch.cumsum(lengths, 0) - lengths
+            groups = []
+            for length in dict.fromkeys(lengths.tolist()):
+                first = starts[lengths == length]
+                rows = (first[:, None] + torch.arange(length)).flatten()
+                groups.append((length, rows.to(self.cu_seqlens.device, non_blocking=True)))
+            self._lengths.append(groups)
+        return self._lengths[0]
 
     def whole_sequences(self) -> CPShard:
         """The shard of one rank holding every sequence whole (cp = 1), each padded to its ``2 * cp``

@@ -4,6 +4,8 @@ References are ``transformers``' own ``"sdpa"`` models with the same weights, on
 each document alone, in the test process.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +14,8 @@ import torch.nn.functional as F
 from lightning_cp.hf import decoder, output_head
 from lightning_cp.hf.attention import guard_sharded_calls
 from lightning_cp.hf.mixers import adapt_token_mixers
-from lightning_cp.parallel import groups, shard_batch
+from lightning_cp.parallel import context_parallel_attention, groups, shard_batch
+from lightning_cp.parallel.attention_mode import AttentionMode
 from lightning_cp.parallel.layout import current_layout, set_current_layout
 from tests.hf._models import CONFIGS, VARIANTS, VOCAB, assert_grads_close, build, build_variant
 from tests.hf.test_hybrid import HYBRIDS, transformers
@@ -247,3 +250,77 @@ def _mixer_given_the_padding(cp):
 def test_a_mixer_refuses_the_batch_s_padding_on_every_rank(world2):
     for message in world2.run(_mixer_given_the_padding, 2):
         assert message is not None and "got a padding mask with cp_shard" in message
+
+
+def _index_copies_per_layer(cp):
+    """Integer ``.to`` calls (the index copies to the device) of two calls ("layers") on one batch's shard
+    of Ulysses attention with sinks and of each kind of token mixer (Gated DeltaNet's, Mamba2's and the
+    short convolution's channel rows, Mamba2's own heads)."""
+
+    def run(rank):
+        torch.manual_seed(0)
+        group = current_layout().cp_group
+        ids = torch.zeros(1, 16, dtype=torch.long)
+        cu = torch.tensor([0, 5, 16])
+        copies = {}
+
+        def layers(name, layer):
+            counts = []
+            for _ in range(2):
+                with _counting_index_copies() as count:
+                    layer()
+                counts.append(count[0])
+            copies[name] = counts
+
+        q, k, v = (torch.randn(1, heads, 16, 8) for heads in (4, 2, 2))
+        batch = shard_batch(
+            {
+                "input_ids": ids,
+                "cu_seqlens": cu,
+                "q": q.transpose(1, 2),
+                "k": k.transpose(1, 2),
+                "v": v.transpose(1, 2),
+            },
+            cp,
+            rank,
+            cp_group=group,
+            attention=AttentionMode("ulysses"),
+        )
+        local = [batch[name].transpose(1, 2) for name in "qkv"]
+        sinks = torch.randn(4)
+        layers("ulysses", lambda: context_parallel_attention(*local, cp_shard=batch["cp_shard"], sinks=sinks))
+        for family in ("qwen3_5_text", "mamba2", "lfm2"):
+            config = transformers.AutoConfig.for_model(**HYBRIDS[family])
+            model = transformers.AutoModelForCausalLM.from_config(config)
+            mixer = model.get_submodule(adapt_token_mixers(model, cp)[0])
+            hidden = torch.randn(1, 16, config.hidden_size)
+            batch = shard_batch({"input_ids": ids, "cu_seqlens": cu, "h": hidden}, cp, rank, cp_group=group)
+            layers(family, lambda: mixer(batch["h"], cp_shard=batch["cp_shard"]))  # noqa: B023
+        return copies
+
+    return _in_cp_group(cp, run)
+
+
+@contextlib.contextmanager
+def _counting_index_copies():
+    count = [0]
+    to = torch.Tensor.to
+
+    def counted(self, *args, **kwargs):
+        if not self.is_floating_point() and self.dtype != torch.bool:
+            count[0] += 1
+        return to(self, *args, **kwargs)
+
+    torch.Tensor.to = counted
+    try:
+        yield count
+    finally:
+        torch.Tensor.to = to
+
+
+def test_index_tensors_are_copied_to_the_device_once_per_batch_not_per_layer(world2):
+    for copies in world2.run(_index_copies_per_layer, 2):
+        for name, (first, second) in copies.items():
+            assert first > 0 and second == 0, (
+                f"{name}: {first} copies in the first layer, {second} in the second"
+            )
