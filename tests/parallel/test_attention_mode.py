@@ -67,3 +67,57 @@ def test_ranks_agree_on_the_rounds_whatever_their_free_memory(world2):
         shards = [by_rank[r][i].transpose(1, 2) for r in range(2)]
         full = unshard(shards, seq_len=PADDED_SHAPE[1]).transpose(1, 2)
         torch.testing.assert_close(full, expected[i], rtol=1e-10, atol=1e-10, msg=name)
+
+
+CASES = {  # the mode, query and key/value heads, and the collectives of one forward at cp = 2
+    "a count that does not divide Hkv": (AttentionMode(kv_heads_per_gather=3), 4, 4, ["all_gather"] * 2),
+    "auto where the heads split": (AttentionMode("auto"), 4, 2, ["all_to_all"] * 2),
+    "auto where they do not": (AttentionMode("auto"), 3, 3, ["all_gather"]),
+}
+
+
+def _forward_collectives(mode, heads, kv_heads):
+    layout = groups.initialize(tp=1, cp=2)
+    rank = layout.cp_rank
+    q, k, v, dout = _inputs(*PADDED_SHAPE, kv_heads=kv_heads, heads=heads)
+    lq, shard = _shard_heads(q, 2, rank, None, layout.cp_group, mode)
+    lk, lv, ldout = (_shard_heads(t, 2, rank, None)[0] for t in (k, v, dout))
+    leaves = [t.requires_grad_() for t in (lq, lk, lv)]
+    with recorded_collectives() as calls:
+        out = context_parallel_attention(*leaves, cp_shard=shard)
+    out.backward(ldout)
+    return rank, kinds(calls), out.detach(), *(t.grad for t in leaves)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_mode_runs_its_exchange(world2, case):
+    mode, heads, kv_heads, expected_calls = CASES[case]
+    per_rank = world2.run(_forward_collectives, mode, heads, kv_heads)
+    assert [calls for _, calls, *_ in per_rank] == [expected_calls] * 2
+    expected = _reference(*_inputs(*PADDED_SHAPE, kv_heads=kv_heads, heads=heads), None)
+    by_rank = {rank: tensors for rank, _, *tensors in per_rank}
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        shards = [by_rank[r][i].transpose(1, 2) for r in range(2)]
+        full = unshard(shards, seq_len=PADDED_SHAPE[1]).transpose(1, 2)
+        torch.testing.assert_close(full, expected[i], rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_heads_per_gather_is_the_largest_divisor_of_hkv_within_the_count_or_the_budget():
+    assert AttentionMode(kv_heads_per_gather=3).heads_per_gather(4, 100, None) == 2  # not 4
+    assert AttentionMode(kv_heads_per_gather=5).heads_per_gather(8, 100, None) == 4
+    assert AttentionMode(kv_heads_per_gather=16).heads_per_gather(8, 100, None) == 8
+    assert AttentionMode().heads_per_gather(8, 100, 350) == 2  # room for 3 heads: 2 divide 8
+    assert AttentionMode().heads_per_gather(8, 100, 50) == 1  # room for none: one at a time
+    assert AttentionMode().heads_per_gather(8, 100, None) == 8  # no budget: all at once
+
+
+def test_auto_is_ulysses_exactly_where_the_heads_split():
+    auto = AttentionMode("auto")
+    assert auto.ulysses(4, 2, 2) and auto.ulysses(8, 1, 4) and auto.ulysses(8, 8, 4)
+    assert not auto.ulysses(6, 3, 2) and not auto.ulysses(6, 6, 4) and not auto.ulysses(4, 2, 1)
+    assert not AttentionMode("allgather").ulysses(4, 2, 2)
+
+
+def test_a_count_of_heads_per_gather_with_ulysses_is_refused():
+    with pytest.raises(ValueError, match=r"kv_heads_per_gather=2 .* cp_attention='ulysses' never runs"):
+        AttentionMode("ulysses", kv_heads_per_gather=2)

@@ -1,5 +1,8 @@
-"""What both strategies do around the model (``MegatronCPBase``): under CP, a training step whose model
-never reached the other ranks through the batch's shard is refused, under DDP and under FSDP alike."""
+"""What both strategies do around the model (``MegatronCPBase``): the batches are sharded with the configured
+CP attention (checked by the collectives that ran), and under CP a training step whose model never reached
+the other ranks through the batch's shard is refused, under DDP and under FSDP alike."""
+
+from collections import Counter
 
 import pytest
 import torch
@@ -9,8 +12,10 @@ from torch.utils.data import DataLoader
 
 from lightning_cp import CPLossMixin, MegatronCPFSDPStrategy, MegatronCPStrategy
 from lightning_cp.data import LongRangeCopyDataset, collate_padded
+from lightning_cp.models import GPTConfig, GPTModule
 from lightning_cp.parallel import context_parallel_attention
 from tests._trainer import cp_trainer
+from tests.parallel._collectives import kinds, recorded_collectives
 
 VOCAB, HEADS, DIM = 32, 2, 8
 STRATEGIES = {"ddp": MegatronCPStrategy, "fsdp": MegatronCPFSDPStrategy}
@@ -58,3 +63,41 @@ def test_a_model_that_never_gives_its_attention_the_shard_is_refused_on_every_ra
         assert message.startswith("_OwnAttention.training_step ran under cp=2 but no layer reached")
         assert 'pass cp_shard=batch["cp_shard"] to the model' in message
     assert world2.run(_fit_own_model, strategy, True) == [None, None]
+
+
+MODES = {  # the strategy's arguments, and the collectives of one step of a one-layer GPT with 2 heads at cp = 2
+    "allgather": ({}, {"all_gather": 2, "reduce_scatter": 1}),
+    "allgather-by-head": (
+        {"cp_attention": "allgather", "kv_heads_per_gather": 1},
+        {"all_gather": 4, "reduce_scatter": 2},
+    ),
+    "ulysses": ({"cp_attention": "ulysses"}, {"all_to_all": 4}),
+    "auto": ({"cp_attention": "auto"}, {"all_to_all": 4}),  # the 2 heads split over cp = 2: Ulysses
+}
+"""One forward and backward: the all-gather gathers K/V in the forward and again in the backward, then
+reduce-scatters their gradients, once per round; Ulysses exchanges to the heads and back, each way twice."""
+
+
+def _collectives_of_one_step(arguments: dict) -> Counter:
+    seed_everything(0)
+    module = GPTModule(GPTConfig(vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=16))
+    data = LongRangeCopyDataset(num_samples=2, seq_len=12, vocab_size=VOCAB, seed=0)
+    trainer = cp_trainer(2, strategy=MegatronCPStrategy(cp=2, **arguments), max_steps=1)
+    with recorded_collectives() as calls:
+        trainer.fit(module, DataLoader(data, batch_size=2, collate_fn=collate_padded))
+    return Counter(kinds(calls))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_batches_are_sharded_with_the_configured_attention(world2, mode):
+    """Every mode gives the same numbers: what shows the strategy passed its cp_attention and
+    kv_heads_per_gather on to the batches' shards is the collectives the attention ran."""
+    arguments, expected = MODES[mode]
+    assert world2.run(_collectives_of_one_step, arguments) == [Counter(expected)] * 2
+
+
+def test_ulysses_with_key_value_heads_per_gather_is_refused_at_construction():
+    with pytest.raises(
+        ValueError, match=r"MegatronCPStrategy: kv_heads_per_gather=2 .* cp_attention='ulysses'"
+    ):
+        MegatronCPStrategy(cp=2, cp_attention="ulysses", kv_heads_per_gather=2)
