@@ -1,6 +1,6 @@
 """Variable-length causal attention kernels for the local work of CP attention (forward and backward).
 
-The problem (set up by :mod:`lightning_cp.parallel.attention` from a
+The problem (set up by :mod:`lightning_cp.parallel._allgather_attention` from a
 :class:`~lightning_cp.parallel._key_selection.KeySelection`): ``q`` ``[Tq, Hq, D]``, ``k`` ``[Tk, Hkv, D]``
 and ``v`` ``[Tk, Hkv, Dv]`` (``Hkv`` divides ``Hq``: grouped-query attention; ``Dv`` may differ from ``D``,
 as in DeepSeek's multi-head latent attention) are cut into pieces by ``cu_q`` and ``cu_k`` (``[P + 1]``
