@@ -10,9 +10,9 @@ function registered under its config's ``_attn_implementation``. The batch's
     )
 
 Given ``cp_shard``, :func:`hf_context_parallel_attention` calls
-:func:`~lightning_cp.parallel.context_parallel_attention` with it, over the CP group the shard carries
-(only the key/value heads are all-gathered), with the
-layer's variants: its ``scaling``, its ``sliding_window`` (per layer), its logit ``softcap`` (Gemma-2),
+:func:`~lightning_cp.parallel.context_parallel_attention` with it, over the CP group the shard carries and
+by the exchange its attention mode names (the strategies' ``cp_attention``: the key/value heads
+all-gathered, or Ulysses' all-to-all), with the layer's variants: its ``scaling``, its ``sliding_window`` (per layer), its logit ``softcap`` (Gemma-2),
 its attention sinks (``s_aux``, gpt-oss) and a value head dim of its own (DeepSeek's MLA). Without it,
 the function is exactly ``transformers``' ``"sdpa"`` attention, so the same model runs anywhere: in a
 callback, as a teacher on other tensors, without a strategy, in ``generate``.
@@ -173,9 +173,10 @@ def hf_context_parallel_attention(
         ``([B, S_local, Hq, Dv], None)``: the output (with ``cp_shard`` in the compute dtype of
         :func:`~lightning_cp.parallel.attention.compute_dtype`, else SDPA's), and no attention weights.
 
-    Communication: with ``cp_shard``, that of ``context_parallel_attention`` over the shard's CP
-    group (one all-gather of K and V forward; the same again and one reduce-scatter backward; none
-    without CP). Without ``cp_shard`` none: this is ``transformers``' SDPA attention.
+    Communication: with ``cp_shard``, that of ``context_parallel_attention`` over the shard's CP group
+    (the all-gather: per round of key/value heads one all-gather of K and V forward, the same again and
+    one reduce-scatter backward; Ulysses: one all-to-all each way, forward and backward; none without CP).
+    Without ``cp_shard`` none: this is ``transformers``' SDPA attention.
 
     Raises:
         ValueError: without ``cp_shard``, ``position_ids`` of a batch sharded over ``cp > 1`` ranks (the

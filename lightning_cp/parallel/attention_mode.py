@@ -10,7 +10,8 @@ way without a setting of its own:
 - ``"ulysses"``: one all-to-all gives each rank every token of ``Hq / cp`` query heads and the key/value
   heads they read (replicated when ``Hkv < cp``, as DeepSpeed's Ulysses does), the best single-device kernel
   runs on whole sequences, and one all-to-all brings the output back
-  (:mod:`lightning_cp.parallel.head_parallel`). No sequence-sized K/V copy; ``Hq`` must split over ``cp``.
+  (:mod:`lightning_cp.parallel.head_parallel`). Each rank holds the whole sequences' K/V of the key/value
+  heads it reads (``max(Hkv, cp) / cp`` heads' worth), not every head's; ``Hq`` must split over ``cp``.
 - ``"auto"``: Ulysses where the heads split over ``cp`` (``Hq % cp == 0`` and ``Hkv`` a multiple or a
   divisor of ``cp``), else the all-gather.
 """
@@ -29,8 +30,8 @@ AttentionKind = Literal["allgather", "ulysses", "auto"]
 ATTENTION_KINDS: tuple[AttentionKind, ...] = ("allgather", "ulysses", "auto")
 
 KV_GATHER_MEMORY_FRACTION = 0.25
-"""With ``kv_heads_per_gather=None`` on CUDA, the key/value heads of one round keep their sequence-sized
-copies within this fraction of the least memory free on any rank of the CP group."""
+"""With ``kv_heads_per_gather=None`` on CUDA, the key/value heads of one round keep two sequence-sized copies
+within this fraction of the least memory free on any rank of the CP group."""
 
 
 @dataclass(frozen=True)

@@ -93,13 +93,16 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         offload_activations: keep what the ``activation_checkpointing`` modules save for their backward (their
             inputs) in host memory, copied back ahead of need (:func:`lightning_cp.memory.offload_checkpointed`).
             Needs ``activation_checkpointing``.
-        cp_attention: how attention reaches the other CP ranks' tokens: ``"allgather"`` (the key/value heads
-            all-gathered, any head counts), ``"ulysses"`` (an all-to-all to whole sequences for ``Hq / cp``
-            query heads, no sequence-sized K/V copy; the heads must split over ``cp``) or ``"auto"`` (Ulysses
-            where the heads split, else the all-gather). See :mod:`lightning_cp.parallel.attention_mode`.
-        kv_heads_per_gather: with the all-gather, the key/value heads gathered per round (the whole
-            sequence's K/V transient falls with it; the numbers do not change); ``None``: as many as fit a
-            quarter of the free device memory on CUDA, all at once on the CPU.
+        cp_attention: how attention reaches the other CP ranks' tokens: ``"allgather"`` (every rank keeps its
+            queries and all-gathers the key/value heads, in rounds; any head counts), ``"ulysses"`` (an
+            all-to-all to every token of ``Hq / cp`` query heads and the key/value heads they read: each rank
+            holds the whole sequences' K/V of those heads only; the heads must split over ``cp``) or
+            ``"auto"`` (Ulysses where the heads split, else the all-gather). The numbers are the same either
+            way. See :mod:`lightning_cp.parallel.attention_mode`.
+        kv_heads_per_gather: with the all-gather, the key/value heads gathered per round, rounded down to a
+            divisor of the model's ``Hkv`` (the whole sequence's K/V transient falls with it; the numbers do
+            not change); ``None``: on CUDA as many as fit a quarter of the least free device memory of the
+            CP group (agreed once per batch), all at once on the CPU. Refused with ``"ulysses"``.
         accelerator: the device type (default: the Trainer's ``accelerator``).
         parallel_devices: the devices of this node's ranks (default: from the Trainer's ``devices``).
         cluster_environment: where each rank's rank, the world size and the main address come from

@@ -2,6 +2,7 @@
 CP attention (checked by the collectives that ran), and under CP a training step whose model never reached
 the other ranks through the batch's shard is refused, under DDP and under FSDP alike."""
 
+import inspect
 from collections import Counter
 
 import pytest
@@ -14,6 +15,7 @@ from lightning_cp import CPLossMixin, MegatronCPFSDPStrategy, MegatronCPStrategy
 from lightning_cp.data import LongRangeCopyDataset, collate_padded
 from lightning_cp.models import GPTConfig, GPTModule
 from lightning_cp.parallel import context_parallel_attention
+from lightning_cp.strategies.base import MegatronCPBase
 from tests._trainer import cp_trainer
 from tests.parallel._collectives import kinds, recorded_collectives
 
@@ -101,3 +103,27 @@ def test_ulysses_with_key_value_heads_per_gather_is_refused_at_construction():
         ValueError, match=r"MegatronCPStrategy: kv_heads_per_gather=2 .* cp_attention='ulysses'"
     ):
         MegatronCPStrategy(cp=2, cp_attention="ulysses", kv_heads_per_gather=2)
+
+
+def test_every_shared_argument_is_documented_in_each_strategy():
+    """The shared arguments are declared once (MegatronCPBase) and described there; each strategy's Args
+    names every one of the package's own (a new one forgotten in a subclass's docstring fails here)."""
+    shared = [
+        name
+        for name, parameter in inspect.signature(MegatronCPBase.__init__).parameters.items()
+        if name != "self" and parameter.kind is not parameter.VAR_KEYWORD
+    ]
+    for name in shared:
+        assert f"\n        {name}: " in MegatronCPBase.__doc__, name
+    own = shared[: shared.index("kv_heads_per_gather") + 1]
+    assert own == [
+        "cp",
+        "tp",
+        "activation_checkpointing",
+        "offload_activations",
+        "cp_attention",
+        "kv_heads_per_gather",
+    ]
+    for strategy in STRATEGIES.values():
+        args = strategy.__doc__.split("Args:")[1].split("Raises:")[0]
+        assert all(f"``{name}``" in args for name in own), strategy.__name__
