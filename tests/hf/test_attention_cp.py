@@ -176,36 +176,39 @@ def test_a_model_called_without_position_ids_under_cp_fails_on_every_rank(world2
         assert message is not None and "position_ids=batch['position_ids']" in message
 
 
+def _right_padded_batch(cp, rank, **tensors):
+    """A [2, 8] batch whose second row ends in two padding tokens, sharded with its attention_mask (and
+    ``tensors``): at cp = 2 the last chunk (tokens 6, 7), and so every zero of the mask, is rank 0's."""
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, -2:] = 0
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "attention_mask": mask, **tensors}
+    return shard_batch(batch, cp, rank, cp_group=current_layout().cp_group)
+
+
+def _error(call):
+    """The message of the ``ValueError`` ``call()`` raises, or None."""
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def _right_padded(cp):
-    """A [2, 8] batch whose second row ends in two padding tokens: at cp = 2 the last chunk (tokens 6, 7),
-    and so every zero of the padding mask, is rank 0's. The attention_mask given to the model as a batch
-    key (so sharded) through a bare decoder, through a guarded one, and the same mask as bool (what
-    transformers hands its attention function): each rank's error, or None."""
+    """The sharded attention_mask given to a bare decoder and, as bool (what transformers hands its
+    attention function), to a guarded one: whether this rank's slice masks nothing, and each error."""
 
     def run(rank):
         torch.manual_seed(0)
-        ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
-        mask = torch.ones(2, 8, dtype=torch.long)
-        mask[1, -2:] = 0
-        batch = shard_batch(
-            {"input_ids": ids, "attention_mask": mask}, cp, rank, cp_group=current_layout().cp_group
-        )
+        batch = _right_padded_batch(cp, rank)
         messages = []
         for guarded, local_mask in ((False, batch["attention_mask"]), (True, batch["attention_mask"].bool())):
             model = build("llama", "lightning_cp")
             if guarded:
                 guard_sharded_calls(model)
-            try:
-                model.model(
-                    input_ids=batch["input_ids"],
-                    position_ids=batch["position_ids"],
-                    attention_mask=local_mask,
-                    cp_shard=batch["cp_shard"],
-                )
-            except ValueError as error:
-                messages.append(str(error))
-            else:
-                messages.append(None)
+            inputs = {name: batch[name] for name in ("input_ids", "position_ids", "cp_shard")}
+            messages.append(_error(lambda: model.model(**inputs, attention_mask=local_mask)))  # noqa: B023
         return bool(batch["attention_mask"].all()), messages
 
     return _in_cp_group(cp, run)
@@ -221,28 +224,18 @@ def test_right_padding_in_one_rank_s_slice_is_refused_on_every_rank(world2):
 
 
 def _mixer_given_the_padding(cp):
-    """A Gated DeltaNet layer called with the batch's right-padded attention_mask slice (zeros on rank 0
-    only) and cp_shard: each rank's error, or None."""
+    """A Gated DeltaNet layer called with the right-padded batch's attention_mask slice and cp_shard: each
+    rank's error, or None."""
 
     def run(rank):
         torch.manual_seed(0)
         config = transformers.AutoConfig.for_model(**HYBRIDS["qwen3_5_text"])
         model = transformers.AutoModelForCausalLM.from_config(config)
         mixer = model.get_submodule(adapt_token_mixers(model, cp)[0])
-        mask = torch.ones(2, 8, dtype=torch.long)
-        mask[1, -2:] = 0
-        hidden = torch.randn(2, 8, config.hidden_size)
-        batch = shard_batch(
-            {"input_ids": torch.zeros(2, 8, dtype=torch.long), "attention_mask": mask, "h": hidden},
-            cp,
-            rank,
-            cp_group=current_layout().cp_group,
+        batch = _right_padded_batch(cp, rank, h=torch.randn(2, 8, config.hidden_size))
+        return _error(
+            lambda: mixer(batch["h"], attention_mask=batch["attention_mask"], cp_shard=batch["cp_shard"])
         )
-        try:
-            mixer(batch["h"], attention_mask=batch["attention_mask"], cp_shard=batch["cp_shard"])
-        except ValueError as error:
-            return str(error)
-        return None
 
     return _in_cp_group(cp, run)
 
