@@ -13,9 +13,10 @@ blocked torch kernel, :mod:`lightning_cp.parallel._varlen`).
 Memory: the gathered keys and values live only inside the forward and the backward of a layer. The backward
 all-gathers them again instead of keeping them, so a layer saves ``O(T_local)`` (its local ``q``, ``k``,
 ``v``, output and log-sum-exp). Per round the sequence-sized buffers are the gathered keys and values (while
-they are put in sequence order), those in sequence order and, in the backward, their gradients (fp32), then
-those gradients at their gathered rows (fp32), which one reduce-scatter (an all-reduce on gloo, which has
-none) sums over the ranks and returns to the keys' owners: ``1 / rounds`` of every head's at a time. A
+they are put in sequence order), those in sequence order and, in the backward, their gradients at their
+gathered rows (fp32; the blocked kernel sums them in sequence order first), which one reduce-scatter (an
+all-reduce on gloo, which has none) sums over the ranks and returns to the keys' owners:
+``kv_heads_per_gather / Hkv`` of every head's at a time. A
 key's gradient is a sum over the pieces and ranks whose queries read it, summed in fp32 and rounded to the
 keys' dtype once.
 
@@ -173,7 +174,8 @@ class AllGatherAttention(torch.autograd.Function):
             round_dout, round_out = _heads(dout, q_heads), _heads(out, q_heads)
             round_lse = lse[q_heads].contiguous()
             if ctx.rngs is not None:
-                round_dq, round_dk, round_dv = _flash_calls.backward(
+                round_dk, round_dv, full = _key_gradient_buffers(round_k, round_v, keys)
+                round_dq = _flash_calls.backward(
                     round_dout,
                     round_q,
                     lambda k=round_k, v=round_v: _ordered_keys(k, v, keys, exchange),
@@ -182,6 +184,8 @@ class AllGatherAttention(torch.autograd.Function):
                     keys,
                     scale,
                     ctx.rngs[index],
+                    round_dk,
+                    round_dv,
                 )
             else:
                 ordered_k, ordered_v = _ordered_keys(round_k, round_v, keys, exchange)
@@ -198,8 +202,8 @@ class AllGatherAttention(torch.autograd.Function):
                     softcap=ctx.softcap,
                 )
                 del ordered_k, ordered_v
-            if keys.order is not None:
-                full = _rank_major(round_dk, round_dv, keys)
+                full = None if keys.order is None else _rank_major(round_dk, round_dv, keys)
+            if full is not None:
                 del round_dk, round_dv
                 local = exchange.reduce_scatter(full)
                 del full
@@ -223,6 +227,19 @@ def _ordered_keys(k: Tensor, v: Tensor, keys: KeySelection, exchange: GroupExcha
     kv = exchange.all_gather(torch.cat([k.flatten(1), v.flatten(1)], dim=1)).index_select(0, keys.order)
     split = k.shape[1] * k.shape[2]
     return kv[:, :split].unflatten(1, k.shape[1:]), kv[:, split:].unflatten(1, v.shape[1:])
+
+
+def _key_gradient_buffers(k: Tensor, v: Tensor, keys: KeySelection) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Zeroed fp32 buffers for the key and value gradients: ``(dk, dv, None)`` of the keys' own ``[K]`` rows
+    when nothing is gathered, else views ``(dk, dv, full)`` of the rank-major ``[cp * T_local, Hkv * (D +
+    Dv)]`` buffer the reduce-scatter sums (the keys in sequence order at their gathered rows
+    ``keys.order``), so that the calls add into it directly."""
+    accumulate = torch.promote_types(k.dtype, torch.float32)
+    if keys.order is None:
+        return k.new_zeros(k.shape, dtype=accumulate), v.new_zeros(v.shape, dtype=accumulate), None
+    split = k.shape[1] * k.shape[2]
+    full = k.new_zeros((keys.gathered_tokens, split + v.shape[1] * v.shape[2]), dtype=accumulate)
+    return full[:, :split].unflatten(1, k.shape[1:]), full[:, split:].unflatten(1, v.shape[1:]), full
 
 
 def _rank_major(dk: Tensor, dv: Tensor, keys: KeySelection) -> Tensor:

@@ -4,7 +4,8 @@ One rank's query pieces and the keys they read (in sequence order) become a few 
 variable-length FlashAttention-2 kernels (:mod:`lightning_cp.parallel._varlen`), one per kept chunk under CP:
 each call reads its queries and keys in place where they lie back to back, else copies only its rows. The
 forward writes every call's output and log-sum-exp into this rank's ``[T_local]`` rows; the backward sums
-the calls' key and value gradients in fp32 (the kernels' accumulation dtype) into the ``[K]`` keys.
+the calls' key and value gradients in fp32 (the kernels' accumulation dtype), under CP straight into the
+rank-major buffer that the reduce-scatter sums over the ranks.
 """
 
 from __future__ import annotations
@@ -59,18 +60,18 @@ def backward(
     keys: KeySelection,
     scale: float,
     rngs: list[Rng],
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of :func:`forward`; ``dk``, ``dv`` ``[K, ...]`` in sequence order, summed over the
-    calls in fp32 (a bf16 sum would round at every call).
+    dk: Tensor,
+    dv: Tensor,
+) -> Tensor:
+    """``dq`` of :func:`forward`; the calls' key and value gradients are added into ``dk``, ``dv`` (fp32: a
+    bf16 sum would round at every call), at the rows ``keys.order`` gives the keys in sequence order (the
+    rank-major buffer the reduce-scatter sums), or, without an order, at the keys' own rows ``[K]``.
 
     ``ordered_keys()`` gives the keys and values in sequence order (gathered again under CP); they are
-    released before the last call when it reads a copy of its rows. The first call's key gradients become
-    the accumulators when it reads every key in place (full causal attention).
+    released before the last call when it reads a copy of its rows.
     """
     k, v = ordered_keys()
-    accumulate = torch.promote_types(k.dtype, torch.float32)
     dq = torch.empty_like(q)
-    dk = dv = None
     calls = list(zip(keys.calls, rngs, strict=True))
     for position, (call, rng) in enumerate(calls):
         call_k, call_v = _take(k, call.keys), _take(v, call.keys)
@@ -93,16 +94,10 @@ def backward(
         )
         del call_k, call_v
         _put(dq, call.queries, grads[0])
-        if dk is None and isinstance(call.keys, slice) and call.keys == slice(0, keys.num_keys):
-            dk, dv = grads[1].to(accumulate), grads[2].to(accumulate)
-            continue
-        if dk is None:
-            dk = q.new_zeros((keys.num_keys, *grads[1].shape[1:]), dtype=accumulate)
-            dv = q.new_zeros((keys.num_keys, *grads[2].shape[1:]), dtype=accumulate)
-        _add(dk, call.keys, grads[1])
-        _add(dv, call.keys, grads[2])
-    assert dk is not None and dv is not None  # every selection has a call
-    return dq, dk, dv
+        rows = call.keys if keys.order is None else _take(keys.order, call.keys)
+        _add(dk, rows, grads[1])
+        _add(dv, rows, grads[2])
+    return dq
 
 
 def _take(x: Tensor, rows: Rows) -> Tensor:
