@@ -65,6 +65,25 @@ def sharded_under_cp(tensor: Any) -> bool:
     return getattr(tensor, _SHARDED_UNDER_CP, False)
 
 
+class _BatchState:
+    """What a :class:`CPShard` builds on first use and what its layers record, for the batch: the key
+    selections by window, the sequence order, the whole-sequence shard, the device copies of index tensors,
+    the rows of each sequence length, and whether a layer reached the other ranks.
+
+    Not a dataclass nor a container: FSDP's ``cast_forward_inputs`` (and ``torch.distributed``'s
+    ``_apply_to_tensors``) rebuild dataclasses, lists and dicts in a forward's arguments, so the copy of the
+    shard a model receives under FSDP's mixed precision shares this one object with the batch's shard.
+    """
+
+    def __init__(self) -> None:
+        self.keys: dict[int | None, KeySelection] = {}
+        self.sequence_order: Tensor | None = None
+        self.whole: CPShard | None = None
+        self.indices: dict[tuple[tuple[int, ...], tuple[int, ...]], Tensor] = {}
+        self.lengths: list[tuple[int, Tensor]] | None = None
+        self.reached = False
+
+
 @dataclass(frozen=True, eq=False)
 class CPShard:
     """This rank's shard of a batch's sequences under a :class:`CPSplit`: its tokens and their keys.
@@ -113,12 +132,7 @@ class CPShard:
     batch_padded: Tensor | None = field(default=None, repr=False)
     """0-d bool on the batch's device: whether the whole batch's ``attention_mask`` masks a token, computed
     by :func:`shard_batch` before the split (read only by :meth:`masks_tokens`); ``None`` without one."""
-    _keys: dict[int | None, KeySelection] = field(default_factory=dict, repr=False)
-    _sequence_order: list[Tensor] = field(default_factory=list, repr=False)
-    _whole: list[CPShard] = field(default_factory=list, repr=False)
-    _reached: list[bool] = field(default_factory=list, repr=False)
-    _indices: dict[tuple[tuple[int, ...], tuple[int, ...]], Tensor] = field(default_factory=dict, repr=False)
-    _lengths: list[list[tuple[int, Tensor]]] = field(default_factory=list, repr=False)
+    _state: _BatchState = field(default_factory=_BatchState, repr=False)
 
     @classmethod
     def build(cls, split: CPSplit, lengths: Tensor, device: torch.device | str) -> CPShard:
@@ -144,19 +158,21 @@ class CPShard:
         """
         longest = 2 * self.split.cp_size * int(self.chunk_lengths.max()) if self.num_sequences else 0
         window = effective_window(window, longest)
-        if window not in self._keys:
-            self._keys[window] = select_keys(self.split, self.chunk_lengths, window, self.cu_seqlens.device)
-        return self._keys[window]
+        selections = self._state.keys
+        if window not in selections:
+            selections[window] = select_keys(self.split, self.chunk_lengths, window, self.cu_seqlens.device)
+        return selections[window]
 
     def sequence_order(self) -> Tensor:
         """``[cp * T_local]`` int64 on :attr:`cu_seqlens`' device: the row, among every rank's local tokens in
         rank order, of each token of the whole sequences in sequence order
         (:meth:`CPSplit.sequence_order <lightning_cp.parallel.split.CPSplit.sequence_order>`). Built on the
         CPU on the first call and cached on the shard, so every layer of the batch reuses it."""
-        if not self._sequence_order:
+        state = self._state
+        if state.sequence_order is None:
             order = self.split.sequence_order(self.chunk_lengths)
-            self._sequence_order.append(order.to(self.cu_seqlens.device, non_blocking=True))
-        return self._sequence_order[0]
+            state.sequence_order = order.to(self.cu_seqlens.device, non_blocking=True)
+        return state.sequence_order
 
     def device_index(self, index: Tensor) -> Tensor:
         """``index``, a small integer index on the CPU (the heads or channels a rank takes), on
@@ -164,16 +180,18 @@ class CPShard:
         layers of a batch that ask for the same index share one copy (a host-to-device copy per layer would
         hold up the device's stream every time)."""
         key = (tuple(index.shape), tuple(index.flatten().tolist()))
-        if key not in self._indices:
-            self._indices[key] = index.to(self.cu_seqlens.device, non_blocking=True)
-        return self._indices[key]
+        indices = self._state.indices
+        if key not in indices:
+            indices[key] = index.to(self.cu_seqlens.device, non_blocking=True)
+        return indices[key]
 
     def sequences_by_length(self) -> list[tuple[int, Tensor]]:
         """``(L, rows)`` for each distinct padded sequence length ``L`` (:attr:`sequence_lengths`), in order
         of first appearance: ``rows`` ``[n * L]`` int64 on :attr:`cu_seqlens`' device, the positions of those
         ``n`` sequences' tokens in sequence order (:meth:`sequence_order`), sequence after sequence. Built on
         the CPU on the first call and cached on the shard."""
-        if not self._lengths:
+        state = self._state
+        if state.lengths is None:
             lengths = self.sequence_lengths
             starts = torch.cumsum(lengths, 0) - lengths
             groups = []
@@ -181,16 +199,17 @@ class CPShard:
                 first = starts[lengths == length]
                 rows = (first[:, None] + torch.arange(length)).flatten()
                 groups.append((length, rows.to(self.cu_seqlens.device, non_blocking=True)))
-            self._lengths.append(groups)
-        return self._lengths[0]
+            state.lengths = groups
+        return state.lengths
 
     def whole_sequences(self) -> CPShard:
         """The shard of one rank holding every sequence whole (cp = 1), each padded to its ``2 * cp``
         chunks: the tokens the head-parallel exchange gives a rank (``to_heads``), in that order, as one
         packed row. Cached on this shard."""
-        if not self._whole:
-            self._whole.append(CPShard.build(CPSplit(1, 0), self.sequence_lengths, self.cu_seqlens.device))
-        return self._whole[0]
+        state = self._state
+        if state.whole is None:
+            state.whole = CPShard.build(CPSplit(1, 0), self.sequence_lengths, self.cu_seqlens.device)
+        return state.whole
 
     def masks_tokens(self, mask: Tensor) -> bool:
         """Whether ``mask``, a padding mask (1 on tokens, 0 on padding) a model was called with under this
@@ -224,8 +243,7 @@ class CPShard:
         Raises:
             ValueError: the shard is one of a split over several ranks but was built without its group.
         """
-        if not self._reached:
-            self._reached.append(True)
+        self._state.reached = True
         if self.exchange is not None:
             return self.exchange
         if self.split.cp_size > 1:
@@ -241,7 +259,7 @@ class CPShard:
         """Whether a layer reached the other ranks through this shard (:meth:`group_exchange`): CP attention
         and the token mixers do at every call under CP. A model whose layers never did attended within
         each rank's own tokens; the strategies refuse its training step."""
-        return bool(self._reached)
+        return self._state.reached
 
     @property
     def num_sequences(self) -> int:
