@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -747,21 +748,12 @@ def test_example_configs_that_resume_save_their_last_checkpoint():
         assert saves_last, f"{config.name}: ckpt_path: last but no ModelCheckpoint with save_last: true"
 
 
-def test_packed_token_file_config_runs(tmp_path):
+def test_packed_token_file_config_runs(tmp_path, monkeypatch, capsys):
     tokens = tmp_path / "tokens.bin"
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "examples" / "make_token_file.py"),
-            str(tokens),
-            "--num-docs",
-            "100",
-            "--max-len",
-            "120",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    script = str(REPO / "examples" / "make_token_file.py")  # as `python <script> ...`, in this process
+    monkeypatch.setattr(sys, "argv", [script, str(tokens), "--num-docs", "100", "--max-len", "120"])
+    runpy.run_path(script, run_name="__main__")
+    assert "wrote 100 documents" in capsys.readouterr().out
     result = _run_console_script(
         "fit",
         "--config",

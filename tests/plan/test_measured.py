@@ -237,7 +237,7 @@ def test_the_attention_s_peak_falls_with_the_key_value_heads_per_gather_as_plann
     kernel's score blocks are kept small (1 MiB) so that the sequence-sized K/V copies dominate."""
     monkeypatch.setattr(_varlen, "_SCORE_BUDGET_BYTES", 2**20)
     monkeypatch.setattr(plan_memory, "CPU_SCORE_BLOCK_BYTES", 2**20)
-    heads, dim, tokens, cp = 8, 32, 8192, 2
+    heads, dim, tokens, cp = 8, 32, 4096, 2
     shape = ModelShape(
         hidden=heads * dim,
         layers=1,
