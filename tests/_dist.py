@@ -37,6 +37,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
         WORLD_SIZE=str(world_size),
         NODE_RANK="0",
     )
+    launcher_environment = dict(os.environ)
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -52,6 +53,10 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
         if task is None:
             break
         fn, args, kwargs = task
+        # What a launcher set stays set: Lightning's ``LightningEnvironment.teardown`` deletes
+        # ``WORLD_SIZE`` at the end of a fit, which would make the next case's rank a lone process.
+        os.environ.clear()
+        os.environ.update(launcher_environment)
         try:
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - the traceback is sent back to the test

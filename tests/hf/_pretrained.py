@@ -113,3 +113,14 @@ def assert_logits_of(directory, rows, dtype=torch.float32):
             expected = reference(input_ids=ids).logits.float()
         torch.testing.assert_close(logits, expected, rtol=tolerance, atol=tolerance)
     return reference
+
+
+def stored_tensors(directory) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files of ``directory``, by its stored name, in its stored dtype."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})  # noqa: SIM118
+    return tensors

@@ -22,6 +22,7 @@ from lightning_cp.hf.composite import stored_tensor_names
 from lightning_cp.hf.loading import load_pretrained
 from lightning_cp.models import HFCausalLM
 from tests._trainer import quiet_trainer
+from tests.hf._pretrained import stored_tensors
 
 transformers = pytest.importorskip("transformers")
 
@@ -153,16 +154,7 @@ def test_a_composite_trains_its_text_model_and_exports_the_composite(model_type,
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert (before - expected).abs().max() > 1e-2  # the export holds the trained weights
 
-    from safetensors import safe_open
-
-    def tensors(folder):
-        out = {}
-        for file in sorted(folder.glob("*.safetensors")):
-            with safe_open(str(file), "pt") as handle:
-                out.update({k: handle.get_tensor(k) for k in handle.keys()})  # noqa: SIM118
-        return out
-
-    source, written = tensors(directory), tensors(export)
+    source, written = stored_tensors(directory), stored_tensors(export)
     assert source.keys() == written.keys()
     towers = [k for k in source if "language_model" not in k and k != "lm_head.weight"]
     assert len(towers) > 10 and all("visual" in k or "vision" in k or "projector" in k for k in towers)

@@ -21,7 +21,14 @@ from lightning_cp.hf import ExportHFOnFitEnd
 from lightning_cp.models import HFCausalLM
 from tests._trainer import quiet_trainer
 from tests.hf._models import VOCAB, build
-from tests.hf._pretrained import SEQ, assert_logits_of, fit_and_save, save_pretrained, sharded_logits
+from tests.hf._pretrained import (
+    SEQ,
+    assert_logits_of,
+    fit_and_save,
+    save_pretrained,
+    sharded_logits,
+    stored_tensors,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -272,16 +279,6 @@ def test_a_fit_that_would_export_into_a_used_output_is_one_line_before_any_rank_
     assert line.startswith("lightning-cp: error: export_hf: output_dir") and "overwrite=True" in line
 
 
-def _safetensors(directory):
-    from safetensors import safe_open
-
-    tensors = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as handle:
-            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})  # noqa: SIM118
-    return tensors
-
-
 def test_a_composite_export_casts_only_the_text_model_and_writes_its_own_untied_head(tmp_path):
     """A Gemma-3 composite with an untied head, which ``save_pretrained`` stores as
     ``language_model.lm_head.weight`` beside ``language_model.model.*``: exported in bf16 from an fp32
@@ -296,7 +293,7 @@ def test_a_composite_export_casts_only_the_text_model_and_writes_its_own_untied_
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model("gemma3", **spec)
     transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(directory)
-    stored = _safetensors(directory)
+    stored = stored_tensors(directory)
     assert "language_model.lm_head.weight" in stored and "lm_head.weight" not in stored
     text = load_pretrained(directory, dtype=torch.float32, attn_implementation="sdpa")
     with torch.no_grad():
@@ -305,7 +302,7 @@ def test_a_composite_export_casts_only_the_text_model_and_writes_its_own_untied_
     checkpoint = _checkpoint_of(text, str(directory), tmp_path / "trained.ckpt")
 
     export_hf(checkpoint, tmp_path / "export", dtype=torch.bfloat16)
-    written = _safetensors(tmp_path / "export")
+    written = stored_tensors(tmp_path / "export")
     assert written.keys() == stored.keys()
     towers = [name for name in stored if not name.startswith("language_model.")]
     assert len(towers) > 10 and all(stored[name].dtype == torch.float32 for name in towers)
@@ -340,7 +337,7 @@ def test_a_bf16_folder_exports_in_bf16(tmp_path):
     )
 
     export_hf(tmp_path / "fsdp.ckpt", tmp_path / "export")
-    assert {tensor.dtype for tensor in _safetensors(tmp_path / "export").values()} == {torch.bfloat16}
+    assert {tensor.dtype for tensor in stored_tensors(tmp_path / "export").values()} == {torch.bfloat16}
     assert json.loads((tmp_path / "export" / "config.json").read_text())["dtype"] == "bfloat16"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     assert loaded.dtype == torch.bfloat16
