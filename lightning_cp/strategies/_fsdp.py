@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
+from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -64,15 +65,19 @@ def offload_policy(cpu_offload: bool, device: torch.device) -> OffloadPolicy:
 
 def to_device_except_parameters(module: nn.Module, device: torch.device) -> None:
     """Move what ``module.to(device)`` moves, except the parameters: every buffer (a rotary table, which no
-    FSDP unit manages after setup) and every module holding no parameter, whole (a ``torchmetrics`` metric's
-    states). Under ``cpu_offload`` the parameters' shards stay in host memory; the computation needs the rest
-    on the device."""
+    FSDP unit manages after setup), every module holding no parameter, whole (a ``torchmetrics`` metric's
+    states), and the device a ``LightningModule`` reports (``self.device``, where its batches are). Under
+    ``cpu_offload`` the parameters' shards stay in host memory; the computation needs the rest on the device.
+    ``module.to`` itself would copy every shard to the device and back (FSDP re-pins them after ``_apply``).
+    """
     if next(module.parameters(), None) is None:
         module.to(device)
         return
     for name, buffer in module._buffers.items():
         if buffer is not None and buffer.device != device:
             module._buffers[name] = buffer.to(device)
+    if isinstance(module, _DeviceDtypeModuleMixin):
+        module._device = device  # what its ``to(device)`` records
     for child in module.children():
         to_device_except_parameters(child, device)
 

@@ -73,8 +73,9 @@ class MegatronCPStrategy(MegatronCPBase):
             )
         if "cpu_offload" in options:
             raise TypeError(
-                "MegatronCPStrategy(cpu_offload=...): DDP keeps the whole model state on every device; the "
-                "model state sharded in host memory is MegatronCPFSDPStrategy(cpu_offload=True)."
+                "MegatronCPStrategy(cpu_offload=...): DDP keeps the whole model state on every device; for "
+                "the model state in host memory use MegatronCPFSDPStrategy(cpu_offload=True) (same arguments; in "
+                "YAML class_path: lightning_cp.MegatronCPFSDPStrategy)."
             )
         for reserved in ("process_group", "device_mesh"):
             # LightningCLI may fill a DDP keyword with its default (None); only a real value conflicts.

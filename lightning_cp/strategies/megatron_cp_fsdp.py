@@ -53,14 +53,15 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
       (:func:`~lightning_cp.checkpoint_format.save_sharded`), resharded on load for any (dp, cp);
       :func:`~lightning_cp.strategies.consolidate_checkpoint` turns one into an ordinary file;
     - with ``cpu_offload=True`` the model state lives in host memory (FSDP2's ``CPUOffloadPolicy`` on every
-      unit, pinned on CUDA): each rank's shards of the parameters, gradients and optimizer state, which
-      under ``bf16-mixed`` AdamW are 16 bytes per parameter / (dp * cp) (fp32 weights, gradients and two
-      moments). Each unit's shards are copied to the device for its all-gather in the forward and again in
-      the backward, and its gradient shards back after the reduce-scatter: per step, twice the rank's
-      parameter shards host to device and its gradient shards once device to host (under ``bf16-mixed``
-      4 + 4 + 4 bytes per parameter / (dp * cp), the weights copied in fp32 and cast on the device). The
-      optimizer steps on the host CPU. Buffers (rotary tables) and metrics stay on the device; checkpoints,
-      :meth:`full_state_dict`, the export and calls outside the step are the same as without it.
+      unit; the parameter shards pinned on CUDA): each rank's shards of the parameters, gradients and
+      optimizer state, which under ``bf16-mixed`` AdamW are 16 bytes per parameter / (dp * cp) of host
+      memory (fp32 weights, gradients and two moments). Each unit's shards are copied to the device for its
+      all-gather in the forward and again in the backward (the root unit's once), and its gradient shards
+      back after the reduce-scatter: per forward and backward at most twice the rank's parameter shards
+      host to device and its gradient shards once device to host (under ``bf16-mixed`` 4 + 4 + 4 bytes per
+      parameter / (dp * cp), the weights copied in fp32 and cast on the device). The optimizer steps on the
+      host CPU. Buffers (rotary tables), metrics and the module's ``device`` are the compute device's;
+      checkpoints, :meth:`full_state_dict`, the export and calls outside the step are the same as without it.
 
     Args: ``fsdp_wrap``, ``cpu_offload``, and those of :class:`~lightning_cp.strategies.base.MegatronCPBase`
     (``cp``, ``activation_checkpointing``, ``offload_activations``, ``cp_attention``,
@@ -97,8 +98,8 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
                 (``get_input_embeddings()``, gathered for its forward and its backward only, not held
                 through the step in the root unit).
             cpu_offload: keep the shards of the parameters, gradients and optimizer state in host memory
-                (pinned on CUDA) and step the optimizer there; each unit is copied to the device for its
-                forward and its backward only. On CUDA the process group gets a gloo backend for the
+                (16 bytes per parameter / (dp * cp) under ``bf16-mixed`` AdamW) and step the optimizer
+                there; each unit is copied to the device for its forward and its backward only. On CUDA the process group gets a gloo backend for the
                 host tensors beside NCCL (``"cpu:gloo,cuda:nccl"`` unless ``process_group_backend`` is
                 given, which must then include a CPU backend).
             *args, **kwargs: the arguments of :class:`~lightning_cp.strategies.base.MegatronCPBase`
@@ -189,6 +190,7 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
+            # Under cpu_offload an optimizer's state belongs with the parameter shards, on the host.
             _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
