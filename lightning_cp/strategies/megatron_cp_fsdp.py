@@ -99,9 +99,10 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
                 through the step in the root unit).
             cpu_offload: keep the shards of the parameters, gradients and optimizer state in host memory
                 (16 bytes per parameter / (dp * cp) under ``bf16-mixed`` AdamW) and step the optimizer
-                there; each unit is copied to the device for its forward and its backward only. On CUDA the process group gets a gloo backend for the
-                host tensors beside NCCL (``"cpu:gloo,cuda:nccl"`` unless ``process_group_backend`` is
-                given, which must then include a CPU backend).
+                there; each unit is copied to the device for its forward and its backward only. On CUDA
+                the process group gets a gloo backend for the host tensors beside NCCL
+                (``"cpu:gloo,cuda:nccl"`` unless ``process_group_backend`` is given, which must then
+                include a CPU backend).
             *args, **kwargs: the arguments of :class:`~lightning_cp.strategies.base.MegatronCPBase`
                 (``MegatronCPFSDPStrategy(4)`` is ``cp=4``, as for ``MegatronCPStrategy``).
         """

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torchmetrics import MeanMetric
 
@@ -486,15 +486,26 @@ def test_under_cpu_offload_a_cuda_world_gets_gloo_for_the_host_tensors_beside_nc
     assert cpu._get_process_group_backend() == "gloo"
 
 
-def test_what_stays_on_the_host_under_cpu_offload_is_the_parameters_only():
-    """``to_device_except_parameters`` (the strategy's ``model_to_device`` under ``cpu_offload``), to the meta
-    device as a stand-in for CUDA: the buffers, a metric's states and the module's ``device`` move, the
-    parameters stay."""
+def test_the_host_shards_are_pinned_for_a_cuda_device():
+    """Page-locked host memory lets FSDP's copies to and from a GPU run asynchronously; the CPU needs none."""
+    assert _fsdp.offload_policy(True, torch.device("cuda", 0)) == CPUOffloadPolicy(pin_memory=True)
+    assert _fsdp.offload_policy(True, torch.device("cpu")) == CPUOffloadPolicy(pin_memory=False)
+    assert _fsdp.offload_policy(False, torch.device("cuda", 0)) == OffloadPolicy()
+
+
+@pytest.mark.parametrize("cpu_offload", [True, False], ids=["cpu-offload", "on-device"])
+def test_under_cpu_offload_model_to_device_moves_everything_but_the_parameters(cpu_offload):
+    """The strategy's ``model_to_device``, with the meta device as a stand-in for CUDA: the buffers, a
+    metric's states and the module's ``device`` move; the parameters stay on the host under ``cpu_offload``
+    (FSDP then shards them one unit at a time), and move without it."""
+    meta = torch.device("meta")
+    strategy = MegatronCPFSDPStrategy(cpu_offload=cpu_offload, accelerator="cpu", parallel_devices=[meta])
     module = GPTModule(CONFIG)
     module.register_buffer("table", torch.ones(3))
     module.model.blocks[0].mean = MeanMetric()
-    _fsdp.to_device_except_parameters(module, torch.device("meta"))
-    assert {p.device.type for p in module.parameters()} == {"cpu"}
+    strategy.model = module
+    strategy.model_to_device()
+    assert {p.device.type for p in module.parameters()} == {"cpu" if cpu_offload else "meta"}
     assert {b.device.type for b in module.buffers()} == {"meta"}
     assert module.model.blocks[0].mean.mean_value.device.type == "meta"  # a state, not a buffer
     assert (
