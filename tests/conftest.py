@@ -18,6 +18,12 @@ def _pool(world_size: int) -> WorkerPool:
 
 
 @pytest.fixture
+def world1() -> WorkerPool:
+    """One gloo rank (a world of one: the single-GPU layout), started once and shared like the others."""
+    return _pool(1)
+
+
+@pytest.fixture
 def world2() -> WorkerPool:
     """Two gloo ranks, started once and shared by every test of the session (restarted after a failure)."""
     return _pool(2)

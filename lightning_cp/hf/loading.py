@@ -310,9 +310,10 @@ def materialize_pretrained(module: nn.Module, device: torch.device) -> None:
     """Allocate the meta parameters of every :func:`load_pretrained` model in ``module`` and load them.
 
     Call after ``fully_shard``: each parameter is then a ``DTensor`` and only its local shard is allocated
-    (on ``device``) and read, from the model's safetensors through ``HuggingFaceStorageReader`` (cast to
-    the parameter's dtype). Buffers keep the values computed at construction; tied parameters stay one
-    parameter. A no-op for a module without meta tensors.
+    (on ``device``: the host under the strategy's ``cpu_offload``) and read, from the model's safetensors
+    through ``HuggingFaceStorageReader`` (cast to the parameter's dtype). Buffers keep the values computed at
+    construction (on ``device`` too: the strategy moves them after); tied parameters stay one parameter. A
+    no-op for a module without meta tensors.
 
     Communication: ``torch.distributed.checkpoint.load``'s planning collectives over the default group
     (every rank calls this with the same modules); no weights are exchanged.

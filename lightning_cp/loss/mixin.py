@@ -253,21 +253,27 @@ def _head_inputs(
         OutputHead.check_bare_weight(head)
         head, transforms = OutputHead(head), {}
     if transforms.get("bias") is not None:
-        transforms["bias"] = _unsharded(transforms["bias"])
+        transforms["bias"] = _unsharded(transforms["bias"], hidden.device)
     vocab_parallel = getattr(head.weight, "tensor_model_parallel", False)
     kwargs = {"tp_group": _vocab_parallel_group(layout, vocab_parallel), **transforms}
-    return hidden.reshape(-1, hidden.shape[-1]), _unsharded(head.weight), batch[LABELS].reshape(-1), kwargs
+    weight = _unsharded(head.weight, hidden.device)
+    return hidden.reshape(-1, hidden.shape[-1]), weight, batch[LABELS].reshape(-1), kwargs
 
 
-def _unsharded(weight: Tensor) -> Tensor:
-    """The full tensor of a ``DTensor`` weight, whose gradient flows back reduce-scattered and averaged.
+def _unsharded(weight: Tensor, device: torch.device) -> Tensor:
+    """The full tensor of a ``DTensor`` weight on ``device``, whose gradient flows back reduce-scattered and
+    averaged.
 
     ``full_tensor()`` alone would hand each rank's own gradient back as a replicated one (sliced, not
-    reduced); declaring the gradient ``Partial("avg")`` makes autograd reduce-scatter it over the mesh.
+    reduced); declaring the gradient ``Partial("avg")`` makes autograd reduce-scatter it over the mesh. A
+    shard in host memory (FSDP's CPU offload) is copied to ``device`` first, so the gather runs there and
+    the reduced gradient shard is copied back to the host.
     """
     if not isinstance(weight, DTensor):
         return weight
     mesh = weight.device_mesh
-    return weight.redistribute(mesh, [Replicate()] * mesh.ndim).to_local(
-        grad_placements=[Partial("avg")] * mesh.ndim
+    return (
+        weight.to(device)
+        .redistribute(mesh, [Replicate()] * mesh.ndim)
+        .to_local(grad_placements=[Partial("avg")] * mesh.ndim)
     )

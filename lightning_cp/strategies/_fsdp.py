@@ -7,6 +7,10 @@ listed in ``fsdp_wrap``) all-gathers its parameters before its forward and backw
 its gradients after; the parameters outside every unit form the root unit, a thin wrapper around the
 ``LightningModule`` whose forward is the step method (Lightning's forward redirection), so the root
 gathers them once per step. Calls of the model outside the step: :mod:`lightning_cp.strategies._outside_step`.
+
+With the strategy's ``cpu_offload`` every unit carries FSDP's ``CPUOffloadPolicy``: the shards of parameters
+and gradients live in host memory (pinned on CUDA), each unit is copied to the device for its all-gather,
+its gradient shards are copied back after its reduce-scatter, and the optimizer steps on the host.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
+from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_cp.parallel.layout import ProcessGroup
 
@@ -50,6 +55,31 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
             f"{', '.join(_PRECISIONS)} (fp16 needs a sharded gradient scaler; use bf16-mixed instead)."
         )
     return policy
+
+
+def offload_policy(cpu_offload: bool, device: torch.device) -> OffloadPolicy:
+    """FSDP's offload policy for every unit: the shards in host memory with ``cpu_offload`` (pinned when the
+    compute ``device`` is CUDA, so that the copies to and from it run asynchronously), else on ``device``."""
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
+
+
+def to_device_except_parameters(module: nn.Module, device: torch.device) -> None:
+    """Move what ``module.to(device)`` moves, except the parameters: every buffer (a rotary table, which no
+    FSDP unit manages after setup), every module holding no parameter, whole (a ``torchmetrics`` metric's
+    states), and the device a ``LightningModule`` reports (``self.device``, where its batches are). Under
+    ``cpu_offload`` the parameters' shards stay in host memory; the computation needs the rest on the device.
+    ``module.to`` itself would copy every shard to the device and back (FSDP re-pins them after ``_apply``).
+    """
+    if next(module.parameters(), None) is None:
+        module.to(device)
+        return
+    for name, buffer in module._buffers.items():
+        if buffer is not None and buffer.device != device:
+            module._buffers[name] = buffer.to(device)
+    if isinstance(module, _DeviceDtypeModuleMixin):
+        module._device = device  # what its ``to(device)`` records
+    for child in module.children():
+        to_device_except_parameters(child, device)
 
 
 def default_wrap(model: nn.Module) -> tuple[str, ...]:
@@ -116,22 +146,25 @@ def shard(
     wrap: Sequence[type[nn.Module]],
     policy: MixedPrecisionPolicy,
     also: Sequence[nn.Module] = (),
+    offload: OffloadPolicy | None = None,
 ) -> nn.Module:
     """``fully_shard`` ``module`` in place over the 1-D ``mesh``; return the root to train through.
 
     Modules of a ``wrap`` class, and the modules in ``also``, become FSDP units, innermost first; the rest
     of ``module`` becomes the root unit (:class:`_Root`), which must be what Lightning calls the step
-    methods through.
+    methods through. Every unit, the root included, takes the mixed-precision ``policy`` and the ``offload``
+    policy (:func:`offload_policy`; default: none, the shards on the mesh's device).
 
     Communication: none here (each rank keeps its slice of its own weights, identical on every rank).
     """
+    options = {"mesh": mesh, "mp_policy": policy, "offload_policy": offload or OffloadPolicy()}
     wrap_classes = tuple(wrap)
     for submodule in reversed(list(module.modules())):
         unit = (wrap_classes and isinstance(submodule, wrap_classes)) or any(submodule is m for m in also)
         if unit and submodule is not module:
-            fully_shard(submodule, mesh=mesh, mp_policy=policy)
+            fully_shard(submodule, **options)
     root = _Root(module)
-    fully_shard(root, mesh=mesh, mp_policy=policy)
+    fully_shard(root, **options)
     return root
 
 

@@ -68,8 +68,10 @@ class ModelIntegration(Protocol):
         """Entered around ``configure_model`` under FSDP: pretrained models may be built on ``meta``."""
 
     def materialize(self, module: nn.Module, device: torch.device) -> None:
-        """After ``fully_shard``: allocate and read the local shards of what :meth:`loading_context` left on
-        ``meta`` (a no-op without such models)."""
+        """After ``fully_shard``: allocate on ``device`` and read the local shards of what
+        :meth:`loading_context` left on ``meta`` (a no-op without such models). ``device`` is where the
+        parameters live: the host under ``cpu_offload``; the strategy moves the buffers to the compute device
+        after it."""
 
 
 _REGISTERED: list[ModelIntegration] = []

@@ -49,8 +49,8 @@ class MegatronCPStrategy(MegatronCPBase):
     :class:`~torch.nn.parallel.DistributedDataParallel`'s (``find_unused_parameters``, ...).
 
     Raises:
-        TypeError: a keyword that is neither a shared argument nor a DDP option (``fsdp=True``: use
-            ``MegatronCPFSDPStrategy``), and those of ``MegatronCPBase``.
+        TypeError: a keyword that is neither a shared argument nor a DDP option (``fsdp=True``,
+            ``cpu_offload``: use ``MegatronCPFSDPStrategy``), and those of ``MegatronCPBase``.
         ValueError: ``process_group`` or ``device_mesh`` given (the strategy sets them), and those of
             ``MegatronCPBase``.
 
@@ -70,6 +70,12 @@ class MegatronCPStrategy(MegatronCPBase):
             raise TypeError(
                 f"MegatronCPStrategy({name}=...): FSDP is its own strategy, MegatronCPFSDPStrategy (same arguments; "
                 'in YAML class_path: lightning_cp.MegatronCPFSDPStrategy, or strategy: "megatron_cp_fsdp").'
+            )
+        if "cpu_offload" in options:
+            raise TypeError(
+                "MegatronCPStrategy(cpu_offload=...): DDP keeps the whole model state on every device; for "
+                "the model state in host memory use MegatronCPFSDPStrategy(cpu_offload=True) (same arguments; in "
+                "YAML class_path: lightning_cp.MegatronCPFSDPStrategy)."
             )
         for reserved in ("process_group", "device_mesh"):
             # LightningCLI may fill a DDP keyword with its default (None); only a real value conflicts.

@@ -8,6 +8,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
@@ -50,19 +51,30 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
       (:mod:`lightning_cp.strategies._outside_step`);
     - checkpoints are ``torch.distributed.checkpoint`` folders that every rank writes its part of
       (:func:`~lightning_cp.checkpoint_format.save_sharded`), resharded on load for any (dp, cp);
-      :func:`~lightning_cp.strategies.consolidate_checkpoint` turns one into an ordinary file.
+      :func:`~lightning_cp.strategies.consolidate_checkpoint` turns one into an ordinary file;
+    - with ``cpu_offload=True`` the model state lives in host memory (FSDP2's ``CPUOffloadPolicy`` on every
+      unit; the parameter shards pinned on CUDA): each rank's shards of the parameters, gradients and
+      optimizer state, which under ``bf16-mixed`` AdamW are 16 bytes per parameter / (dp * cp) of host
+      memory (fp32 weights, gradients and two moments). Each unit's shards are copied to the device for its
+      all-gather in the forward and again in the backward (the root unit's once), and its gradient shards
+      back after the reduce-scatter: per forward and backward at most twice the rank's parameter shards
+      host to device and its gradient shards once device to host (under ``bf16-mixed`` 4 + 4 + 4 bytes per
+      parameter / (dp * cp), the weights copied in fp32 and cast on the device). The optimizer steps on the
+      host CPU. Buffers (rotary tables), metrics and the module's ``device`` are the compute device's;
+      checkpoints, :meth:`full_state_dict`, the export and calls outside the step are the same as without it.
 
-    Args: ``fsdp_wrap``, and those of :class:`~lightning_cp.strategies.base.MegatronCPBase` (``cp``,
-    ``activation_checkpointing``, ``offload_activations``, ``cp_attention``, ``kv_heads_per_gather`` and
-    Lightning's; ``tp`` only 1: the TP shards are not DTensors, use :class:`~lightning_cp.MegatronCPStrategy`
-    for ``tp > 1``).
+    Args: ``fsdp_wrap``, ``cpu_offload``, and those of :class:`~lightning_cp.strategies.base.MegatronCPBase`
+    (``cp``, ``activation_checkpointing``, ``offload_activations``, ``cp_attention``,
+    ``kv_heads_per_gather`` and Lightning's; ``tp`` only 1: the TP shards are not DTensors, use
+    :class:`~lightning_cp.MegatronCPStrategy` for ``tp > 1``).
 
     Raises:
-        TypeError: ``fsdp_wrap`` holds something that is neither a module class nor a name, a DDP option,
-            and those of ``MegatronCPBase``.
-        ValueError: ``tp != 1``, and those of ``MegatronCPBase``. At setup: a ``fsdp_wrap`` entry that
-            matches no module, a precision FSDP does not support, or (``cp > 1``) a model CP cannot train
-            exactly.
+        TypeError: ``fsdp_wrap`` holds something that is neither a module class nor a name, ``cpu_offload``
+            is not a bool, a DDP option, and those of ``MegatronCPBase``.
+        ValueError: ``tp != 1``, ``cpu_offload`` with a ``process_group_backend`` that has no CPU backend
+            (the host shards' collectives need one), and those of ``MegatronCPBase``. At setup: a
+            ``fsdp_wrap`` entry that matches no module, a precision FSDP does not support, or (``cp > 1``) a
+            model CP cannot train exactly.
 
     Example::
 
@@ -71,7 +83,13 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
 
     strategy_name = "megatron_cp_fsdp"
 
-    def __init__(self, *args: Any, fsdp_wrap: Sequence[ModuleSpec] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        fsdp_wrap: Sequence[ModuleSpec] | None = None,
+        cpu_offload: bool = False,
+        **kwargs: Any,
+    ) -> None:
         """
         Args:
             fsdp_wrap: the modules that become FSDP units (gathered one at a time), as classes or class
@@ -79,6 +97,12 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
                 package GPT), else none (the whole model is one unit), and an untied token embedding
                 (``get_input_embeddings()``, gathered for its forward and its backward only, not held
                 through the step in the root unit).
+            cpu_offload: keep the shards of the parameters, gradients and optimizer state in host memory
+                (16 bytes per parameter / (dp * cp) under ``bf16-mixed`` AdamW) and step the optimizer
+                there; each unit is copied to the device for its forward and its backward only. On CUDA
+                the process group gets a gloo backend for the host tensors beside NCCL
+                (``"cpu:gloo,cuda:nccl"`` unless ``process_group_backend`` is given, which must then
+                include a CPU backend).
             *args, **kwargs: the arguments of :class:`~lightning_cp.strategies.base.MegatronCPBase`
                 (``MegatronCPFSDPStrategy(4)`` is ``cp=4``, as for ``MegatronCPStrategy``).
         """
@@ -89,6 +113,17 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
                 "shards are not DTensors): use tp=1, or MegatronCPStrategy (DDP) for tp > 1."
             )
         self.fsdp_wrap = check_module_specs(type(self).__name__, "fsdp_wrap", fsdp_wrap)
+        if not isinstance(cpu_offload, bool):
+            raise TypeError(f"MegatronCPFSDPStrategy(cpu_offload={cpu_offload!r}): give True or False.")
+        self.cpu_offload = cpu_offload
+        backend = self._process_group_backend
+        if cpu_offload and backend is not None and not _has_cpu_backend(backend):
+            raise ValueError(
+                f"MegatronCPFSDPStrategy(cpu_offload=True, process_group_backend={backend!r}): the shards in "
+                "host memory are reduced and gathered on the CPU (gradient clipping's norm, "
+                f"full_state_dict), which {backend!r} cannot do: give "
+                "process_group_backend='cpu:gloo,cuda:nccl', or leave it unset."
+            )
         self._outside_calls: OutsideCallAgreement | None = None
 
     @classmethod
@@ -98,8 +133,8 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         if options:
             raise TypeError(
                 f"MegatronCPFSDPStrategy got unexpected keyword argument(s) {sorted(options)}: it takes fsdp_wrap, "
-                "cp, tp, activation_checkpointing, offload_activations, cp_attention, kv_heads_per_gather and "
-                "Lightning's strategy arguments "
+                "cpu_offload, cp, tp, activation_checkpointing, offload_activations, cp_attention, "
+                "kv_heads_per_gather and Lightning's strategy arguments "
                 "(DDP options belong to MegatronCPStrategy)."
             )
         return options
@@ -110,9 +145,11 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
 
         Replaces ``DDPStrategy.setup``: no DDP wrapper, and no broadcast of the module's states over the world.
         Parameters built on the meta device by :func:`~lightning_cp.load_pretrained` are allocated after
-        sharding, each rank its own shards, and read from their checkpoint (the model integrations'
-        ``materialize``). Their behavioural probe runs then, on the sharded model inside the root's forward,
-        so that no model goes unprobed and no rank holds more than one unit gathered.
+        sharding, each rank its own shards (in host memory under ``cpu_offload``), and read from their
+        checkpoint (the model integrations' ``materialize``). Their behavioural probe runs then, on the
+        sharded model inside the root's forward, so that no model goes unprobed and no rank holds more than
+        one unit gathered. Under ``cpu_offload`` the parameters never go to the device whole:
+        ``fully_shard`` copies one unit at a time there and keeps this rank's shards on the host.
 
         Communication: a broadcast of every parameter not on the meta device over DP x CP (every replica
         starts from the weights of its group's first rank, as DDP's construction does); the planning
@@ -132,16 +169,18 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         units = resolve_classes(type(self).__name__, "fsdp_wrap", wrap, self.model)
         embeddings = _fsdp.untied_token_embeddings(self.model) if self.fsdp_wrap is None else []
         policy = _fsdp.mixed_precision_policy(str(self.precision_plugin.precision))
+        offload = _fsdp.offload_policy(self.cpu_offload, self.root_device)
         group = self.layout.loss_group
         broadcast_from_first([p for p in self.model.parameters() if not p.is_meta], group)
         # FSDP needs a group object also for a single replica, which (tp = 1) is a world of one process.
         mesh = _fsdp.sharding_mesh(group or dist.group.WORLD, self.root_device.type)
-        self.model = _fsdp.shard(self.model, mesh, units, policy, also=embeddings)
+        self.model = _fsdp.shard(self.model, mesh, units, policy, also=embeddings, offload=offload)
         self._outside_calls = OutsideCallAgreement.over_world(stopping=self._stopping)
         callable_outside_the_step(self.model, self._outside_calls)
         if on_meta:
+            state_device = torch.device("cpu") if self.cpu_offload else self.root_device
             for integration in integrations():
-                integration.materialize(self.model, self.root_device)
+                integration.materialize(self.model, state_device)
             self.model_to_device()
         module = self.lightning_module
         for integration in integrations():
@@ -151,8 +190,29 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
+            # Under cpu_offload an optimizer's state belongs with the parameter shards, on the host.
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        """The model to the compute device; under ``cpu_offload`` everything but its parameters (buffers,
+        metrics), whose shards stay in host memory."""
+        assert self.model is not None
+        if self.cpu_offload:
+            _fsdp.to_device_except_parameters(self.model, self.root_device)
+        else:
+            super().model_to_device()
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        """Lightning's choice (NCCL on CUDA, gloo on the CPU, or the given one); under ``cpu_offload`` on an
+        accelerator, gloo for the CPU beside it (``"cpu:gloo,cuda:nccl"``), as the collectives over the
+        host shards (gradient clipping's norm, ``full_state_dict``) run on CPU tensors."""
+        backend = super()._get_process_group_backend()
+        if self.cpu_offload and not _has_cpu_backend(backend):
+            return f"cpu:gloo,{self.root_device.type}:{backend}"
+        return backend
 
     def _stopping(self) -> bool:
         """Whether this rank received SIGTERM (recorded by the package's handler, or Lightning's)."""
@@ -256,3 +316,9 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
             self.model = self.lightning_module  # the sharded module, without the root wrapper
         super().teardown()
         _fsdp.forget_meshes()
+
+
+def _has_cpu_backend(backend: str) -> bool:
+    """Whether a process group of ``backend`` (``"nccl"``, ``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ...) has a
+    backend for CPU tensors."""
+    return "cpu" in dist.BackendConfig(dist.Backend(backend)).get_device_backend_map()

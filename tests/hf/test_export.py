@@ -110,11 +110,13 @@ def test_cli_reports_a_bad_checkpoint_as_one_line(tmp_path, capsys):
 
 
 def _fit_with_export(directory, output):
+    """Fine-tune with the model state on the host (``cpu_offload``: the pretrained shards read into host
+    memory), then export at the end of fit."""
     torch.manual_seed(2)
     data = [{"input_ids": torch.randint(0, VOCAB, (SEQ,))} for _ in range(8)]
     trainer = quiet_trainer(
         devices=2,
-        strategy=MegatronCPFSDPStrategy(cp=2),
+        strategy=MegatronCPFSDPStrategy(cp=2, cpu_offload=True),
         max_steps=2,
         callbacks=[ExportHFOnFitEnd(str(output))],
     )
@@ -122,7 +124,7 @@ def _fit_with_export(directory, output):
     trainer.fit(HFCausalLM(str(directory), lr=3e-2), loader)
 
 
-def test_export_at_the_end_of_fit(world2, tmp_path):
+def test_export_at_the_end_of_fit_of_an_offloaded_run(world2, tmp_path):
     directory = save_pretrained("qwen3", tmp_path / "qwen3")
     output = tmp_path / "export"
     world2.run(_fit_with_export, directory, output)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 
 from lightning_cp import CPLossMixin
+from lightning_cp.loss.mixin import _head_inputs
 from lightning_cp.ops import OutputHead
 from lightning_cp.parallel import groups, shard_batch
 from lightning_cp.parallel.layout import set_current_layout
@@ -212,6 +213,27 @@ def test_an_output_head_trains_its_bias_scale_and_softcap(world4, cp, sharding):
     for grads in world4.run(_output_head_grads, cp, sharding):
         for got, want in zip(grads, expected, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _head_inputs_from_host_shards():
+    """The fused loss's head inputs from an FSDP head whose shards are in host memory (``cpu_offload``) and
+    hidden states on another device (``meta``: a stand-in for CUDA): the devices of the weight and bias."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    layout = groups.initialize(tp=1, cp=1)
+    mesh = init_device_mesh("cpu", (1,))
+    weight, bias = (
+        torch.nn.Parameter(distribute_tensor(t.detach(), mesh, [Shard(0)])) for t in (_Head().head, _bias())
+    )
+    hidden = torch.empty(ROWS, SEQ, HIDDEN, device="meta")
+    labels = {"labels": torch.zeros(ROWS, SEQ, dtype=torch.long)}
+    _, weight, _, kwargs = _head_inputs(hidden, OutputHead(weight, bias), labels, layout, {})
+    return weight.device.type, kwargs["bias"].device.type
+
+
+def test_a_head_sharded_in_host_memory_is_gathered_on_the_device_of_the_hidden_states(world1):
+    """Gathered there, its gradient reduce-scattered there (NCCL on CUDA), and copied back to the host."""
+    assert world1.run(_head_inputs_from_host_shards) == [("meta", "meta")]
 
 
 def _vocab_parallel_output_head_grads():

@@ -135,12 +135,13 @@ def _targets(batch, packed):
     return ids, labels
 
 
-def _reference(packed, steps=STEPS, clip=None, compute_dtype=None, gradients=None):
+def _reference(packed, steps=STEPS, clip=None, compute_dtype=None, gradients=None, moments=None):
     """Per-step losses and final weights of a plain loop; ``clip``: clip the global gradient norm to it.
 
     ``compute_dtype``: each forward and backward through a copy of the weights in it (``bf16-mixed`` under
     FSDP), its gradients applied to the fp32 weights, the logits upcast as the fused loss does.
-    ``gradients``: a dict to fill with the last step's gradients, by parameter name."""
+    ``gradients``: a dict to fill with the last step's gradients, by parameter name; ``moments``: one to fill
+    with AdamW's final ``(exp_avg, exp_avg_sq)``, by parameter name."""
     seed_everything(0)
     model = GPT(CONFIG)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
@@ -173,6 +174,11 @@ def _reference(packed, steps=STEPS, clip=None, compute_dtype=None, gradients=Non
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         losses.append(loss.item())
+    if moments is not None:
+        state = optimizer.state
+        moments.update(
+            {n: (state[p]["exp_avg"], state[p]["exp_avg_sq"]) for n, p in model.named_parameters()}
+        )
     return losses, model.state_dict()
 
 

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, seed_everything
@@ -55,18 +56,21 @@ class _CallsBetweenSteps(Callback):
         self.gathers.append(self.count - before)
 
 
-def _fit_calling_between_steps():
+def _fit_calling_between_steps(cpu_offload):
     seed_everything(0)
     calls = _CallsBetweenSteps()
-    trainer = cp_trainer(2, strategy=MegatronCPFSDPStrategy(cp=2), max_steps=2, callbacks=[calls])
+    strategy = MegatronCPFSDPStrategy(cp=2, cpu_offload=cpu_offload)
+    trainer = cp_trainer(2, strategy=strategy, max_steps=2, callbacks=[calls])
     trainer.fit(GPTModule(CONFIG, lr=1e-2), _loader(2, False, _dataset()))
     return {"weights": calls.weights, "outputs": calls.outputs, "gathers": calls.gathers}
 
 
-def test_each_outermost_call_gathers_the_root_once_and_equals_the_gathered_model(world2):
+@pytest.mark.parametrize("cpu_offload", [False, True], ids=["on-device", "cpu-offload"])
+def test_each_outermost_call_gathers_the_root_once_and_equals_the_gathered_model(world2, cpu_offload):
     """The GPT's forward calls its embedding and its final norm (root-unit modules) inside it: counted as
-    nested calls, one gather per call; uncounted, one gather each (two per call), with the same output."""
-    per_rank = world2.run(_fit_calling_between_steps)
+    nested calls, one gather per call; uncounted, one gather each (two per call), with the same output. The
+    same with the model state on the host (``cpu_offload``), whose shards the gather copies to the device."""
+    per_rank = world2.run(_fit_calling_between_steps, cpu_offload)
     for rank in per_rank:
         assert rank["gathers"] == [2, 2]  # two calls per step
     for step, weights in enumerate(per_rank[0]["weights"]):
