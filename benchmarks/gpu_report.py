@@ -1,60 +1,45 @@
-"""The project's GPU figures in one Markdown report: fused loss, CP attention, an HF Llama step, an FSDP step.
+"""The GPU proof in one Markdown report: the GPU tests, the doctor, the loss, the attention kernels, a hybrid
+layer per CP rank and the main job, each within a time limit of its own.
 
-One command, sized for about 8 minutes on one H100 (each part also runs alone with ``--parts``)::
+One command on one lent H100 / H200, about 8 minutes in all (``--budget``, seconds, shared by the sections)::
 
-    python benchmarks/gpu_report.py --output gpu_report.md
-    python benchmarks/gpu_report.py --parts loss attention --output loss_attention.md
-    python benchmarks/gpu_report.py --quick --output report.md        # tiny shapes on the CPU (CI)
+    python benchmarks/gpu_report.py --budget 450 --output gpu_report.md
+    python benchmarks/gpu_report.py --sections doctor loss --output part.md
+    python benchmarks/gpu_report.py --device cpu --output cpu.md       # what runs here, and what is skipped
 
-It runs the benchmark scripts of this folder through their command lines (each case in a fresh worker:
-``_harness``) and writes their rows as tables, with the device, the versions, and each target of issue 24
-next to the measured ratio and PASS / FAIL:
-
-=============  ========================================================================================
-``loss``       ``loss_memory.py``: ours (``impl="auto"``), Liger and CCE at 8K / 32K / 128K tokens x
-               128K / 152K vocabulary x 4K hidden, bf16: time, extra memory, TFLOP/s. Target: at most
-               0.95x the time of the faster of Liger and CCE, with at most 256 MiB extra
-``attention``  ``attention.py``: one simulated CP rank of cp 4 and 8, padded and packed (``mixed``), 32K
-               to 512K tokens, 16 heads / 4 KV heads x 128, against the ideal share (the best single-device
-               kernel on the whole sequence / cp) and the FlashAttention packages installed. Target: within
-               1.25x of the ideal share padded, 1.5x packed
-``hf``         ``hf_llama.py``: a Llama-1B-shaped forward + backward at 32K and 128K tokens, ours vs HF +
-               Liger
-``fsdp``       ``fsdp_step.py``: one bf16-mixed training step of a ~1B GPT under FSDP (and DDP), one process
-=============  ========================================================================================
-
-A peer that is not installed (Liger, CCE, a FlashAttention package) or cannot run here is a row with the
-reason, never a crash.
+Each section (:mod:`_sections`) runs in a process of its own (this file with ``--section``) under its share of
+the budget left (:data:`SHARES`: time a section leaves unused goes to the later ones); one that runs over is
+stopped with everything it started, one that crashes is a FAIL with the end of its output, and the next one
+starts either way. The report is rewritten after every section, so it exists whatever happens later: the device
+and the versions, one table line per section (status, seconds against its limit, summary) and each section's
+tables and output. On a machine without CUDA every section that needs it is a SKIP saying why; the doctor runs
+on the CPU. The exit status is 1 when a section failed, else 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
-import attention
-import fsdp_step
-import hf_llama
-import loss_memory
 import torch
-from _probes import MIB
-from _report import CASE, STATUS, Column, format_table, machine_info, ratio_column, shape_column
+from _report import machine_info
+from _sections import SECTIONS, Section, code_block
 
-Row = dict[str, Any]
-
-LOSS_TIME_TARGET = 0.95
-"""Ours' time at most this times the faster of Liger and CCE."""
-LOSS_MEMORY_TARGET_MIB = 256
-"""Ours' extra memory at most this."""
-ATTENTION_TARGETS = {"padded": 1.25, "mixed": 1.5}
-"""Ours' time per rank at most this times the ideal share, per layout (``mixed``: packed documents)."""
-_LOSS_PEERS = ("liger_flce", "cce")
+SHARES = {"gpu-tests": 120, "doctor": 80, "loss": 70, "attention": 60, "hybrid": 70, "main-job": 50}
+"""Each section's time limit in seconds under the default budget when every section runs and each uses all of
+its time: the shares of the time left that each gets."""
+BUDGET_S = sum(SHARES.values())
+"""The default budget: 450 s, which leaves half a minute of 8 for installing the wheels."""
 _PACKAGES = (
     "lightning-cp",
     "triton",
@@ -63,206 +48,132 @@ _PACKAGES = (
     "lightning",
     "liger-kernel",
     "cut-cross-entropy",
-    "flash-attn",
+    "flash-linear-attention",
+    "causal-conv1d",
+    "mamba-ssm",
+    "pytest",
 )
+_LOG_TAIL = 40
+"""Lines of a section's output the report shows when the section crashed or ran out of time."""
 
 
-def _part_arguments(quick: bool, device: str) -> dict[str, list[str]]:
-    """Each part's command line: the GPU grid, or ``--quick`` for the smoke test."""
-    common = ["--device", device]
-    if quick:
-        return {
-            "loss": [*common, "--quick", "--cases", "ours_lce", *_LOSS_PEERS],
-            "attention": [*common, "--quick", "--cp", "4", "--layouts", "padded", "mixed"]
-            + ["--cases", "ideal", "ours", "fa2", "fa3", "fa4"],
-            "hf": [*common, "--quick"],
-            "fsdp": [*common, "--quick", "--cases", "fsdp"],
-        }
-    return {
-        "loss": [
-            *common,
-            "--dtype",
-            "bf16",
-            "--tokens",
-            "8192",
-            "32768",
-            "131072",
-            "--vocab",
-            "128256",
-            "151936",
-        ]
-        + ["--hidden", "4096", "--cases", "ours_lce", *_LOSS_PEERS, "--repeat", "3", "--warmup", "1"],
-        "attention": [*common, "--dtype", "bf16", "--tokens", "32768", "131072", "524288", "--cp", "4", "8"]
-        + ["--layouts", "padded", "mixed", "--heads", "16", "--kv-heads", "4", "--head-dim", "128"]
-        + ["--cases", "ideal", "ours", "fa2", "fa3", "fa4", "--repeat", "1", "--warmup", "1"],
-        "hf": [*common, "--dtype", "bf16", "--tokens", "32768", "131072", "--repeat", "1", "--warmup", "1"],
-        "fsdp": [*common, "--repeat", "3", "--warmup", "2"],
-    }
+def share_of(name: str, remaining: Sequence[str], remaining_s: float) -> float:
+    """Section ``name``'s time limit: its share (:data:`SHARES`) of the ``remaining_s`` seconds left for it and
+    the ``remaining`` sections after it, so that time an earlier section left unused goes to the later ones."""
+    return remaining_s * SHARES[name] / sum(SHARES[other] for other in (name, *remaining))
 
 
-def _verdict(value: float | None, limit: float) -> str | None:
-    return None if value is None else f"{'PASS' if value <= limit else 'FAIL'} {value:.2f} <= {limit:g}"
-
-
-# --------------------------------------------------------------------------------------------------
-# Each part: the script that measures it, the figures the report adds to its rows, its table
-
-
-def _add_loss_figures(rows: list[Row]) -> None:
-    """TFLOP/s of every row; ours' time over the faster peer's and its extra memory, against the targets."""
-    for row in rows:
-        flops = 6 * row["tokens"] * row["vocab"] * row["hidden"]
-        row["tflops"] = flops / (row["time_ms"] * 1e-3) / 1e12 if row["status"].startswith("ok") else None
-    for shape in {row["shape"] for row in rows}:
-        same = [r for r in rows if r["shape"] == shape and r["status"].startswith("ok")]
-        peers = [r["time_ms"] for r in same if r["case"] in _LOSS_PEERS]
-        for row in same:
-            row["x_best_peer"] = row["time_ms"] / min(peers) if peers else None
-            if row["case"] == "ours_lce":
-                row["time_target"] = _verdict(row["x_best_peer"], LOSS_TIME_TARGET)
-                row["memory_target"] = _verdict(row["peak_extra_bytes"] / MIB, LOSS_MEMORY_TARGET_MIB)
-
-
-def _add_attention_targets(rows: list[Row]) -> None:
-    for row in rows:
-        limit = ATTENTION_TARGETS.get(row["layout"])
-        if row["case"] != "ideal" and limit is not None:
-            row["target"] = _verdict(row.get("x_ideal"), limit)
-
-
-@dataclass(frozen=True)
-class _Part:
-    run: Callable[[list[str]], list[Row]]
-    """The script's ``main(argv) -> rows``."""
-    title: str
-    columns: tuple[Column, ...]
-    notes: str
-    add_figures: Callable[[list[Row]], None] | None = None
-
-    def section(self, rows: list[Row]) -> str:
-        if self.add_figures is not None:
-            self.add_figures(rows)
-        return f"## {self.title}\n\n{format_table(rows, self.columns, markdown=True)}\n\n{self.notes}\n"
-
-
-_TIME = Column("time ms", "time_ms", ",.1f")
-_PEAK_EXTRA = Column("step extra MiB", "peak_extra_bytes", ",.0f", scale=MIB)
-_PEAK = Column("peak MiB", "peak_bytes", ",.0f", scale=MIB)
-
-_PARTS = {
-    "loss": _Part(
-        loss_memory.main,
-        "Fused LM head + cross-entropy (`loss_memory.py`)",
-        (
-            shape_column("N x V x H"),
-            CASE,
-            _TIME,
-            Column("TFLOP/s", "tflops", ",.1f"),
-            Column("extra MiB", "peak_extra_bytes", ",.0f", scale=MIB),
-            ratio_column("x_best_peer", "x faster peer"),
-            Column(f"time target (x peer <= {LOSS_TIME_TARGET})", "time_target", align="<"),
-            Column(f"memory target (MiB <= {LOSS_MEMORY_TARGET_MIB})", "memory_target", align="<"),
-            STATUS,
-        ),
-        "Forward + backward of `mean CE(hidden @ weight.T, labels)` (10% of labels ignored) into both "
-        "gradients. TFLOP/s counts the matmul FLOPs of a fused head: 3 x 2NVH (the logits, dL/dhidden, "
-        "dL/dweight); ours computes a bf16 weight's gradient in a second pass over vocabulary blocks "
-        "(5 x 2NVH done), counted as 3. Extra: the peak above the inputs, minus the two gradients.",
-        _add_loss_figures,
-    ),
-    "attention": _Part(
-        attention.main,
-        "CP attention per rank (`attention.py`)",
-        (
-            shape_column("layout, tokens, cp"),
-            CASE,
-            _TIME,
-            Column("ideal share ms", "ideal_share_ms", ",.1f"),
-            ratio_column("x_ideal", "x ideal"),
-            Column("target (x ideal)", "target", align="<"),
-            Column("peak extra MiB", "peak_extra_bytes", ",.0f", scale=MIB),
-            Column("saved MiB", "saved_bytes", ",.1f", scale=MIB),
-            STATUS,
-        ),
-        "One simulated CP rank (rank 0), forward + backward. Ideal share: full-sequence SDPA (per document "
-        "when packed; flash on CUDA) of all tokens, divided by cp. `mixed`: packed documents of random "
-        f"lengths. Targets: {ATTENTION_TARGETS['padded']}x padded, {ATTENTION_TARGETS['mixed']}x packed.",
-        _add_attention_targets,
-    ),
-    "hf": _Part(
-        hf_llama.main,
-        "HF Llama forward + backward (`hf_llama.py`)",
-        (
-            shape_column("model, tokens"),
-            CASE,
-            _TIME,
-            ratio_column("time_x_ours", "x ours"),
-            _PEAK_EXTRA,
-            _PEAK,
+def run_section(name: str, device: torch.device, limit_s: float, log: Path) -> Section:
+    """Section ``name`` in a process of its own, its output in ``log``: its verdict, or a FAIL when it ran over
+    ``limit_s`` (stopped with every process it started) or ended without one."""
+    result = log.with_suffix(".json")
+    command = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--device", device.type]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [*command, "--result", str(result)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},  # what it printed is in the log when it is stopped
+            start_new_session=True,  # its own process group: stopping it stops what it started
         )
-        + (Column("loss", "loss", ".4f"), STATUS),
-        "Llama-3.2-1B's shape, random weights, gradient checkpointing, one sequence, cp = 1. ours: the "
-        '"lightning_cp" attention and the fused loss; hf_liger: HF sdpa with Liger-Kernel\'s Llama patches.',
-    ),
-    "fsdp": _Part(
-        fsdp_step.main,
-        "Training step under FSDP (`fsdp_step.py`)",
-        (
-            shape_column("model, tokens"),
-            CASE,
-            Column("step ms", "time_ms", ",.1f"),
-            _PEAK,
-            _PEAK_EXTRA,
-            STATUS,
-        ),
-        "Forward, backward and AdamW, bf16-mixed, activation checkpointing of the blocks, world size 1.",
-    ),
-}
+        try:
+            proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return _failed(f"stopped after its limit of {limit_s:.0f} s", log)
+    if result.exists():
+        return Section(**json.loads(result.read_text()))
+    return _failed(f"ended with status {proc.returncode} and no verdict", log)
 
 
-def _value(value: Any) -> str:
-    """A machine-info value: ``None`` (a package not installed, no CUDA) as ``none``, floats rounded."""
-    return "none" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)
+def _failed(summary: str, log: Path) -> Section:
+    """A FAIL with ``summary`` and the end of the section's output."""
+    tail = code_block(log.read_text(errors="replace"), _LOG_TAIL)
+    return Section("FAIL", summary, f"The end of its output:\n\n{tail}")
 
 
-def _header(device: torch.device, argv: Sequence[str]) -> str:
+def _header(device: torch.device, argv: Sequence[str], budget_s: float) -> list[str]:
     info = machine_info(device, _PACKAGES)
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
+    return [
         "# lightning-cp GPU report",
         "",
-        f"`python benchmarks/gpu_report.py {' '.join(argv)}`, {when}",
+        f"`python benchmarks/gpu_report.py {' '.join(argv)}`, {when}, budget {budget_s:.0f} s",
         "",
-        *(f"- {key}: {_value(value)}" for key, value in info.items()),
+        *(
+            f"- {key}: {'none' if value is None else f'{value:.1f}' if isinstance(value, float) else value}"
+            for key, value in info.items()
+        ),
         "",
     ]
+
+
+def render(header: list[str], names: Sequence[str], done: dict[str, tuple[Section, float, float]]) -> str:
+    """The report: ``header``, one line per section (those not run yet as ``...``), then each finished one."""
+    lines = [*header, "| section | status | seconds (limit) | summary |", "| --- | --- | ---: | --- |"]
+    for name in names:
+        if name not in done:
+            lines.append(f"| {name} | ... | - | not run yet |")
+            continue
+        section, seconds, limit = done[name]
+        spent = f"{seconds:.0f} ({limit:.0f})" if limit else "-"
+        lines.append(f"| {name} | {section.status} | {spent} | {section.summary.replace('|', '/')} |")
+    for name in names:
+        if name in done:
+            section = done[name][0]
+            lines += ["", f"## {name}: {section.status}", "", section.summary, ""]
+            if section.body:
+                lines += [section.body, ""]
     return "\n".join(lines)
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, default=Path("gpu_report.md"), help="the Markdown report")
-    parser.add_argument("--parts", nargs="+", choices=list(_PARTS), default=list(_PARTS), help="default: all")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (runs on the CPU, for CI)")
+    parser.add_argument(
+        "--budget", type=float, default=BUDGET_S, help=f"seconds for all sections (default {BUDGET_S})"
+    )
+    parser.add_argument(
+        "--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS), help="default: all"
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    return parser.parse_args(argv)
+    parser.add_argument("--section", choices=list(SECTIONS), help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.budget <= 0:
+        parser.error(f"--budget {args.budget}: must be positive")
+    return args
 
 
-def main(argv: Sequence[str] | None = None) -> str:
-    """Run the parts, write the report to ``--output`` and return it."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the sections, write the report to ``--output``; the exit status (1: a section failed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    part_arguments = _part_arguments(args.quick, device.type)
-    sections = [_header(device, argv)]
-    for name in args.parts:
-        part, started = _PARTS[name], time.perf_counter()
-        rows = part.run(part_arguments[name])
-        sections.append(part.section(rows) + f"\n_{name}: {time.perf_counter() - started:.0f} s_\n")
-        args.output.write_text("\n".join(sections))  # what is done so far survives a later crash
-    print(f"\ngpu_report: wrote {args.output}")
-    return "\n".join(sections)
+    if args.section:  # one section, in the process the report started for it
+        args.result.write_text(json.dumps(asdict(SECTIONS[args.section].run(device))))
+        return 0
+    reasons = {name: SECTIONS[name].needs(device) for name in args.sections}  # cheap: no process started
+    header = _header(device, argv, args.budget)
+    done: dict[str, tuple[Section, float, float]] = {}
+    deadline = time.perf_counter() + args.budget
+    with tempfile.TemporaryDirectory(prefix="gpu_report_") as tmp:
+        for index, name in enumerate(args.sections):
+            later = [other for other in args.sections[index + 1 :] if reasons[other] is None]
+            limit = share_of(name, later, deadline - time.perf_counter()) if reasons[name] is None else 0.0
+            reason = reasons[name] or (None if limit >= 1 else "no time left of the budget")
+            if reason is None:
+                print(f"gpu_report: {name} (limit {limit:.0f} s)", flush=True)
+            started = time.perf_counter()
+            log = Path(tmp) / f"{name}.log"
+            section = Section("SKIP", reason) if reason else run_section(name, device, limit, log)
+            done[name] = (section, time.perf_counter() - started, limit)
+            print(f"gpu_report: {name}: {section.status} {section.summary}", flush=True)
+            args.output.write_text(render(header, args.sections, done))
+    print(f"gpu_report: wrote {args.output}", flush=True)
+    return 1 if any(section.status == "FAIL" for section, _, _ in done.values()) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -379,7 +379,7 @@ def _needs_ours(device: torch.device) -> str | None:
 class _LossCase(Case[_Problem, _Sizes]):
     chunk_ref: bool = False
     """Whether the table compares the peak to one chunk of fp32 logits: ours with the [N, V] logits
-    never materialized, whose chunk is ``_chunk_rows``."""
+    never materialized, whose chunk the worker records as it is resolved (``chunk_used``)."""
 
 
 _CASES: tuple[_LossCase, ...] = (
@@ -504,7 +504,8 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     def grad_bytes() -> int:
         return sum(t.grad.nbytes for t in (p.hidden, p.weight) if t.grad is not None)
 
-    with case.context():
+    chunks: list[int] = []
+    with case.context(), _recording_chunks(chunks):
         step = case.build(p)
 
         def forward_backward() -> Tensor:
@@ -524,12 +525,34 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     if p.hidden.grad is None or p.weight.grad is None:
         raise RuntimeError(f"case {case.name} left no gradient for hidden or weight")
     result = {"status": "ok", **measurement.summary(), "loss": loss.item()}
-    if case.chunk_ref and spec["chunk_size"] is None:
-        # The automatic chunk may depend on the device's free memory: the one ours used, asked here.
-        from lightning_cp.ops._plan import auto_chunk_size
-
-        result["chunk_rows"] = auto_chunk_size(p.hidden.shape[0], p.weight.shape[0], device)
+    if case.chunk_ref and chunks:
+        # The chunk ours resolved in the run (on CUDA the automatic one follows the free memory): the largest.
+        result["chunk_used"] = max(chunks)
+        result["chunks_used"] = sorted(set(chunks))
     return result
+
+
+@contextlib.contextmanager
+def _recording_chunks(chunks: list[int]) -> Iterator[None]:
+    """Append to ``chunks`` the tokens per chunk of every loss ``lightning_cp.ops`` plans meanwhile: the chunk
+    each call resolved and used (``chunk_size=None``: the automatic one, at the call), not one asked again."""
+    try:
+        from lightning_cp.ops._plan import Plan
+    except ImportError:  # a case without lightning_cp.ops: nothing to record
+        yield
+        return
+    build = vars(Plan)["build"]
+
+    def recording(cls: type[Plan], **options: Any) -> Plan:
+        plan = build.__func__(cls, **options)
+        chunks.append(plan.chunk_size)
+        return plan
+
+    Plan.build = classmethod(recording)
+    try:
+        yield
+    finally:
+        Plan.build = build
 
 
 # --------------------------------------------------------------------------------------------------
@@ -548,27 +571,26 @@ def _chunk_reference_bytes(shape: Shape, chunk_rows: int) -> int:
     return chunk_rows * shape.vocab * 4 + 4 * 4 * shape.tokens
 
 
-def _chunk_rows(shape: Shape, chunk_size: int | None, device: torch.device) -> tuple[int, bool]:
-    """Rows per chunk of the baselines that take an explicit chunk, and whether that is ours' chunk.
+def _chunk_rows(shape: Shape, chunk_size: int | None) -> int:
+    """Rows per chunk of the baselines that take an explicit chunk.
 
-    ``--chunk-size`` when given. Else ours' automatic chunk, which its public functions resolve
-    internally (``chunk_size=None``), asked through the engine's helper: on the CPU here; on CUDA it
-    depends on the free memory of the worker, which reports the one ours used (the baselines take the
-    CPU's). Without ``lightning_cp.ops`` the baselines fall back to ``DEFAULT_CHUNK_ROWS``.
+    ``--chunk-size`` when given. Else ours' automatic chunk on the CPU, asked through the engine's helper
+    (on CUDA ours' own follows the free memory of its worker, which records the chunk it used: the table's
+    ``chunk used``). Without ``lightning_cp.ops`` the baselines fall back to ``DEFAULT_CHUNK_ROWS``.
     """
     if chunk_size is not None:
-        return min(chunk_size, shape.tokens), True
+        return min(chunk_size, shape.tokens)
     try:
         from lightning_cp.ops._plan import auto_chunk_size
     except ImportError:
-        return min(DEFAULT_CHUNK_ROWS, shape.tokens), False
-    return auto_chunk_size(shape.tokens, shape.vocab), device.type == "cpu"
+        return min(DEFAULT_CHUNK_ROWS, shape.tokens)
+    return auto_chunk_size(shape.tokens, shape.vocab)
 
 
 def _measure_case(shape: Shape, case: _LossCase, args: argparse.Namespace) -> dict[str, Any]:
     """One row of the table: ``case`` on ``shape`` in a worker, or why it did not run."""
     dtype = DTYPES[args.dtype]
-    chunk_rows, chunk_is_ours = _chunk_rows(shape, args.chunk_size, args.device)
+    chunk_rows = _chunk_rows(shape, args.chunk_size)
     sizes = _Sizes.of(shape, dtype, args.cp, chunk_rows)
     estimate = _input_bytes(shape, dtype) + case.estimate(sizes) + _RUNTIME_OVERHEAD_BYTES
     row: dict[str, Any] = {
@@ -580,9 +602,7 @@ def _measure_case(shape: Shape, case: _LossCase, args: argparse.Namespace) -> di
         "device": args.device.type,
         "estimate_bytes": estimate,
         "chunk_rows": chunk_rows,
-        "chunk_ref_bytes": _chunk_reference_bytes(shape, chunk_rows)
-        if case.chunk_ref and chunk_is_ours
-        else None,
+        "chunk_ref_bytes": None,
     }
     spec = {
         "shape": asdict(shape),
@@ -592,8 +612,8 @@ def _measure_case(shape: Shape, case: _LossCase, args: argparse.Namespace) -> di
         "chunk_rows": chunk_rows,
     }
     result = run_case(Path(__file__), case, args, spec, estimate)
-    if "chunk_rows" in result:
-        row["chunk_ref_bytes"] = _chunk_reference_bytes(shape, result["chunk_rows"])
+    if "chunk_used" in result:
+        row["chunk_ref_bytes"] = _chunk_reference_bytes(shape, result["chunk_used"])
     return {**row, **result}
 
 
@@ -615,6 +635,7 @@ _COLUMNS = (
     CASE,
     shape_column("N x V x H"),
     *measurement_columns("x plain"),
+    Column("chunk used", "chunk_used", ",.0f"),
     Column("1-chunk ref MiB", "chunk_ref_bytes", ",.0f", scale=MIB),
     ratio_column("ref_ratio", "x ref"),
     STATUS,

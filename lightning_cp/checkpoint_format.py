@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save
 from lightning.fabric.strategies.model_parallel import _load_checkpoint
 from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
@@ -144,20 +145,32 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, global_rank: int) -> No
 
     The model state (``checkpoint["state_dict"]``) and the optimizer states (``"optimizer_states"``) hold
     this rank's shards (``DTensor``); they go to the DCP files, each rank writing its own. The rest
-    (loops, callbacks, hyperparameters) goes to ``meta.pt``, from rank 0. A file at ``path`` is replaced.
-    ``checkpoint`` loses those two keys.
+    (loops, callbacks, hyperparameters) goes to ``meta.pt``, from rank 0. A file at ``path`` (a checkpoint
+    file of the same name) is replaced: rank 0 removes it and creates the folder before any rank writes
+    into it. ``checkpoint`` loses those two keys.
 
-    Communication: the collectives of ``torch.distributed.checkpoint.save`` (every rank must call this).
+    Communication: a barrier over the default group (none without one), then the collectives of
+    ``torch.distributed.checkpoint.save`` (every rank must call this).
     """
-    if global_rank == 0 and path.is_file():
-        path.unlink()
-    path.mkdir(parents=True, exist_ok=True)
+    if global_rank == 0:
+        if path.is_file():
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+    _barrier()  # every rank creates the folder in DCP's planning: not before rank 0 removed a file there
     states = {STATE_DICT: checkpoint.pop(STATE_DICT)}
     for index, state in enumerate(checkpoint.pop("optimizer_states", [])):
         states[f"{_OPTIMIZER_PREFIX}{index}"] = state
     _distributed_checkpoint_save(states, path)
     if global_rank == 0:
         torch.save(checkpoint, path / METADATA_FILE)
+
+
+def _barrier() -> None:
+    """Every rank of the default process group waits for the others; nothing without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    device_ids = [torch.cuda.current_device()] if dist.get_backend() == "nccl" else None
+    dist.barrier(device_ids=device_ids)
 
 
 def load_sharded(

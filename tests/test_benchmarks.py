@@ -36,6 +36,7 @@ def bench() -> types.SimpleNamespace:
             "_probes",
             "_harness",
             "_report",
+            "_sections",
             "loss_memory",
             "attention",
             "hf_llama",
@@ -314,6 +315,79 @@ def test_quick_run_of_loss_memory_measures_each_case_with_plains_loss(bench, tmp
     assert results["ours_lce_torch"]["peak_extra_bytes"] < logits_bytes
 
 
+def test_the_worker_reports_the_chunk_ours_used_in_the_run_not_one_asked_again(bench, monkeypatch):
+    """On CUDA the automatic chunk follows the free memory, which changes between calls: here each call of
+    the sizing gives another chunk (64, then 96, then 200 for any later call), and the row reports the
+    chunks the two timed runs used (64 and 96), its 1-chunk reference the larger."""
+    from lightning_cp.ops import _plan
+
+    sizes = iter([64, 96, 200, 200])
+    monkeypatch.setattr(_plan, "auto_chunk_size", lambda *args, **kwargs: next(sizes))
+    monkeypatch.setattr(bench.loss_memory, "set_memory_budget", lambda device, budget: None)
+    spec = {
+        "case": "ours_lce_torch",
+        "shape": {"tokens": 300, "vocab": 512, "hidden": 32},
+        "dtype": "fp32",
+        "device": "cpu",
+        "cp": 2,
+        "chunk_size": None,
+        "chunk_rows": 128,
+        "warmup": 0,
+        "repeat": 2,
+        "max_mem_gib": 8,
+    }
+    result = bench.loss_memory._measure(spec)
+
+    assert result["status"] == "ok"
+    assert (result["chunk_used"], result["chunks_used"]) == (96, [64, 96])
+    assert vars(_plan.Plan)["build"].__func__.__name__ == "build"  # the recording is undone
+
+
+def test_gpu_report_compares_ours_loss_with_the_peers_of_the_same_shape_in_the_same_run(bench):
+    """Time against the faster peer, extra memory against each peer, per shape; a peer that did not run
+    gives no verdict, and without any peer there is nothing to judge (SKIP)."""
+
+    def row(case: str, shape: str, time_ms: float, extra_mib: float, status: str = "ok") -> dict:
+        return {
+            "case": case,
+            "shape": shape,
+            "tokens": 8,
+            "vocab": 8,
+            "hidden": 8,
+            "status": status,
+            "time_ms": time_ms,
+            "peak_extra_bytes": extra_mib * MIB,
+        }
+
+    rows = [
+        row("ours_lce", "a", 100.0, 600),
+        row("liger_flce", "a", 120.0, 300),
+        row("cce", "a", 90.0, 1000),
+        row("ours_lce", "b", 100.0, 200),
+        row("liger_flce", "b", 200.0, 400),
+        row("cce", "b", 0.0, 0, status="needs CUDA; cut-cross-entropy not installed"),
+    ]
+    sections = bench._sections
+    sections.add_loss_figures(rows)
+    a, b = rows[0], rows[3]
+
+    assert a["time_target"] == "FAIL 1.11 <= 0.95"
+    assert (a["memory_x_liger_flce"], a["memory_x_cce"]) == ("FAIL 2.00 <= 1", "PASS 0.60 <= 1")
+    assert b["time_target"] == "PASS 0.50 <= 0.95"
+    assert b["memory_x_liger_flce"] == "PASS 0.50 <= 1" and "memory_x_cce" not in b
+    keys = ["time_target", "memory_x_liger_flce", "memory_x_cce"]
+    judged = sections.targets_verdict(rows, "ours_lce", keys, "ours")
+    assert judged.status == "FAIL"
+    assert judged.summary == "ours: a: time_target FAIL 1.11 <= 0.95; a: memory_x_liger_flce FAIL 2.00 <= 1"
+    assert sections.targets_verdict(rows[3:], "ours_lce", keys, "ours").status == "PASS"
+    alone = [row("ours_lce", "c", 1.0, 1), row("cce", "c", 0.0, 0, status="cut-cross-entropy not installed")]
+    sections.add_loss_figures(alone)
+    skipped = sections.targets_verdict(alone, "ours_lce", keys, "ours")
+    assert skipped == sections.Section(
+        "SKIP", "nothing to compare ours_lce with (cce: cut-cross-entropy not installed)"
+    )
+
+
 # --------------------------------------------------------------------------------------------------
 # attention.py
 
@@ -429,55 +503,133 @@ def test_hf_llama_cases_compute_the_same_loss_and_gradients(bench, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------
-# gpu_report.py
+# gpu_report.py and its sections
 
 
-def _markdown_tables(text: str) -> dict[str, list[dict[str, str]]]:
-    """``{section title: rows as {header: cell}}`` of the report's Markdown tables."""
-    tables, title = {}, None
-    for block in text.split("\n\n"):
-        if block.startswith("## "):
-            title = block[3:].split(" (")[0]
-        elif block.startswith("| ") and title:
-            lines = [[cell.strip() for cell in line.strip("|").split("|")] for line in block.splitlines()]
-            tables[title] = [dict(zip(lines[0], cells)) for cells in lines[2:]]
-    return tables
+def _summary_table(text: str) -> dict[str, tuple[str, str]]:
+    """``{section: (status, summary)}`` of the report's first table."""
+    block = text[text.index("| section | status |") :].split("\n\n")[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in block.splitlines()[2:]]
+    return {row[0]: (row[1], row[3]) for row in rows}
 
 
-def test_gpu_report_quick_runs_every_part_on_the_cpu_with_targets_and_skipped_peers(tmp_path):
+def test_gpu_report_on_the_cpu_runs_the_doctor_and_says_why_every_other_section_is_skipped(bench, tmp_path):
     output = tmp_path / "report.md"
-    result = _run_script("gpu_report.py", "--quick", "--device", "cpu", "--output", str(output))
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _run_script("gpu_report.py", "--device", "cpu", "--budget", "900", "--output", str(output))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     text = output.read_text()
     assert text.startswith("# lightning-cp GPU report") and f"- torch: {torch.__version__}" in text
-    tables = _markdown_tables(text)
-    assert list(tables) == [
-        "Fused LM head + cross-entropy",
-        "CP attention per rank",
-        "HF Llama forward + backward",
-        "Training step under FSDP",
-    ]
+    table = _summary_table(text)
 
-    loss = {row["case"]: row for row in tables["Fused LM head + cross-entropy"]}
-    assert loss["ours_lce"]["status"] == "ok" and loss["ours_lce"]["time target (x peer <= 0.95)"] == "-"
-    assert re.fullmatch(r"PASS [\d.]+ <= 256", loss["ours_lce"]["memory target (MiB <= 256)"])
-    assert loss["liger_flce"]["status"] == "needs CUDA; liger-kernel not installed"
-    assert loss["cce"]["status"] == "needs CUDA; cut-cross-entropy not installed"
+    assert list(table) == list(bench._sections.SECTIONS)
+    status, summary = table.pop("doctor")
+    assert status == "PASS" and re.fullmatch(r"\d+ passed, 0 failed, \d+ skipped", summary)
+    assert "PASS  attention ulysses cp=4 packed gqa bfloat16" in text  # the doctor's output, in its section
+    for name, (status, summary) in table.items():
+        assert status == "SKIP" and summary.startswith("no CUDA device: "), (name, summary)
+        assert f"## {name}: SKIP" in text
 
-    rows = tables["CP attention per rank"]
-    for layout, limit in (("padded", 1.25), ("mixed", 1.5)):
-        by_case = {row["case"]: row for row in rows if row["layout, tokens, cp"] == f"{layout} T=1024 cp=4"}
-        ideal, ours = by_case["ideal"], by_case["ours"]
-        assert float(ours["ideal share ms"]) == pytest.approx(float(ideal["time ms"]) / 4, abs=0.06)
-        x_ideal = float(ours["time ms"]) / float(ours["ideal share ms"])
-        assert float(ours["x ideal"]) == pytest.approx(x_ideal, abs=0.02)
-        verdict = "PASS" if float(ours["x ideal"]) <= limit else "FAIL"
-        assert ours["target (x ideal)"] == f"{verdict} {ours['x ideal']} <= {limit:g}"
-        assert by_case["fa2"]["status"] == "needs CUDA; flash-attn (FlashAttention-2) not installed"
 
-    hf = {row["case"]: row for row in tables["HF Llama forward + backward"]}
-    assert hf["ours"]["status"] == "ok" and hf["hf_liger"]["status"] == "liger-kernel not installed"
-    assert [row["status"] for row in tables["Training step under FSDP"]] == ["ok"]
+def test_a_section_over_its_limit_is_stopped_and_the_report_is_written_all_the_same(tmp_path):
+    output = tmp_path / "report.md"
+    sections = ("doctor", "main-job")
+    result = _run_script(
+        "gpu_report.py", "--device", "cpu", "--budget", "3", "--sections", *sections, "--output", str(output)
+    )
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    text = output.read_text()
+    table = _summary_table(text)
+
+    assert table["doctor"] == ("FAIL", "stopped after its limit of 3 s")
+    assert table["main-job"][0] == "SKIP"
+    assert "## doctor: FAIL" in text and "The end of its output:" in text
+
+
+def test_time_a_section_leaves_unused_goes_to_the_later_ones(bench):
+    share_of, shares = bench.gpu_report.share_of, bench.gpu_report.SHARES
+    every = list(shares)
+    assert share_of(every[0], every[1:], 450) == pytest.approx(shares[every[0]])  # the default budget
+    # The doctor alone, then the loss with what the doctor left (it needed 20 s of its 80).
+    assert share_of("doctor", ["loss"], 150) == pytest.approx(80)
+    assert share_of("loss", [], 130) == pytest.approx(130)
+
+
+def test_a_section_that_ends_without_a_verdict_is_a_fail_with_the_end_of_its_output(bench, tmp_path):
+    """The loss section's own process, started on a machine without CUDA: the benchmark refuses the device."""
+    section = bench.gpu_report.run_section("loss", torch.device("cpu"), 300, tmp_path / "loss.log")
+    assert (section.status, section.summary) == ("FAIL", "ended with status 2 and no verdict")
+    assert "--device cuda: torch sees no CUDA device here" in section.body
+
+
+def test_the_attention_section_compares_every_ranks_error_with_sdpas_own(bench, monkeypatch):
+    """On the CPU in fp32 the reference is SDPA itself, so ours must be within the floor; 1% off dK fails dK."""
+    errors = bench._sections.attention_errors
+    for lengths in ([40, 1, 23], [64]):
+        rows = errors(torch.device("cpu"), torch.float32, lengths, 2, 4, 2, 8)
+        assert [row["quantity"] for row in rows] == ["out", "dq", "dk", "dv"]
+        assert all(row["verdict"].startswith("PASS") and row["ours_max"] < 1e-5 for row in rows), rows
+
+    from lightning_cp.parallel import _varlen
+
+    backward = _varlen.torch_backward
+
+    def one_percent_off(*args, **kwargs):
+        dq, dk, dv = backward(*args, **kwargs)
+        return dq, dk * 1.01, dv
+
+    monkeypatch.setattr(_varlen, "torch_backward", one_percent_off)
+    rows = errors(torch.device("cpu"), torch.float32, [40, 1, 23], 2, 4, 2, 8)
+    assert [row["verdict"][:4] for row in rows] == ["PASS", "PASS", "FAIL", "PASS"]
+
+
+@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "short_conv"])
+def test_the_hybrid_section_times_one_rank_and_checks_every_ranks_error(bench, kind):
+    row = bench._sections.mixer_rank(kind, torch.device("cpu"), torch.float32, (16,) * 4, 2, repeat=1)
+    assert row["status"] == "PASS" and row["worst"].split(": ")[1].startswith("PASS"), row
+    assert row["rank_ms"] > 0 and row["x_share"] == pytest.approx(row["rank_ms"] / (row["unsharded_ms"] / 2))
+    assert row["kernels"].endswith("causal_conv1d: missing")
+
+
+def test_the_hybrid_section_fails_a_rank_whose_exchange_is_wrong(bench, monkeypatch):
+    from lightning_cp.doctor import _ranks
+
+    all_to_all = _ranks._CountingExchange.all_to_all
+    monkeypatch.setattr(
+        _ranks._CountingExchange, "all_to_all", lambda self, send: all_to_all(self, send).flip(0)
+    )
+    row = bench._sections.mixer_rank("short_conv", torch.device("cpu"), torch.float32, (16,) * 4, 2, repeat=1)
+    assert row["status"] == "FAIL" and "FAIL" in row["worst"]
+
+
+def test_the_sections_read_the_verdicts_of_pytest_the_doctor_and_the_main_job(bench, tmp_path):
+    s = bench._sections
+    assert s.pytest_verdict(0, "..s\n2 passed, 1 skipped in 4.20s\n") == s.Section(
+        "PASS", "2 passed, 1 skipped in 4.20s", "```\n2 passed, 1 skipped in 4.20s\n```"
+    )
+    failed = s.pytest_verdict(
+        1, "F.\nFAILED tests/x.py::t - AssertionError\n=== 1 failed, 1 passed in 3.00s ===\n"
+    )
+    assert (failed.status, failed.summary) == ("FAIL", "1 failed, 1 passed in 3.00s")
+    assert "FAILED tests/x.py::t - AssertionError" in failed.body
+    assert s.pytest_verdict(2, "ImportError\n").summary == "pytest ended with status 2 and no summary"
+
+    doctor = s.doctor_verdict(
+        1, "checks on cuda\n  PASS  a  ok\n  FAIL  b x  worse\n\n1 passed, 1 failed, 0 skipped\n"
+    )
+    assert (doctor.status, doctor.summary) == ("FAIL", "1 passed, 1 failed, 0 skipped: b x")
+
+    closing = "lightning-cp: training finished after 200 steps\n  val/loss:         {}  (perplexity 1.01)\n"
+    memory = tmp_path / "runs/gpu_single/csv/version_0/memory_snapshots"
+    memory.mkdir(parents=True)
+    (memory / "step_5.md").write_text("| peak | 1.2 GiB |")
+    passed = s.main_job_verdict(0, "Epoch 0\n" + closing.format("0.0069"), tmp_path)
+    assert (passed.status, passed.summary) == ("PASS", "training finished after 200 steps, val/loss 0.0069")
+    assert passed.body.endswith("| peak | 1.2 GiB |")
+    assert s.main_job_verdict(0, closing.format("6.2400"), tmp_path).status == "FAIL"
+    assert (
+        s.main_job_verdict(1, "Traceback\n", tmp_path).summary
+        == "lightning-cp fit ended with status 1, not finished"
+    )
 
 
 def test_load_memory_reports_both_methods_for_a_tiny_model():

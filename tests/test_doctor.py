@@ -1,18 +1,24 @@
 """``lightning-cp doctor``: it runs and passes on a healthy install, and it fails when the code it checks is wrong.
 
 The checks themselves compare to float64 references computed by plain PyTorch (SDPA, ``F.cross_entropy``,
-``log_softmax``), so a check that cannot fail would be worthless: every family of checks is run here once
-against a deliberately broken package (a wrong key index in the attention layout, 1% off key gradients, a
-wrong label in the loss, 1% off log-probabilities) and must report FAIL, with exit status 1.
+``log_softmax``, the mixer layer on each document), so a check that cannot fail would be worthless: every
+family of checks is run here once against a deliberately broken package (a wrong key index in the attention
+layout, 1% off key gradients, an all-to-all that returns another rank's rows, a mode that silently runs
+another exchange, a wrong label in the loss, 1% off log-probabilities, a reduce-scatter that does not sum) and
+must report FAIL, with exit status 1. Under a launcher, a rank that fails a check alone must not leave the
+others out of step: every rank reports and exits with the same status.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import os
 import re
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -20,11 +26,13 @@ import torch
 
 from lightning_cp import ops
 from lightning_cp.cli import doctor
-from lightning_cp.doctor import collectives
+from lightning_cp.doctor import _ranks, attention, collectives
 from lightning_cp.doctor._compare import MAX_TOLERANCE, CheckResult, compare, relative_error, tolerance
 from lightning_cp.doctor.attention import attention_checks
 from lightning_cp.doctor.loss import loss_checks
+from lightning_cp.doctor.mixers import mixer_checks
 from lightning_cp.parallel import _varlen
+from lightning_cp.parallel.attention_mode import AttentionMode
 from lightning_cp.parallel.exchange import GroupExchange
 from lightning_cp.parallel.sharding import CPShard
 
@@ -54,7 +62,9 @@ def test_doctor_runs_and_passes_on_this_machine():
     for section in ("versions", "attention kernels", "devices", "kernels the package picks on cpu"):
         assert f"\n{section}\n" in out
     assert re.search(r"^  torch +" + re.escape(torch.__version__) + "$", out, re.MULTILINE)
-    assert re.search(r"^  fused loss +impl='auto' -> torch; automatic chunk: \d+ tokens", out, re.MULTILINE)
+    assert re.search(
+        r"^  fused loss +impl='auto' -> torch; automatic chunk of this process: \d+ tokens", out, re.MULTILINE
+    )
     assert re.search(
         r"^  hybrid token mixers +head-parallel: .*\(transformers' torch kernels\)", out, re.MULTILINE
     )
@@ -62,9 +72,14 @@ def test_doctor_runs_and_passes_on_this_machine():
     lines = _check_lines(out)
     statuses = list(lines.values())
     assert set(statuses) == {"PASS", "SKIP"}
-    # 2 dtypes x (2 layouts x 2 CP sizes of attention + 2 loss functions x 2 backends), + collectives.
-    assert len(lines) == 2 * (4 + 4) + 1
-    assert statuses.count("PASS") == 2 * (4 + 2)  # Triton and the collectives need CUDA / torchrun here
+    # 2 dtypes x (2 layouts x 5 (exchange, CP size) of attention + 2 loss functions x 2 backends), 3 mixers
+    # in fp32, + collectives.
+    assert len(lines) == 2 * (10 + 4) + 3 + 1
+    assert statuses.count("PASS") == 2 * (10 + 2) + 3  # Triton and the collectives need CUDA / torchrun here
+    for mode, exchanges in attention.FORWARD_EXCHANGES.items():
+        checked = [line for line in lines if line.startswith(f"attention {mode} cp=")]
+        assert len(checked) == 4 * len(attention.SIMULATED[mode])
+        assert all(line.endswith(f"fwd: {', '.join(exchanges)}]") for line in checked)
     assert re.search(r"(\d+) passed, 0 failed, (\d+) skipped$", out.strip())
 
 
@@ -84,7 +99,7 @@ def test_doctor_passes_on_the_gpu_with_flash_attention_and_triton(capsys):
     assert status == 0, lines
     assert {s for name, s in lines.items() if not name.startswith("collectives")} == {"PASS"}
     bf16_attention = [name for name in lines if name.startswith("attention") and "bfloat16" in name]
-    assert len(bf16_attention) == 4 and all(name.endswith("[flash-varlen]") for name in bf16_attention)
+    assert len(bf16_attention) == 10 and all("[flash-varlen; fwd: " in name for name in bf16_attention)
     assert sum(name.startswith("loss linear_cross_entropy triton") for name in lines) == 2
 
 
@@ -100,19 +115,17 @@ def test_a_wrong_key_order_in_the_attention_layout_fails_the_attention_checks(ru
 
     assert status == 1
     attention = {name: s for name, s in lines.items() if name.startswith("attention")}
-    assert len(attention) == 8 and set(attention.values()) == {"FAIL"}
+    assert len(attention) == 20 and set(attention.values()) == {"FAIL"}
     assert {s for name, s in lines.items() if name.startswith("loss")} == {"PASS", "SKIP"}
+    assert {s for name, s in lines.items() if name.startswith("mixer")} == {"PASS"}  # no key selection there
 
 
-def test_a_wrong_label_in_the_loss_fails_the_loss_checks(run_doctor, monkeypatch):
+def test_a_wrong_label_in_the_loss_fails_the_loss_checks(monkeypatch):
     fused = ops.linear_cross_entropy
     monkeypatch.setattr(
         ops, "linear_cross_entropy", lambda h, w, labels, **kw: fused(h, w, labels.roll(1), **kw)
     )
-    status, lines = run_doctor()
-
-    assert status == 1
-    failed = {name.split("  ")[0] for name, s in lines.items() if s == "FAIL"}
+    failed = {r.name for r in loss_checks(CPU, DTYPES) if r.status == "FAIL"}
     assert failed == {f"loss linear_cross_entropy torch {dtype}" for dtype in ("float32", "bfloat16")}
 
 
@@ -124,6 +137,7 @@ def test_a_one_percent_error_in_the_key_gradients_fails_in_every_dtype(monkeypat
         return dq, dk * 1.01, dv
 
     monkeypatch.setattr(_varlen, "torch_backward", one_percent_off)
+    monkeypatch.setattr(attention, "SIMULATED", {"allgather": (2, 4)})  # every exchange runs this kernel
     results = attention_checks(CPU, DTYPES)
     assert [r.status for r in results] == ["FAIL"] * 8, [r.line() for r in results]
     assert all(r.detail.startswith("worst dk") for r in results)
@@ -145,9 +159,62 @@ def test_an_exception_in_a_check_is_its_fail_line(monkeypatch):
     monkeypatch.setattr(_varlen, "torch_forward", broken)
     result = attention_checks(CPU, (torch.float32,))[0]
     assert result.line() == (
-        "FAIL  attention cp=2 padded gqa float32  "
+        "FAIL  attention allgather cp=2 padded gqa float32  "
         "RuntimeError: no kernel image is available for execution on the device"
     )
+
+
+def test_an_all_to_all_that_returns_another_ranks_rows_fails_ulysses_and_the_mixers(monkeypatch):
+    """The exchange the head-parallel layers use, broken: every rank gets the rows of the ranks in reverse
+    order. The all-gathered attention does not use it and passes."""
+    all_to_all = _ranks._CountingExchange.all_to_all
+    monkeypatch.setattr(
+        _ranks._CountingExchange, "all_to_all", lambda self, send: all_to_all(self, send).flip(0)
+    )
+    results = {r.name: r.status for r in attention_checks(CPU, (torch.float32,)) + mixer_checks(CPU)}
+
+    assert {name: s for name, s in results.items() if "ulysses" in name or "mixer" in name} == {
+        name: "FAIL" for name in results if "ulysses" in name or "mixer" in name
+    }
+    assert sum("ulysses" in name for name in results) == 4 and sum("mixer" in name for name in results) == 3
+    assert {s for name, s in results.items() if "allgather" in name} == {"PASS"}
+
+
+def test_a_mode_that_runs_another_exchange_fails_although_its_numbers_are_right(monkeypatch):
+    """Ulysses that silently all-gathers computes the same numbers: the check names the exchange that ran."""
+    monkeypatch.setattr(AttentionMode, "ulysses", lambda self, heads, kv_heads, cp: False)
+    ranks = _ranks.SimulatedRanks(2)
+    result = attention.check_attention("x", ranks, CPU, torch.float32, "packed", "ulysses")
+    assert result == CheckResult("x", "FAIL", "fwd: all_gather; ulysses makes all_to_all, all_to_all")
+
+
+def _two_exchanges(ranks: _ranks.SimulatedRanks, rank: int) -> torch.Tensor:
+    """Rank ``r`` sends ``100 r + p`` to rank ``p``, then sends back ``10 x`` what it received: the second
+    exchange depends on the first, as Ulysses' and the mixers' way back do."""
+    exchange = ranks.exchange(rank)
+    received = exchange.all_to_all(torch.tensor([[100.0 * rank + peer] for peer in range(ranks.cp)]))
+    return exchange.all_to_all(10 * received)
+
+
+def test_simulated_ranks_answer_chained_exchanges_as_a_real_group_would():
+    ranks = _ranks.SimulatedRanks(3)
+    results = ranks.run(lambda rank: _two_exchanges(ranks, rank))
+    # Rank r first receives 100 p + r from every p, sends 10 x that back to p: rank r gets 10 (100 r + p).
+    assert [t.flatten().tolist() for t in results] == [
+        [10.0 * (100 * r + p) for p in range(3)] for r in range(3)
+    ]
+    assert ranks.calls == {rank: ["all_to_all", "all_to_all"] for rank in range(3)}
+
+
+def test_simulated_ranks_that_make_different_exchanges_fail_instead_of_hanging():
+    """What ranks that size their all-gather rounds from their own free memory would do to a real group."""
+    ranks = _ranks.SimulatedRanks(2)
+
+    def rounds(rank: int) -> list[torch.Tensor]:
+        return [ranks.exchange(rank).all_gather(torch.ones(2)) for _ in range(rank + 1)]
+
+    with pytest.raises(RuntimeError, match=r"rank 0: all_gather; rank 1: all_gather, all_gather"):
+        ranks.run(rounds)
 
 
 def test_tolerance_is_relative_to_torchs_own_error_and_never_above_one_percent():
@@ -167,37 +234,111 @@ def test_tolerance_is_relative_to_torchs_own_error_and_never_above_one_percent()
 # torchrun: the real collectives (here on the shared gloo pools)
 
 
-def _doctor_on_every_rank() -> int:
-    return doctor.main(["--device", "cpu"])
+def _doctor(fail_local_on_rank_1: bool = False, fail_exchanges_on_rank_1: bool = False) -> tuple[int, str]:
+    """``lightning-cp doctor`` on this rank, its local checks and the mixers' left out (``test_doctor_runs_...``
+    and the simulated checks cover them), the collectives in fp32: its status and what it printed. Rank 1
+    alone can fail a local check (``fail_local_on_rank_1``), and (``fail_exchanges_on_rank_1``) the padded
+    check of ``allgather x2 rounds`` before its exchanges and the first all-to-all it makes (Ulysses, padded)
+    in the middle, its peer waiting on that check's group at most until its timeout (10 s here)."""
+    rank = torch.distributed.get_rank()
+    with contextlib.ExitStack() as stack:
+        patch = stack.enter_context(pytest.MonkeyPatch.context())
+        for local in ("attention_checks", "mixer_checks", "loss_checks"):
+            patch.setattr(doctor, local, lambda *args: [])
+        patch.setattr(doctor, "DTYPES", (torch.float32,))
+        patch.setattr(collectives, "mixer_names", lambda cp: {})
+        if fail_local_on_rank_1 and rank == 1:
+            failed = [CheckResult("loss x", "FAIL", "wrong on rank 1")]
+            patch.setattr(doctor, "loss_checks", lambda *args: failed)
+        if fail_exchanges_on_rank_1:  # long enough for a loaded machine to connect each check's group
+            patch.setattr(collectives, "CHECK_TIMEOUT", timedelta(seconds=10))
+        if fail_exchanges_on_rank_1 and rank == 1:
+            inputs, all_to_all = attention.attention_inputs, _ranks._CountingExchange.all_to_all
+            made, sent = [], []
+
+            def failing_inputs(layout, dtype):  # the third attention check: allgather x2 rounds, padded
+                made.append(layout)
+                if len(made) == 3:
+                    raise RuntimeError("out of memory on rank 1")
+                return inputs(layout, dtype)
+
+            def failing_all_to_all(self, send):  # the first all-to-all: Ulysses, padded
+                sent.append(send)
+                if len(sent) == 1:
+                    raise RuntimeError("an error in the middle of the exchanges")
+                return all_to_all(self, send)
+
+            patch.setattr(attention, "attention_inputs", failing_inputs)
+            patch.setattr(_ranks._CountingExchange, "all_to_all", failing_all_to_all)
+        out = stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        status = doctor.main(["--device", "cpu"])
+    return status, out.getvalue()
 
 
-def test_under_a_launcher_every_rank_checks_the_collectives_and_passes(world2):
-    assert world2.run(_doctor_on_every_rank) == [0, 0]
+def test_under_a_launcher_every_rank_checks_the_collectives_and_reports(world2):
+    (status0, out0), (status1, out1) = world2.run(_doctor)
+
+    assert (status0, status1) == (0, 0)
+    lines = _check_lines(out0)
+    assert set(lines.values()) == {"PASS"} and len(lines) == 4 + 3 * 2  # 3 exchanges x 2 layouts
+    assert re.search(r"^  fused loss .* automatic chunk of this process \(rank 0\): ", out0, re.MULTILINE)
+    assert out0.endswith("rank 0 of 2: 0 of its 10 checks failed; exit status 0\n")
+    assert out1 == "rank 1 of 2: 0 of its 10 checks failed; exit status 0\n"  # rank 0 prints the report
 
 
-def _collective_checks(break_reduce_scatter: bool) -> list[tuple[str, str]]:
-    if not break_reduce_scatter:
-        return [(r.name, r.status) for r in collectives.collective_checks(CPU, DTYPES)]
+def test_a_check_that_fails_on_one_rank_only_fails_the_doctor_on_every_rank(world2):
+    (status0, out0), (status1, out1) = world2.run(_doctor, True)
+
+    assert (status0, status1) == (1, 1)
+    assert set(_check_lines(out0).values()) == {"PASS"}  # rank 0's own lines
+    assert "\n  rank 1: FAIL  loss x  wrong on rank 1\n" in out0
+    assert out0.endswith("rank 0 of 2: 0 of its 10 checks failed; exit status 1\n")
+    assert out1 == "rank 1 of 2: 1 of its 11 checks failed; exit status 1\n"
+
+
+def test_one_ranks_failure_leaves_the_others_in_step_and_every_rank_reports_it(world2):
+    (status0, out0), (status1, out1) = world2.run(_doctor, True, True)
+
+    assert (status0, status1) == (1, 1)
+    lines = {name.split("  ")[0]: status for name, status in _check_lines(out0).items()}
+    rank1 = [line for line in out0.splitlines() if line.startswith("  rank 1: FAIL")]
+    assert rank1.pop(0) == "  rank 1: FAIL  loss x  wrong on rank 1"  # a failure of rank 1's alone
+    failed = {
+        "attention allgather x2 rounds cp=2 padded gqa float32 across the group",
+        "attention ulysses cp=2 padded gqa float32 across the group",
+    }
+    # Rank 0 fails the same two checks (its peer did not come, or left), and passes every other one.
+    assert {name for name, status in lines.items() if status == "FAIL"} == failed
+    assert {status for name, status in lines.items() if name not in failed} == {"PASS"}
+    assert "rank(s) [1] of the group failed before the exchanges" in out0
+    assert len(rank1) == 2 and "out of memory on rank 1" in rank1[0] and "in the middle" in rank1[1]
+    assert out1 == "rank 1 of 2: 3 of its 11 checks failed; exit status 1\n"
+
+
+def _collective_checks() -> list[tuple[str, str]]:
+    """The collective checks in fp32 with a reduce-scatter that forgets to sum the other ranks' contributions."""
     original = GroupExchange.reduce_scatter
 
-    def own_share_only(self, full):  # forgets to sum the other ranks' contributions
+    def own_share_only(self, full):
         size, rank = torch.distributed.get_world_size(self.group), torch.distributed.get_rank(self.group)
         rows = full.shape[0] // size
         return full[rank * rows : (rank + 1) * rows].clone()
 
     GroupExchange.reduce_scatter = own_share_only
     try:
-        return [(r.name, r.status) for r in collectives.collective_checks(CPU, DTYPES)]
+        return [(r.name, r.status) for r in collectives.collective_checks(CPU, (torch.float32,))]
     finally:
         GroupExchange.reduce_scatter = original
 
 
-def test_collective_checks_pass_on_four_ranks_and_fail_when_the_reduce_scatter_does_not_sum(world4):
-    for results in world4.run(_collective_checks, False):
-        assert [s for _, s in results] == ["PASS"] * 7
-        assert results[0][0] == "process group gloo world=4"
-    for results in world4.run(_collective_checks, True):
+def test_on_four_ranks_a_reduce_scatter_that_does_not_sum_fails_the_all_gathered_attention_only(world4):
+    """Ulysses (its two key/value heads replicated over 4 ranks) and the mixers' all-to-all pass across the
+    real group; every check that needs the reduce-scatter fails."""
+    for results in world4.run(_collective_checks):
         statuses = dict(results)
+        assert results[0] == ("process group gloo world=4", "PASS")
         assert statuses["exchange all_gather"] == "PASS"
         assert statuses["exchange reduce_scatter"] == "FAIL"
-        assert {s for name, s in results if name.startswith("attention")} == {"FAIL"}
+        for name, status in results[4:]:
+            assert status == ("FAIL" if name.startswith("attention allgather") else "PASS"), name
+        assert len(results) == 4 + 6 + 3

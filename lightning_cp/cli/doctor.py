@@ -2,38 +2,45 @@
 
 Run::
 
-    lightning-cp doctor                      # the first GPU, or the CPU without one (a few seconds)
+    lightning-cp doctor                      # the first GPU, or the CPU without one (seconds)
     lightning-cp doctor --device cpu         # the CPU paths, also on a GPU machine
     torchrun --nproc-per-node 8 --no-python lightning-cp doctor    # also the collectives over 8 GPUs
 
 It prints the versions (Python, torch with CUDA / cuDNN / NCCL, Triton, transformers, Megatron-core,
 Lightning), the flash-attention kernels torch and the installed packages offer, the devices, and which
-kernels the package itself picks on the device (CP attention per dtype, the fused loss's backend and
-chunk). Then one line per self-check, ``PASS``, ``FAIL <error>`` or ``SKIP <why>``
-(:mod:`lightning_cp.doctor`): CP attention of simulated groups of 2 and 4 ranks against SDPA on the
-whole sequence, the fused loss and log-probabilities against plain PyTorch, in fp32 and bf16, the Triton
-backend on CUDA; under ``torchrun``, the real collectives too (every rank runs every check; rank 0
-prints its own lines and any other rank's failures). The exit status is 1 when a check fails, else 0.
+kernels the package itself picks on the device (CP attention per dtype, the fused loss's backend and this
+process's automatic chunk). Then one line per self-check, ``PASS``, ``FAIL <error>`` or ``SKIP <why>``
+(:mod:`lightning_cp.doctor`): CP attention of simulated groups of 2 and 4 ranks in each of its exchanges
+(all-gather, all-gather in rounds, Ulysses) against SDPA on the whole sequence; the hybrid mixers (Gated
+DeltaNet, Mamba2, short convolution) of a simulated group of 4 against the layer on each document; the fused
+loss and log-probabilities against plain PyTorch, in fp32 and bf16, the Triton backend on CUDA. Under
+``torchrun`` every rank runs every check, and the real collectives too, each check on a process group of its
+own so that one rank's failure never leaves the others out of step; the verdicts are gathered, rank 0 prints
+its lines and every other rank's failures, and every rank prints its verdict line. The exit status is 1 when a
+check failed on any rank, else 0, the same on every rank.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_cp.doctor import CheckResult, collectives, environment
+from lightning_cp.doctor._compare import error_line
 from lightning_cp.doctor.attention import attention_checks
 from lightning_cp.doctor.loss import loss_checks
+from lightning_cp.doctor.mixers import mixer_checks
 
 DTYPES = (torch.float32, torch.bfloat16)
-"""The dtypes every numerical check runs in."""
+"""The dtypes the attention and loss checks run in."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``lightning-cp doctor [--device auto|cpu|cuda]``; returns the exit status (1: a check failed)."""
+    """``lightning-cp doctor [--device auto|cpu|cuda]``; returns the exit status (1: a check failed on a rank)."""
     parser = _parser()
     args = parser.parse_args(argv)
     distributed = collectives.launched_distributed()
@@ -46,22 +53,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         created_group = collectives.init_process_group(device)
     else:
         device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    lead = not distributed or dist.get_rank() == 0
+    rank = dist.get_rank() if distributed else None
     try:
-        if lead:
-            _print_environment(device)
-        results = attention_checks(device, DTYPES) + loss_checks(device, DTYPES)
+        results = _print_environment(device, rank) if not rank else []
+        results += attention_checks(device, DTYPES) + mixer_checks(device) + loss_checks(device, DTYPES)
         if distributed:
-            per_rank = collectives.gather_results(results + collectives.collective_checks(device, DTYPES))
+            results += _guarded("collectives", collectives.collective_checks, device, DTYPES)
+            per_rank = collectives.gather_results(results)
         else:
             hint = "torchrun --nproc-per-node N --no-python lightning-cp doctor"
             per_rank = [[*results, CheckResult("collectives", "SKIP", f"one process; run `{hint}`")]]
     finally:
         if created_group:
             dist.destroy_process_group()
-    if lead:
+    status = 1 if any(r.status == "FAIL" for ranks in per_rank for r in ranks) else 0
+    if not rank:
         _print_results(per_rank)
-    return 1 if any(r.status == "FAIL" for rank in per_rank for r in rank) else 0
+    if distributed:
+        mine = per_rank[rank]
+        failed = sum(r.status == "FAIL" for r in mine)
+        print(
+            f"rank {rank} of {len(per_rank)}: {failed} of its {len(mine)} checks failed; exit status {status}"
+        )
+    return status
+
+
+def _guarded(name: str, checks: Callable[..., list[CheckResult]], *args: Any) -> list[CheckResult]:
+    """``checks(*args)``, or one FAIL line named ``name`` with what it raised outside its own checks."""
+    try:
+        return checks(*args)
+    except Exception as error:  # noqa: BLE001  (this rank still reports, and still joins the gathering)
+        return [CheckResult(name, "FAIL", error_line(error))]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -86,13 +108,23 @@ def _print_section(title: str, lines: environment.Section) -> None:
         print(f"  {key:{width}}{value}")
 
 
-def _print_environment(device: torch.device) -> None:
+def _print_environment(device: torch.device, rank: int | None) -> list[CheckResult]:
+    """Print the machine's sections; a FAIL line for a section that could not be read (nothing otherwise)."""
     print(f"lightning-cp doctor on {device}\n")
-    _print_section("versions", environment.versions())
-    _print_section("attention kernels", environment.attention_kernels())
-    _print_section("devices", environment.devices(device))
-    _print_section(f"kernels the package picks on {device}", environment.selection(device, DTYPES))
+    sections = (
+        ("versions", environment.versions),
+        ("attention kernels", environment.attention_kernels),
+        ("devices", lambda: environment.devices(device)),
+        (f"kernels the package picks on {device}", lambda: environment.selection(device, DTYPES, rank)),
+    )
+    failed = []
+    for title, lines in sections:
+        try:
+            _print_section(title, lines())
+        except Exception as error:  # noqa: BLE001  (the checks still run, and this rank still reports)
+            failed.append(CheckResult(f"environment: {title}", "FAIL", error_line(error)))
     print(f"\nchecks on {device}", flush=True)
+    return failed
 
 
 def _print_results(per_rank: list[list[CheckResult]]) -> None:

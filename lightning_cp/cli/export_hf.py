@@ -2,11 +2,13 @@
 
 Run::
 
-    lightning-cp export-hf CHECKPOINT OUTPUT_DIR [--dtype bfloat16] [--tokenizer DIR] [--max-shard-mb 5120]
+    lightning-cp export-hf CHECKPOINT OUTPUT_DIR [--dtype bfloat16] [--tokenizer DIR] [--max-shard-mb 5120] [--overwrite]
 
 ``CHECKPOINT`` is a ``.ckpt`` file (``MegatronCPStrategy``) or a ``MegatronCPFSDPStrategy`` checkpoint folder
 of :class:`~lightning_cp.models.HFCausalLM`; see :func:`lightning_cp.export_hf`. One process, no GPU, one
-safetensors shard in memory at a time. A bad checkpoint is one line on stderr and exit status 2.
+safetensors shard in memory at a time. A bad checkpoint, or an ``OUTPUT_DIR`` that already holds weights
+(the pretrained directory, an earlier export) without ``--overwrite``, is one line on stderr and exit
+status 2, with nothing written.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from lightning_cp.hf.export import export_hf
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``lightning-cp export-hf CHECKPOINT OUTPUT_DIR ...``; returns the exit status (2: a bad checkpoint)."""
+    """``lightning-cp export-hf CHECKPOINT OUTPUT_DIR ...``; returns the exit status (2: a bad checkpoint or
+    output directory)."""
     parser = argparse.ArgumentParser(prog="lightning-cp export-hf", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="a .ckpt file or a sharded (FSDP) checkpoint folder")
     parser.add_argument("output_dir", help="the save_pretrained directory to write")
@@ -29,6 +32,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="a tokenizer directory to copy (default: the pretrained one's)")
     parser.add_argument(
         "--max-shard-mb", type=float, default=5120.0, help="the most MiB per safetensors file"
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the weights OUTPUT_DIR already holds (every model*.safetensors, index, pytorch_model*.bin)",
     )
     args = parser.parse_args(argv)
     try:
@@ -38,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=getattr(torch, args.dtype) if args.dtype else None,
             tokenizer=args.tokenizer,
             max_shard_bytes=int(args.max_shard_mb * 2**20),
+            overwrite=args.overwrite,
         )
     except ValueError as error:
         print(f"lightning-cp export-hf: error: {error}", file=sys.stderr)

@@ -9,7 +9,8 @@ the fields of dataclasses such as ``GPTConfig``, and ``--print_config`` writes a
 A mistake in the command line or the configuration ends the command with exit status 2 and one line on
 stderr, ``lightning-cp: error: <key>: <reason>``, instead of a usage dump or a traceback: an unknown key,
 a value of the wrong type, or a class that rejects its arguments when it is built (``cp`` not dividing the
-number of devices, say). Only parsing and the building of the model, data module and trainer are treated
+number of devices, say), or that :mod:`lightning_cp.cli.launch_checks` finds in the built classes before any
+rank starts. Only parsing, the building of the model, data module and trainer, and those checks are treated
 this way; an error raised while training keeps its traceback. Set ``JSONARGPARSE_DEBUG=1`` to get the
 traceback of a configuration error too. When a rank of a run dies (a signal, or an exception), the rank is
 named once, with how it died, instead of every other rank's collective traceback
@@ -30,7 +31,7 @@ from typing import Any
 from jsonargparse import set_parsing_settings
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
@@ -38,6 +39,7 @@ from typing_extensions import override
 import lightning_cp  # noqa: F401  (registers strategy="megatron_cp")
 from lightning_cp.callbacks import TokenLogprobWriter
 from lightning_cp.cli import checkpoints
+from lightning_cp.cli.launch_checks import check_before_launch
 from lightning_cp.cli.parse_errors import ConfigurationError, one_line
 from lightning_cp.cli.rank_failures import ReportingLauncher, handle_failure
 from lightning_cp.strategies.preemption import PREEMPTED_EXIT_STATUS, PreemptionCheckpoint
@@ -113,7 +115,7 @@ class CPLightningCLI(LightningCLI):
         built = False
         try:
             super().instantiate_classes()
-            _check_vocabularies(self.model, self.datamodule)
+            check_before_launch(self.model, self.datamodule, self.trainer.strategy)
             self.checkpoint = self._checkpoint_to_load()
             ReportingLauncher.replace(self.trainer)
             built = True
@@ -260,7 +262,7 @@ class CPLightningCLI(LightningCLI):
             label = "logs:" if logger is trainer.loggers[0] else ""
             lines.append(f"  {label:<12}{logger.log_dir or logger.save_dir}  ({type(logger).__name__})")
         resume_from = _resume_checkpoint(trainer)
-        if trainer.checkpoint_callback is not None:
+        if isinstance(trainer.checkpoint_callback, ModelCheckpoint):
             lines.append(f"  {'checkpoint:':<12}{resume_from or '(none saved)'}")
         if resume_from and outcome != "finished":
             lines.append(f"  {'resume:':<12}the same command with --ckpt_path {resume_from}")
@@ -275,28 +277,14 @@ class CPLightningCLI(LightningCLI):
         print("\n".join(lines), flush=True)
 
 
-def _check_vocabularies(model: LightningModule, datamodule: LightningDataModule | None) -> None:
-    """A data vocabulary larger than the model's fails here, not as an ``IndexError`` in the embedding."""
-    config = model.hparams.get("config")  # GPTModule's GPTConfig, a transformers config dict, ...
-    model_vocab = (
-        config.get("vocab_size") if isinstance(config, dict) else getattr(config, "vocab_size", None)
-    )
-    data_vocab = getattr(datamodule, "vocab_size", None)
-    if isinstance(model_vocab, int) and isinstance(data_vocab, int) and data_vocab > model_vocab:
-        raise ValueError(
-            f"data.vocab_size={data_vocab} is larger than the model's vocab_size={model_vocab}: token ids up to "
-            f"{data_vocab - 1} cannot be embedded. Set the model's vocab_size to at least {data_vocab}."
-        )
-
-
 def _resume_checkpoint(trainer: Trainer) -> str | None:
     """The newest checkpoint of this run: the preemption one, else the ModelCheckpoint's last or best."""
     for callback in trainer.callbacks:
         if isinstance(callback, PreemptionCheckpoint) and callback.saved_path:
             return callback.saved_path
     checkpoint = trainer.checkpoint_callback
-    if checkpoint is None:
-        return None
+    if not isinstance(checkpoint, ModelCheckpoint):
+        return None  # checkpointing disabled, or a Checkpoint callback of another kind
     return checkpoint.last_model_path or checkpoint.best_model_path or None
 
 

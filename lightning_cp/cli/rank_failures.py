@@ -11,6 +11,8 @@ that died nor why. Here:
   ``lightning-cp: rank 1 of 4 (pid 1233) failed: ValueError: ...``.
 - A rank that fails (:func:`handle_failure`, called by the CLI) writes how into that folder: the first line
   of a real exception, whose traceback it still prints, or "a peer is gone", after which it exits quietly.
+- A SIGTERM to the launcher before the run's own SIGTERM handling is installed (during setup) ends its
+  ranks with it, silently, instead of leaving them to fail on their next collective.
 - Without Lightning's launcher (torchrun, SLURM: ranks started by the scheduler) a rank whose peer is gone
   prints one line saying so instead of the traceback; the rank that failed prints its own error, and the
   scheduler reports a killed one.
@@ -113,10 +115,43 @@ class ReportingLauncher(_SubprocessScriptLauncher):
             atexit.register(shutil.rmtree, self.reports, ignore_errors=True)
             os.environ[_REPORTS_ENV] = str(self.reports)
             os.environ[_LAUNCHER_ENV] = str(os.getpid())
+            self._end_ranks_on_sigterm()
             self._call_children_scripts()
             threading.Thread(target=self._observe, daemon=True, name="lightning-cp-rank-observer").start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
+
+    def _end_ranks_on_sigterm(self) -> None:
+        """Until the run installs its own SIGTERM handling, a SIGTERM to the launcher ends its ranks with it.
+
+        Lightning installs its handler (which forwards the signal to the ranks) only once setup is done,
+        and the package's strategies theirs when a stage starts: before that a SIGTERM ended the launcher
+        alone (the default action), and its ranks went on with their setup until a collective with it
+        failed, printing C++ frames after the shell's prompt. This handler sends the signal to the ranks
+        started so far (whose own default action ends them at once, silently), then takes the default
+        action itself (or calls the handler that was there before, if any). Called later by a handler
+        installed after it (Lightning's, the package's, which call the one they replaced), it does nothing:
+        that handler decides (a preemption stops every rank after the same step).
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is signal.SIG_IGN:
+            return
+
+        def end_ranks(signum: int, frame: Any) -> None:
+            if signal.getsignal(signal.SIGTERM) is not end_ranks:
+                return  # called by the handler that replaced this one
+            self.kill(signum)
+            if callable(previous):
+                previous(signum, frame)
+                return
+            if self.reports is not None:
+                shutil.rmtree(self.reports, ignore_errors=True)  # no atexit after the default action
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+        signal.signal(signal.SIGTERM, end_ranks)
 
     def summarise(self, error: BaseException) -> int:
         """After ``error`` on this rank: let the ranks end (killing those still running after ``_PEERS_EXIT_S``),

@@ -2,33 +2,37 @@
 
 - ``text``: each document is tokenized as the tokenizer does by default (its BOS where it adds one) and
   ends with EOS (appended unless it is already the last token); every token is a target.
-- ``chat``: each conversation (a list of ``{"role", "content"}`` messages) is rendered with the
-  tokenizer's chat template and tokenized (``apply_chat_template``); the targets are the assistant's turns
-  (:data:`ChatTargets`): the tokens the template marks as generated (``{% generation %}`` ...
-  ``{% endgeneration %}`` blocks, ``return_assistant_tokens_mask=True``), or, for a template without such
-  blocks (Llama 3's, Qwen 2.5's, Mistral's), the tokens each assistant message adds to the rendering, found
-  by rendering the conversation's prefixes and checked to be exact for every conversation.
+- ``chat``: each conversation (a list of ``{"role", "content"}`` messages, or ShareGPT's) is rendered with
+  the tokenizer's chat template and tokenized; the targets are the assistant's turns (:data:`ChatTargets`):
+  the tokens the template marks as generated (``{% generation %}`` ... ``{% endgeneration %}`` blocks,
+  ``return_assistant_tokens_mask=True``), or, for a template without such blocks, each assistant turn as
+  the template renders it at inference (:mod:`lightning_cp.data.chat_turns`).
 
 ``transformers`` is imported lazily, so the ``data`` package stays light for DataLoader workers.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Any, Literal
+
+from lightning_cp.data.chat_messages import normalize_messages
+from lightning_cp.data.chat_turns import render_chat, turn_samples
 
 TextFormat = Literal["text", "chat"]
 
 ChatTargets = Literal["generation", "turns"]
 """How the assistant's tokens of a conversation are found:
 
-- ``"generation"``: the template's ``{% generation %}`` blocks mark them;
-- ``"turns"`` (a template without such blocks): assistant message ``i``'s targets are the tokens between
-  the rendering of messages ``[:i]`` with the generation prompt and the rendering of messages ``[:i + 1]``,
-  up to and including the tokenizer's EOS (the end-of-turn token of an instruct tokenizer) where the span
-  holds one. Both renderings must be token prefixes of the whole conversation's; a template that rewrites
-  earlier turns (one that drops past reasoning, say) fails that check and the conversation is refused.
+- ``"generation"``: the template's ``{% generation %}`` blocks mark them, in the whole conversation's
+  rendering (one sample per conversation);
+- ``"turns"`` (a template without such blocks): each assistant turn as the template renders it at
+  inference, after its generation prompt, through its end-of-turn token
+  (:func:`~lightning_cp.data.chat_turns.turn_samples`): the whole conversation as one sample where the
+  template renders its prefixes as prefixes of it, else a sample per turn (a template that rewrites
+  earlier turns: Qwen3's, gpt-oss's, GLM-4-MoE's).
 """
 
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -87,60 +91,113 @@ def chat_targets(tokenizer: Any, path: str) -> ChatTargets:
     return "generation" if _GENERATION_BLOCK.search(template) else "turns"
 
 
-def tokenize_texts(tokenizer: Any, texts: list[str]) -> dict[str, list[list[int]]]:
-    """``input_ids`` of every document, each ending with EOS; a ``datasets`` batched-map function body."""
+def stop_tokens(tokenizer: Any, path: str) -> frozenset[int]:
+    """The tokens that end an assistant turn: the tokenizer's EOS and, where the tokenizer directory ``path``
+    holds the model's ``generation_config.json``, its ``eos_token_id`` (Llama 3's ``<|eot_id|>``, gpt-oss's
+    ``<|call|>``, GLM-4-MoE's ``<|user|>`` and ``<|observation|>``).
+
+    Raises:
+        ValueError: ``generation_config.json`` is not JSON, or its ``eos_token_id`` is not an id or a list.
+    """
+    stops = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
+    config = os.path.join(path, "generation_config.json")
+    if os.path.isfile(config):
+        try:
+            with open(config) as f:
+                eos = json.load(f).get("eos_token_id")
+        except (ValueError, AttributeError) as error:
+            raise ValueError(f"{config!r} is not a JSON object ({error}); fix or remove it.") from None
+        ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        if not all(isinstance(token, int) for token in ids):
+            raise ValueError(f"{config!r} has eos_token_id={eos!r}; it must be a token id or a list of them.")
+        stops.update(ids)
+    return frozenset(stops)
+
+
+class RecordError(ValueError):
+    """A record of a file that cannot be tokenized; the data module names the file and the line.
+
+    Attributes:
+        index: the record's index in its file, as ``datasets`` numbers it (0-based, blank lines skipped).
+        reason: why, and what to change.
+    """
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"record {index}: {reason}")
+        self.index, self.reason = index, reason
+
+
+def not_a_document(value: Any) -> str:
+    """Why ``value``, a ``format="text"`` record's column, is no document (it is not a string)."""
+    kind = "null" if value is None else f"a {type(value).__name__}"
+    return f"the document is {kind}, not a string; write the text as a JSON string."
+
+
+def tokenize_texts(tokenizer: Any, texts: list[Any], indices: list[int]) -> dict[str, list[list[int]]]:
+    """``input_ids`` of every document, each ending with EOS; ``indices`` number them in their file, for
+    errors. A ``datasets`` batched-map function body.
+
+    Raises:
+        RecordError: a document that is not a string.
+    """
+    for index, text in zip(indices, texts, strict=True):
+        if not isinstance(text, str):
+            raise RecordError(index, not_a_document(text))
     eos = tokenizer.eos_token_id
     ids = tokenizer(texts)["input_ids"]
     return {"input_ids": [doc if doc and doc[-1] == eos else [*doc, eos] for doc in ids]}
 
 
 def tokenize_conversations(
-    tokenizer: Any, conversations: list[list[dict]], targets: ChatTargets, indices: list[int]
-) -> dict[str, list[list[int]]]:
-    """``input_ids`` and ``loss_mask`` (1 on the assistant's tokens, found as ``targets`` says) of every
-    conversation; ``indices`` number them in their file, for errors. A ``datasets`` batched-map body.
+    tokenizer: Any,
+    conversations: list[Any],
+    indices: list[int],
+    targets: ChatTargets,
+    stops: frozenset[int],
+    template_kwargs: dict[str, Any],
+) -> dict[str, list[Any]]:
+    """The samples of every conversation (its messages read by
+    :func:`~lightning_cp.data.chat_messages.normalize_messages`: ShareGPT's ``{"from", "value"}`` too): a
+    ``datasets`` batched-map body, returning one row per sample.
+
+    Args:
+        tokenizer: the ``transformers`` tokenizer whose default chat template renders the conversations.
+        conversations: the file's records' message lists.
+        indices: their indices in the file, for errors.
+        targets: how the assistant's tokens are found (:data:`ChatTargets`).
+        stops: the tokens that end a turn (:func:`stop_tokens`), for ``"turns"``.
+        template_kwargs: passed to every rendering (``enable_thinking``, ``reasoning_effort``, ...).
+
+    Returns:
+        ``input_ids`` and ``loss_mask`` (1 on the assistant's tokens) of each sample, and ``conversation``, the
+        index of the conversation it comes from: one sample per conversation with ``"generation"``, one or
+        more with ``"turns"`` (:func:`~lightning_cp.data.chat_turns.turn_samples`).
 
     Raises:
-        ValueError: (``"turns"``) a conversation whose prefixes the template does not render as prefixes of
-            the whole, naming it and what to change.
+        RecordError: a conversation that is no list of messages, that the chat template fails on, or
+            (``"turns"``) whose turns cannot be found after their generation prompts; naming the reason and
+            what to change.
     """
-    if targets == "generation":
-        encoded = tokenizer.apply_chat_template(
-            conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        return {"input_ids": encoded["input_ids"], "loss_mask": encoded["assistant_masks"]}
-    ids, masks = [], []
-    for index, messages in zip(indices, conversations, strict=True):
-        ids.append(_render(tokenizer, messages, prompt=False))
-        masks.append(_turn_mask(tokenizer, messages, ids[-1], index))
-    return {"input_ids": ids, "loss_mask": masks}
-
-
-def _render(tokenizer: Any, messages: list[dict], prompt: bool) -> list[int]:
-    return list(
-        tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, add_generation_prompt=prompt
-        )["input_ids"]
-    )
-
-
-def _turn_mask(tokenizer: Any, messages: list[dict], ids: list[int], index: int) -> list[int]:
-    """1 on each assistant message's tokens in ``ids``, the rendered conversation (``"turns"``)."""
-    mask = [0] * len(ids)
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        start = len(before := _render(tokenizer, messages[:i], prompt=True))
-        end = len(through := _render(tokenizer, messages[: i + 1], prompt=False))
-        if ids[:start] != before or ids[:end] != through or end <= start:
-            raise ValueError(
-                f"conversation {index}: the chat template does not render its first {i + 1} messages as a "
-                "prefix of the whole conversation (it rewrites earlier turns), so the assistant's tokens "
-                "cannot be found from the rendering; mark them with {% generation %}...{% endgeneration %} "
-                "around the assistant message's content and end-of-turn token in chat_template.jinja."
-            )
-        span = ids[start:end]
-        if tokenizer.eos_token_id in span:  # the turn ends with its end-of-turn token: glue after it is not
-            end = start + len(span) - span[::-1].index(tokenizer.eos_token_id)
-        mask[start:end] = [1] * (end - start)
-    return mask
+    out: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "conversation": []}
+    for index, conversation in zip(indices, conversations, strict=True):
+        try:
+            messages = normalize_messages(conversation)
+            if targets == "generation":
+                encoded = render_chat(
+                    tokenizer,
+                    messages,
+                    tokenize=True,
+                    return_dict=True,
+                    return_assistant_tokens_mask=True,
+                    **template_kwargs,
+                )
+                samples = [(list(encoded["input_ids"]), list(encoded["assistant_masks"]))]
+            else:
+                samples = turn_samples(tokenizer, messages, stops, template_kwargs)
+        except ValueError as error:
+            raise RecordError(index, str(error)) from None
+        for ids, mask in samples:
+            out["input_ids"].append(ids)
+            out["loss_mask"].append(mask)
+            out["conversation"].append(index)
+    return out

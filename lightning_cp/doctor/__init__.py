@@ -2,10 +2,13 @@
 
 - :mod:`~lightning_cp.doctor.environment`: versions, attention kernels, devices, the package's own choice of
   attention kernel and loss backend / chunk on the device at hand;
-- :mod:`~lightning_cp.doctor.attention`: CP attention of simulated groups of 2 and 4 ranks vs SDPA;
+- :mod:`~lightning_cp.doctor.attention`: CP attention in each exchange (all-gather, in rounds, Ulysses) vs SDPA;
+- :mod:`~lightning_cp.doctor.mixers`: the hybrid mixers' adapted layers vs the layer on each document;
 - :mod:`~lightning_cp.doctor.loss`: the fused loss and log-probabilities vs plain PyTorch on full logits;
 - :mod:`~lightning_cp.doctor.collectives`: under ``torchrun``, the process group, ``GroupExchange``'s
-  collectives and CP attention across the real group.
+  collectives, attention and the mixers across the real group, the ranks kept in step;
+- :mod:`~lightning_cp.doctor._ranks`: the ranks a check runs, simulated in one process or this rank of a
+  real group.
 
 Every check is one :class:`CheckResult` line (``PASS`` / ``FAIL <error>`` / ``SKIP <why>``); the command
 (:mod:`lightning_cp.cli.doctor`) prints them and exits with status 1 on any ``FAIL``.

@@ -43,8 +43,13 @@ def run_check(name: str, check: Callable[..., CheckResult], *args: Any) -> Check
     try:
         return check(name, *args)
     except Exception as error:  # noqa: BLE001  (any failure is this check's FAIL line; the others still run)
-        message = str(error).strip().splitlines()
-        return CheckResult(name, "FAIL", f"{type(error).__name__}: {message[0] if message else ''}"[:300])
+        return CheckResult(name, "FAIL", error_line(error))
+
+
+def error_line(error: BaseException) -> str:
+    """``Type: the first line of the message``, at most 300 characters: a FAIL line's detail."""
+    message = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {message[0] if message else ''}"[:300]
 
 
 def relative_error(got: Tensor, want: Tensor) -> float:

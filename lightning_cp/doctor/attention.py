@@ -1,9 +1,19 @@
-"""Self-checks of CP attention: every rank of a simulated CP group against full-sequence SDPA.
+"""Self-checks of CP attention in each of its exchanges: every rank's shard against full-sequence SDPA.
 
-The doctor runs CP attention as each rank of a group of 2 and 4 would (:mod:`lightning_cp.parallel.simulated`:
-every rank's forward and backward in this process through the ``GroupExchange`` seam) on small padded and
-packed batches with grouped-query attention, and compares the reassembled outputs and dQ / dK / dV to
-``F.scaled_dot_product_attention`` on the whole sequence (per document when packed), in float64 on the CPU.
+The doctor shards small padded and packed batches with grouped-query attention for every rank a check runs
+(:mod:`lightning_cp.doctor._ranks`: all ranks of a simulated group of 2 and 4 in this process, or this rank
+of the real group under ``torchrun``), runs :func:`~lightning_cp.parallel.context_parallel_attention`
+forward and backward on each shard, and compares the outputs and dQ / dK / dV of the real tokens with those
+of ``F.scaled_dot_product_attention`` on the whole sequence (per document when packed), in float64 on the
+CPU. Each exchange of :class:`~lightning_cp.parallel.attention_mode.AttentionMode` is checked:
+
+- ``allgather``: the key/value heads all-gathered at once (one all-gather in the forward);
+- ``allgather x2 rounds``: one key/value head per round (two all-gathers in the forward);
+- ``ulysses``: the heads over the ranks by all-to-all (two in the forward; at cp = 4 the two key/value heads
+  are replicated).
+
+A check also fails when the forward made other exchanges than its mode's: a mode that silently runs another
+one computes the same numbers.
 """
 
 from __future__ import annotations
@@ -15,8 +25,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_cp.doctor._compare import CheckResult, compare, run_check
-from lightning_cp.parallel import _varlen
-from lightning_cp.parallel.simulated import simulate_cp_attention
+from lightning_cp.doctor._ranks import CheckRanks, SimulatedRanks
+from lightning_cp.parallel import _varlen, context_parallel_attention, shard_batch
+from lightning_cp.parallel.attention_mode import AttentionMode
+from lightning_cp.parallel.exchange import GroupExchange
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 """Grouped-query attention, at a head size the CUDA kernels take."""
@@ -24,8 +36,22 @@ PADDED = (2, 250)
 """``B, S`` of the padded batch: 250 is no multiple of ``2 * cp`` for cp = 4, so padding is exercised."""
 PACKED_CU = (0, 1, 38, 39, 130, 200, 257)
 """Packed documents: of length 1, odd lengths, and longer than a CP chunk."""
-CP_SIZES = (2, 4)
 LAYOUTS = ("padded", "packed")
+MODES: dict[str, AttentionMode] = {
+    "allgather": AttentionMode("allgather"),
+    f"allgather x{KV_HEADS} rounds": AttentionMode("allgather", kv_heads_per_gather=1),
+    "ulysses": AttentionMode("ulysses"),
+}
+"""Each exchange the checks run, by the name their lines give it."""
+FORWARD_EXCHANGES: dict[str, list[str]] = {
+    "allgather": ["all_gather"],
+    f"allgather x{KV_HEADS} rounds": ["all_gather"] * KV_HEADS,
+    "ulysses": ["all_to_all"] * 2,
+}
+"""The exchanges each mode's forward makes: one all-gather per round, or Ulysses' all-to-all there and back."""
+SIMULATED = {"allgather": (2, 4), f"allgather x{KV_HEADS} rounds": (4,), "ulysses": (2, 4)}
+"""The simulated CP sizes each mode is checked at in one process."""
+QUANTITIES = ("out", "dq", "dk", "dv")
 
 
 def attention_inputs(layout: str, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
@@ -65,20 +91,108 @@ def kernel_name(q: Tensor) -> str:
     return "flash-varlen" if _varlen.use_flash(q, q, None) else "torch-blocked"
 
 
+def shard_heads(
+    tensors: dict[str, Tensor],
+    cu_seqlens: Tensor | None,
+    cp: int,
+    rank: int,
+    exchange: GroupExchange | None = None,
+    attention: AttentionMode | None = None,
+) -> dict:
+    """Rank ``rank``'s shard of ``[B, H, S, d]`` tensors (as ``[B, H, S_local, d]``, contiguous), with the
+    batch's ``cp_shard`` (over ``exchange``, in mode ``attention``) and ``input_mask``."""
+    first = next(iter(tensors.values()))
+    batch: dict = {
+        "input_ids": torch.zeros(first.shape[0], first.shape[2], dtype=torch.long, device=first.device)
+    }
+    batch.update({name: t.transpose(1, 2) for name, t in tensors.items()})
+    if cu_seqlens is not None:
+        batch["cu_seqlens"] = cu_seqlens
+    shard = shard_batch(batch, cp, rank, cp_group=exchange, attention=attention)
+    return {**shard, **{name: shard[name].transpose(1, 2).contiguous() for name in tensors}}
+
+
+def valid_tokens(t: Tensor, valid: Tensor) -> Tensor:
+    """The tokens of ``t`` ``[B, H, S_local, d]`` where ``valid`` ``[B, S_local]``, as ``[n, H, d]`` on the CPU."""
+    return t.detach().transpose(1, 2).cpu()[valid.cpu()]
+
+
+def attention_triples(
+    ranks: CheckRanks,
+    device: torch.device,
+    inputs: tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None],
+    mode: str,
+    reference: tuple[torch.dtype, torch.device] = (torch.float64, torch.device("cpu")),
+) -> tuple[dict[str, tuple[Tensor, Tensor, Tensor]], list[str]]:
+    """CP attention in ``mode`` (a key of :data:`MODES`) for every rank of ``ranks`` on ``device``, and SDPA on
+    the whole sequence in the ``reference`` dtype and device and in the inputs' own dtype on ``device``.
+
+    Args:
+        inputs: ``(q, k, v, grad_out, cu_seqlens)`` of the whole batch (:func:`attention_inputs`' layout).
+
+    Returns:
+        ``{quantity: (ours, reference, PyTorch's)}`` for ``out``, ``dq``, ``dk``, ``dv``, each ``[n, H, d]``: the
+        real tokens of the ranks run here, on the CPU; and the exchanges rank ``ranks.ranks[0]``'s forward made.
+    """
+    q, k, v, grad_out, cu = inputs
+    ref_dtype, ref_device = reference
+    references = sdpa_reference(*(t.to(ref_device, ref_dtype) for t in (q, k, v, grad_out)), cu)
+    torchs = sdpa_reference(*(t.to(device) for t in (q, k, v, grad_out)), cu)
+    expected = {f"ref_{n}": t for n, t in zip(QUANTITIES, references)}
+    expected.update({f"torch_{n}": t.to(ref_device) for n, t in zip(QUANTITIES, torchs)})
+    on_device = {n: t.to(device) for n, t in zip("qkvg", (q, k, v, grad_out))}
+    shards = {
+        rank: shard_heads(on_device, cu, ranks.cp, rank, ranks.exchange(rank), MODES[mode])
+        for rank in ranks.ranks
+    }
+    leaves = {rank: tuple(shard[n].requires_grad_() for n in "qkv") for rank, shard in shards.items()}
+
+    def forward_step(rank: int) -> Tensor:
+        return context_parallel_attention(*leaves[rank], cp_shard=shards[rank]["cp_shard"])
+
+    outs = dict(zip(ranks.ranks, ranks.run(forward_step)))
+    forward = ranks.calls[ranks.ranks[0]].copy()
+
+    def backward_step(rank: int) -> tuple[Tensor, ...]:
+        return torch.autograd.grad(outs[rank], leaves[rank], shards[rank]["g"], retain_graph=True)
+
+    grads = dict(zip(ranks.ranks, ranks.run(backward_step)))
+    compared: dict[str, list[tuple[Tensor, ...]]] = {n: [] for n in QUANTITIES}
+    for rank in ranks.ranks:
+        wanted = shard_heads(expected, cu, ranks.cp, rank)
+        valid = wanted["input_mask"].bool()  # [B, S_local]: the padding added by the split is not compared
+        for n, ours in zip(QUANTITIES, (outs[rank], *grads[rank])):
+            triple = (ours, wanted[f"ref_{n}"], wanted[f"torch_{n}"])
+            compared[n].append(tuple(valid_tokens(t, valid) for t in triple))
+    triples = {n: tuple(torch.cat(parts) for parts in zip(*per_rank)) for n, per_rank in compared.items()}
+    return triples, forward
+
+
+def check_attention(
+    name: str, ranks: CheckRanks, device: torch.device, dtype: torch.dtype, layout: str, mode: str
+) -> CheckResult:
+    """CP attention in ``mode`` (a key of :data:`MODES`) for every rank of ``ranks`` on ``device`` against
+    SDPA on the whole sequence in float64, on the real tokens of those ranks' shards; a FAIL when the forward
+    made other exchanges than the mode's."""
+    triples, forward = attention_triples(ranks, device, attention_inputs(layout, dtype), mode)
+    exchanges = f"fwd: {', '.join(forward) or 'no exchange'}"
+    if forward != FORWARD_EXCHANGES[mode]:
+        return CheckResult(name, "FAIL", f"{exchanges}; {mode} makes {', '.join(FORWARD_EXCHANGES[mode])}")
+    kernel = kernel_name(torch.empty(1, 1, HEAD_DIM, dtype=dtype, device=device))
+    return compare(name, dtype, triples, f"[{kernel}; {exchanges}]")
+
+
 def attention_checks(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> list[CheckResult]:
-    """One result per (dtype, layout, cp size): simulated CP attention vs SDPA on the whole sequence."""
+    """One result per (dtype, mode, simulated CP size, layout): every rank of a simulated group vs SDPA."""
     results = []
-    for dtype, layout, cp in itertools.product(dtypes, LAYOUTS, CP_SIZES):
-        name = f"attention cp={cp} {layout} gqa {str(dtype).removeprefix('torch.')}"
-        results.append(run_check(name, _check, device, dtype, layout, cp))
+    for dtype, (mode, sizes) in itertools.product(dtypes, SIMULATED.items()):
+        for cp, layout in itertools.product(sizes, LAYOUTS):
+            name = f"attention {mode} cp={cp} {layout} gqa {str(dtype).removeprefix('torch.')}"
+            results.append(run_check(name, _simulated, device, dtype, layout, mode, cp))
     return results
 
 
-def _check(name: str, device: torch.device, dtype: torch.dtype, layout: str, cp: int) -> CheckResult:
-    q, k, v, grad_out, cu = attention_inputs(layout, dtype)
-    reference = sdpa_reference(*(t.double() for t in (q, k, v, grad_out)), cu)
-    on_device = [t.to(device) for t in (q, k, v, grad_out)]
-    torchs = sdpa_reference(*on_device, cu)
-    ours = simulate_cp_attention(*on_device, cp_size=cp, cu_seqlens=cu)
-    quantities = dict(zip(("out", "dq", "dk", "dv"), zip(ours, reference, torchs)))
-    return compare(name, dtype, quantities, f"[{kernel_name(on_device[0])}]")
+def _simulated(
+    name: str, device: torch.device, dtype: torch.dtype, layout: str, mode: str, cp: int
+) -> CheckResult:
+    return check_attention(name, SimulatedRanks(cp), device, dtype, layout, mode)

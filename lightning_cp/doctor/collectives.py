@@ -1,31 +1,45 @@
 """Checks of the real collectives, when the doctor runs on several processes (``torchrun``).
 
-Every rank joins the default process group (NCCL on CUDA, gloo on the CPU), builds Megatron-core's groups
-as the strategy does, with all ranks in one CP group, and checks: a sum over the world; the all-gather and
-the reduce-scatter of :class:`~lightning_cp.parallel.attention.GroupExchange`; and
-:func:`~lightning_cp.parallel.context_parallel_attention` across the group, padded and packed, against
-SDPA on the whole sequence (each rank compares its own shard). A collective that never completes ends
-after the process group's timeout instead of hanging.
+Every rank joins the default process group (NCCL on CUDA, gloo on the CPU) and checks, with all ranks in
+one CP group: a sum over the world; Megatron-core's groups as the strategy builds them; the all-gather and
+the reduce-scatter of :class:`~lightning_cp.parallel.exchange.GroupExchange`;
+:func:`~lightning_cp.parallel.context_parallel_attention` in each of its exchanges (all-gather, all-gather in
+rounds, Ulysses), padded and packed, against SDPA on the whole sequence; and the hybrid mixers' head-parallel
+exchange against the layer on each document. Each rank compares its own shard
+(:class:`~lightning_cp.doctor._ranks.GroupRanks`).
+
+The ranks stay in step whatever one of them does. Every check runs on a process group of its own, made for it
+by every rank in the same order: a rank that fails before its check's collectives tells the others, which
+then fail that check at once; one that fails in the middle leaves its peers waiting on that group only, until
+its timeout (:data:`CHECK_TIMEOUT`) fails their check too, and the next check starts on a fresh group that
+every rank joins. On CUDA, ``TORCH_NCCL_BLOCKING_WAIT=1`` (unless set) makes such a timeout an exception
+rather than an abort of the process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import itertools
 import os
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_cp.doctor._compare import CheckResult, compare, run_check
-from lightning_cp.doctor.attention import LAYOUTS, attention_inputs, kernel_name, sdpa_reference
-from lightning_cp.parallel import context_parallel_attention, groups, shard_batch
-from lightning_cp.parallel.exchange import GroupExchange
-from lightning_cp.parallel.layout import ProcessGroup
+from lightning_cp.doctor._compare import CheckResult, run_check
+from lightning_cp.doctor._ranks import GroupRanks
+from lightning_cp.doctor.attention import LAYOUTS, MODES, check_attention
+from lightning_cp.doctor.mixers import NO_TRANSFORMERS, check_mixer, mixer_names, split_problem
+from lightning_cp.parallel import groups
 
 TIMEOUT = timedelta(minutes=2)
-"""How long a collective may wait for its peers before the process group gives up."""
+"""How long a collective of the default group (joining it, gathering the verdicts) may wait for its peers."""
+CHECK_TIMEOUT = timedelta(minutes=1)
+"""How long a collective of one check may wait for its peers before the check fails on that rank."""
 
 
 def launched_distributed() -> bool:
@@ -47,6 +61,8 @@ def init_process_group(device: torch.device) -> bool:
     unless this process is in one already; whether it was created here."""
     if dist.is_initialized():
         return False
+    if device.type == "cuda":
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
     return True
 
@@ -54,18 +70,41 @@ def init_process_group(device: torch.device) -> bool:
 def collective_checks(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> list[CheckResult]:
     """This rank's results; every rank of the initialized default group must call it (collectives)."""
     world = dist.get_world_size()
-    results = [run_check(f"process group {dist.get_backend()} world={world}", _check_sum, device)]
-    layout = groups.initialize(tp=1, cp=world)
-    try:
-        exchange = GroupExchange(layout.cp_group)
-        results.append(run_check("exchange all_gather", _check_all_gather, exchange, device))
-        results.append(run_check("exchange reduce_scatter", _check_reduce_scatter, exchange, device))
-        for dtype, name in itertools.product(dtypes, LAYOUTS):
-            check = f"attention cp={world} {name} gqa {str(dtype).removeprefix('torch.')} across the group"
-            results.append(run_check(check, _check_attention, layout.cp_group, device, dtype, name))
-    finally:
-        groups.destroy()
+    results = [
+        in_step(f"process group {dist.get_backend()} world={world}", _check_sum, device),
+        run_check(f"megatron groups tp=1 cp={world}", _check_megatron),
+        in_step("exchange all_gather", _check_all_gather, device),
+        in_step("exchange reduce_scatter", _check_reduce_scatter, device),
+    ]
+    for dtype, mode, layout in itertools.product(dtypes, MODES, LAYOUTS):
+        name = (
+            f"attention {mode} cp={world} {layout} gqa {str(dtype).removeprefix('torch.')} across the group"
+        )
+        results.append(in_step(name, check_attention, device, dtype, layout, mode))
+    for kind, name in mixer_names(world).items():
+        name = f"{name} across the group"
+        skip = (
+            NO_TRANSFORMERS
+            if importlib.util.find_spec("transformers") is None
+            else split_problem(kind, world)
+        )
+        results.append(CheckResult(name, "SKIP", skip) if skip else in_step(name, check_mixer, device, kind))
     return results
+
+
+def in_step(name: str, check: Callable[..., CheckResult], device: torch.device, *args: Any) -> CheckResult:
+    """``check(name, ranks, device, *args)`` on a process group of its own over every rank (see the module
+    docstring); its result, or a FAIL with the exception. Every rank must call it, in the same order."""
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=CHECK_TIMEOUT)
+    try:
+        ranks = GroupRanks(group, device)
+        result = run_check(name, check, ranks, device, *args)
+        if not ranks.agreed:  # this rank failed before its exchanges: the others wait to hear it
+            with contextlib.suppress(RuntimeError):  # its own failure is its result already
+                ranks.agree(False)
+        return result
+    finally:
+        dist.destroy_process_group(group)
 
 
 def gather_results(results: list[CheckResult]) -> list[list[CheckResult]]:
@@ -75,14 +114,26 @@ def gather_results(results: list[CheckResult]) -> list[list[CheckResult]]:
     return [ranks or [] for ranks in gathered]
 
 
-def _check_sum(name: str, device: torch.device) -> CheckResult:
-    world, rank = dist.get_world_size(), dist.get_rank()
-    total = torch.tensor([float(rank + 1)], device=device)
-    dist.all_reduce(total)
-    expected = world * (world + 1) / 2
+def _check_sum(name: str, ranks: GroupRanks, device: torch.device) -> CheckResult:
+    rank = ranks.ranks[0]
+    (total,) = ranks.run(lambda r: ranks.sum([torch.tensor([float(r + 1)], device=device)]))
+    expected = ranks.cp * (ranks.cp + 1) / 2
     status = "PASS" if total.item() == expected else "FAIL"
     detail = f"sum of rank + 1 over the world: {total.item():g} (expected {expected:g}), this is rank {rank}"
     return CheckResult(name, status, detail)
+
+
+def _check_megatron(name: str) -> CheckResult:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layout = groups.initialize(tp=1, cp=world)
+    try:
+        got = (layout.cp, layout.cp_rank, dist.get_world_size(layout.cp_group))
+    finally:
+        groups.destroy()
+    ok = got == (world, rank, world)
+    return CheckResult(
+        name, "PASS" if ok else "FAIL", f"cp, cp_rank, CP group size: {got}, this is rank {rank}"
+    )
 
 
 def _rank_block(rank: int, rows: int, device: torch.device) -> Tensor:
@@ -90,61 +141,18 @@ def _rank_block(rank: int, rows: int, device: torch.device) -> Tensor:
     return (torch.arange(rows * 6, dtype=torch.float32, device=device) + 1000 * rank).view(rows, 2, 3)
 
 
-def _check_all_gather(name: str, exchange: GroupExchange, device: torch.device) -> CheckResult:
-    world, rank, rows = dist.get_world_size(), dist.get_rank(), 5
-    gathered = exchange.all_gather(_rank_block(rank, rows, device))
+def _check_all_gather(name: str, ranks: GroupRanks, device: torch.device) -> CheckResult:
+    world, rows = ranks.cp, 5
+    (gathered,) = ranks.run(lambda r: ranks.exchange(r).all_gather(_rank_block(r, rows, device)))
     expected = torch.cat([_rank_block(r, rows, device) for r in range(world)])
     ok = gathered.shape == expected.shape and torch.equal(gathered, expected)
     return CheckResult(name, "PASS" if ok else "FAIL", f"{world} x [{rows}, 2, 3] fp32")
 
 
-def _check_reduce_scatter(name: str, exchange: GroupExchange, device: torch.device) -> CheckResult:
-    world, rank, rows = dist.get_world_size(), dist.get_rank(), 5
+def _check_reduce_scatter(name: str, ranks: GroupRanks, device: torch.device) -> CheckResult:
+    world, rank, rows = ranks.cp, ranks.ranks[0], 5
     base = _rank_block(0, world * rows, device)
-    local = exchange.reduce_scatter((rank + 1) * base)
+    (local,) = ranks.run(lambda r: ranks.exchange(r).reduce_scatter((r + 1) * base))
     expected = world * (world + 1) / 2 * base[rank * rows : (rank + 1) * rows]
     ok = local.shape == expected.shape and torch.equal(local, expected)
     return CheckResult(name, "PASS" if ok else "FAIL", f"[{world * rows}, 2, 3] fp32")
-
-
-def _shard(
-    tensors: dict[str, Tensor], cu: Tensor | None, cp: int, rank: int, group: ProcessGroup | None = None
-) -> dict:
-    """This rank's shard of ``[B, H, S, D]`` tensors (as ``[B, H, S_local, D]``), with the batch's layout."""
-    first = next(iter(tensors.values()))
-    batch: dict = {
-        "input_ids": torch.zeros(first.shape[0], first.shape[2], dtype=torch.long, device=first.device)
-    }
-    batch.update({name: t.transpose(1, 2) for name, t in tensors.items()})
-    if cu is not None:
-        batch["cu_seqlens"] = cu
-    shard = shard_batch(batch, cp, rank, cp_group=group)
-    return {**shard, **{name: shard[name].transpose(1, 2).contiguous() for name in tensors}}
-
-
-def _check_attention(
-    name: str, group: ProcessGroup, device: torch.device, dtype: torch.dtype, layout: str
-) -> CheckResult:
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    q, k, v, grad_out, cu = attention_inputs(layout, dtype)
-    quantities = ("out", "dq", "dk", "dv")
-    reference = sdpa_reference(*(t.double() for t in (q, k, v, grad_out)), cu)
-    torchs = sdpa_reference(*(t.to(device) for t in (q, k, v, grad_out)), cu)
-    expected = {f"ref_{n}": t for n, t in zip(quantities, reference)}
-    expected.update({f"torch_{n}": t.cpu().double() for n, t in zip(quantities, torchs)})
-    expected = _shard(expected, cu, world, rank)
-    mine = _shard({n: t.to(device) for n, t in zip("qkvg", (q, k, v, grad_out))}, cu, world, rank, group)
-    lq, lk, lv = (mine[n].requires_grad_() for n in "qkv")
-    out = context_parallel_attention(lq, lk, lv, cp_shard=mine["cp_shard"])
-    out.backward(mine["g"])
-    valid = expected["input_mask"].bool()  # [B, S_local]: padding added by the split is not compared
-
-    def tokens(t: Tensor) -> Tensor:  # [B, H, S_local, D] -> the valid tokens' [n, H, D]
-        return t.transpose(1, 2).cpu()[valid]
-
-    ours = (out.detach(), lq.grad, lk.grad, lv.grad)
-    compared = {
-        n: (tokens(o), tokens(expected[f"ref_{n}"]), tokens(expected[f"torch_{n}"]))
-        for n, o in zip(quantities, ours)
-    }
-    return compare(name, dtype, compared, f"[{kernel_name(lq)}], rank {rank}")

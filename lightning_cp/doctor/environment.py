@@ -125,8 +125,9 @@ def devices(device: torch.device) -> Section:
     return lines
 
 
-def selection(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> Section:
-    """Which kernels the package picks on ``device``: CP attention per dtype and head size, the loss."""
+def selection(device: torch.device, dtypes: tuple[torch.dtype, ...], rank: int | None = None) -> Section:
+    """Which kernels the package picks on ``device``: CP attention per dtype and head size, the loss (its
+    automatic chunk as this process, ``rank`` of a launched group when given, sizes it now)."""
     lines = []
     for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
@@ -156,5 +157,9 @@ def selection(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> Section:
         f"{_plan.auto_chunk_size(tokens, vocab, device)} tokens at {tokens} x {vocab}"
         for tokens, vocab in _LOSS_SHAPES
     )
-    lines.append(("fused loss", f"impl='auto' -> {impl}; automatic chunk: {chunks}"))
+    whose = "this process" if rank is None else f"this process (rank {rank})"
+    if device.type == "cuda":
+        free = _plan._cuda_available_bytes(device) / GIB
+        whose += f", from the {free:.1f} GiB free to it now: other processes and moments may pick others"
+    lines.append(("fused loss", f"impl='auto' -> {impl}; automatic chunk of {whose}: {chunks}"))
     return lines

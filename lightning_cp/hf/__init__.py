@@ -6,9 +6,10 @@ its attention and mask modules). A model built with it and called with the batch
 (``cp_shard=batch["cp_shard"]``, next to ``position_ids``) attends over whole sequences while each rank
 holds its shard, and is plain ``"sdpa"`` attention otherwise (:mod:`lightning_cp.hf.attention`).
 :func:`decoder` and :func:`output_head` are the two halves a training step uses (the body that gives the
-hidden states, the head the loss applies); :func:`check_models` is the strategy's setup guard (static
-checks, the token mixers' context-parallel forward, then a behavioural probe) against models that would
-train differently under CP;
+hidden states, the head the loss applies); the strategies' setup refuses models that would train
+differently under CP through the ``transformers`` integration (:mod:`lightning_cp.hf.integration`: static
+checks, the token mixers' context-parallel forward, then a behavioural probe), and :func:`check_models` runs
+those steps in one call outside a strategy (a script, a test);
 :func:`load_balancing_loss` is a mixture-of-experts router loss of the whole global batch.
 
 Token mixers that are not softmax attention (Gated DeltaNet, Kimi Delta Attention, Mamba2, short

@@ -48,7 +48,7 @@ def output_head(model: nn.Module) -> OutputHead:
 
     The weight and bias of ``model.get_output_embeddings()``, and the transforms the causal LM applies
     after it, read from its (text) config: ``logit_scale`` (Cohere: a multiplier), ``logits_scaling``
-    (Granite: a divisor) and the final logit softcapping (``final_logit_softcapping`` of Gemma-2 and
+    (Granite: a divisor), ``lm_head_multiplier`` (Falcon-H1's muP multiplier) and the final logit softcapping (``final_logit_softcapping`` of Gemma-2 and
     Gemma-3, ``logits_soft_cap`` of RecurrentGemma, ``output_logit_soft_cap`` of xLSTM). Under CP the strategy's probe
     holds this head against the model's own logits, so a transform missing here is a refusal at setup,
     never a silently different objective. Local, no communication.
@@ -68,6 +68,8 @@ def output_head(model: nn.Module) -> OutputHead:
         scale *= float(config.logit_scale)
     if getattr(config, "logits_scaling", None) is not None:
         scale /= float(config.logits_scaling)
+    if getattr(config, "lm_head_multiplier", None) is not None:
+        scale *= float(config.lm_head_multiplier)
     softcap = next(
         (getattr(config, name) for name in _SOFTCAPS if getattr(config, name, None) is not None), None
     )

@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from lightning_cp.hf.attention import ATTN_IMPLEMENTATION
+from lightning_cp.hf.mixers import REFUSED, check_token_mixers_split
 
 # RoPE scalings whose frequencies depend on the longest position a forward sees (transformers'
 # dynamic_rope_update): under CP no rank sees the whole sequence, and the padding CP adds moves it.
@@ -101,6 +102,31 @@ def check_config_is_context_parallel(model: nn.Module, where: str, cp: int) -> N
             f"{name}: chunked attention (config attention_chunk_size={config.attention_chunk_size}) is a mask "
             f"context-parallel attention does not compute (cp={cp}). Set attention_chunk_size=None, or use cp=1."
         )
+
+
+def check_token_mixers(model: nn.Module, where: str, cp: int) -> None:
+    """Raise if a token mixer of the ``transformers`` model ``model`` cannot train exactly under ``cp`` ranks: a
+    class no adapter makes context-parallel (:data:`~lightning_cp.hf.mixers.REFUSED`: Mamba1) under ``cp > 1``,
+    or an adapted mixer whose heads do not split over ``cp``
+    (:func:`~lightning_cp.hf.mixers.check_token_mixers_split`). Reads the module classes and sizes only (a
+    ``meta`` build will do). Local, no communication.
+
+    Raises:
+        ValueError: naming ``where``, the module and why, with the numbers.
+    """
+    name = f"{where} ({type(model).__name__})"
+    if cp > 1:
+        for module_name, module in model.named_modules():
+            reason = REFUSED.get(type(module).__name__)
+            if reason is not None:
+                raise ValueError(
+                    f"{name}: {module_name} ({type(module).__name__}) {reason}. lightning_cp's CP cannot train "
+                    f"this model exactly (cp={cp}): train it with cp=1."
+                )
+    try:
+        check_token_mixers_split(model, cp)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None
 
 
 def _is_attention_dropout(attribute: str) -> bool:

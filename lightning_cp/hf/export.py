@@ -11,14 +11,21 @@ the trained text weights in place and every other tower byte for byte as it was
 
 It runs in one process without a process group and never holds the model: the file is memory-mapped and
 the folder read one tensor at a time (:mod:`lightning_cp.checkpoint_format`), so the peak is one
-safetensors shard (``max_shard_bytes``).
+safetensors shard (``max_shard_bytes``). Everything is written into a hidden staging folder beside the
+output and moved in when complete: a failure (a full disk, a bad tensor) leaves the output as it was. An
+output that already holds weights (the pretrained directory, an earlier export) is refused unless
+``overwrite=True``, which replaces its whole weight set (:func:`check_output_dir`).
 :class:`ExportHFOnFitEnd` does it at the end of ``fit`` (rank 0, after a checkpoint every rank writes).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +34,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_cp.checkpoint_format import Checkpoint, open_checkpoint
 from lightning_cp.hf.composite import StoredNames, is_composite, text_config
+from lightning_cp.hf.loading import check_causal_lm_config
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -40,6 +48,22 @@ TOKENIZER_FILES = (
 )
 """The files of a ``transformers`` tokenizer directory that an export copies when the run had them."""
 
+WEIGHT_FILES = (
+    "model*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+)
+"""The files ``from_pretrained`` reads weights from (patterns): what an output directory must not hold already
+unless ``overwrite=True``, and what an overwrite removes."""
+_ENTRY_POINTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+"""The weight files ``from_pretrained`` looks for first: while none is there, it loads nothing (and says so)."""
+
 
 def export_hf(
     checkpoint: str | Path,
@@ -49,6 +73,7 @@ def export_hf(
     dtype: torch.dtype | None = None,
     tokenizer: str | Path | None = None,
     max_shard_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
 ) -> Path:
     """Write the ``transformers`` model of a Lightning checkpoint as a ``save_pretrained`` directory.
 
@@ -56,38 +81,35 @@ def export_hf(
         checkpoint: a ``.ckpt`` file, or a ``MegatronCPFSDPStrategy`` checkpoint folder, of a module whose
             ``hyper_parameters`` hold ``config`` (a ``save_pretrained`` directory or a config dict with
             ``model_type``), as :class:`~lightning_cp.models.HFCausalLM` saves them.
-        output_dir: the directory to write (created; files of the same names are replaced).
+        output_dir: the directory to write (created; files of the same names are replaced, other files kept).
         prefix: the attribute path of the ``transformers`` model in the module's state dict.
-        dtype: cast the weights to this dtype; ``None``: keep the checkpoint's (fp32 master weights stay fp32).
+        dtype: cast the trained weights to this dtype; ``None``: keep the checkpoint's (fp32 master weights
+            stay fp32, a bf16 folder stays bf16). A composite's other towers always keep their stored dtype.
         tokenizer: a tokenizer directory whose files to copy; ``None``: those of the pretrained directory the
             run started from, if any.
         max_shard_bytes: the most bytes of one safetensors file.
+        overwrite: replace the weights ``output_dir`` already holds (the pretrained directory, an earlier
+            export): every file of :data:`WEIGHT_FILES` there is removed and the new set moved in, the files
+            ``from_pretrained`` reads first last, so that no state in between loads a mix of the two.
 
     Returns:
         ``output_dir``.
 
     Raises:
-        ValueError: a checkpoint without a ``config`` hyperparameter, or without parameters under ``prefix``.
+        ValueError: a checkpoint that is missing, unreadable, without a ``config`` hyperparameter, whose
+            config is not a ``transformers`` causal LM's, or without parameters under ``prefix``; an
+            ``output_dir`` that holds weights already without ``overwrite`` (:func:`check_output_dir`).
     """
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     path = Path(checkpoint)
     if not path.exists():
         raise ValueError(f"export_hf({str(path)!r}): no such checkpoint file or folder.")
+    output = Path(output_dir)
+    check_output_dir(output, overwrite)
     source = open_checkpoint(path)
-    hparams = source.hyper_parameters
-    if "config" not in hparams:
-        raise ValueError(
-            f"export_hf({str(checkpoint)!r}): the checkpoint's hyper_parameters have no 'config' (keys: "
-            f"{sorted(hparams)}); export a checkpoint of lightning_cp.models.HFCausalLM or of a module that "
-            "saves its transformers config as hyperparameter 'config'."
-        )
-    pretrained = Path(hparams["config"]) if isinstance(hparams["config"], str) else None
-    if pretrained is not None:
-        config = AutoConfig.from_pretrained(pretrained, local_files_only=True)
-    else:
-        config = AutoConfig.for_model(**hparams["config"])
+    config, pretrained = _transformers_config(source)
     names = _stored_names(text_config(config))
     shapes = {name: source.shapes[prefix + name] for name in names if prefix + name in source.shapes}
     missing = [name for name in names if name not in shapes]
@@ -96,34 +118,140 @@ def export_hf(
             f"export_hf({str(checkpoint)!r}): no {prefix}{missing[0]} (and {len(missing) - 1} more) in the "
             f"checkpoint; is prefix={prefix!r} where the module keeps its transformers model?"
         )
-    output = Path(output_dir)
-    output.mkdir(parents=True, exist_ok=True)
-    if pretrained is not None and is_composite(config):
-        _export_composite(source, pretrained, output, {prefix + n: n for n in names}, dtype)
-        _copy_tokenizer(tokenizer, output)
-        return output
-    shards = _plan_shards(shapes, dtype, max_shard_bytes)
-    weight_map = {}
-    for index, shard in enumerate(shards, start=1):
-        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {}
-        for name in shard:
-            tensor = source.read(prefix + name)
-            tensors[name] = (tensor.to(dtype) if dtype is not None else tensor).contiguous()
-            weight_map[name] = file
-        save_file(tensors, output / file, metadata={"format": "pt"})
-    total = sum(_nbytes(shape, dtype) for shape in shapes.values())
-    index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (output / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2, sort_keys=True))
-    config.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]
-    config.dtype = dtype or next(iter(shapes.values()))[1]
-    config.save_pretrained(output)
-    if pretrained is not None and (pretrained / "generation_config.json").is_file():
-        shutil.copy(pretrained / "generation_config.json", output)
-    else:
-        GenerationConfig.from_model_config(config).save_pretrained(output)
-    _copy_tokenizer(tokenizer if tokenizer is not None else pretrained, output)
+    with _staged(output) as staging:
+        if pretrained is not None and is_composite(config):
+            _export_composite(source, pretrained, staging, {prefix + n: n for n in names}, dtype)
+            _copy_tokenizer(tokenizer, staging)
+            return output
+        shards = _plan_shards(shapes, dtype, max_shard_bytes)
+        weight_map = {}
+        for index, shard in enumerate(shards, start=1):
+            file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {}
+            for name in shard:
+                tensor = source.read(prefix + name)
+                tensors[name] = (tensor.to(dtype) if dtype is not None else tensor).contiguous()
+                weight_map[name] = file
+            save_file(tensors, staging / file, metadata={"format": "pt"})
+        total = sum(_nbytes(shape, dtype) for shape in shapes.values())
+        index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (staging / "model.safetensors.index.json").write_text(
+            json.dumps(index_file, indent=2, sort_keys=True)
+        )
+        config.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]
+        config.dtype = dtype or next(iter(shapes.values()))[1]
+        config.save_pretrained(staging)
+        if pretrained is not None and (pretrained / "generation_config.json").is_file():
+            shutil.copy(pretrained / "generation_config.json", staging)
+        else:
+            GenerationConfig.from_model_config(config).save_pretrained(staging)
+        _copy_tokenizer(tokenizer if tokenizer is not None else pretrained, staging)
     return output
+
+
+def check_output_dir(output_dir: str | Path, overwrite: bool) -> None:
+    """Refuse an export into ``output_dir`` that could leave the old weights in force.
+
+    A directory that already holds weight files (:data:`WEIGHT_FILES`: the pretrained directory, an earlier
+    export) would keep them beside the new ones, and ``from_pretrained`` loads ``model.safetensors`` before
+    an index: the old weights, silently. Without ``overwrite`` that is an error; with it the export replaces
+    the whole set. No communication; reads the directory listing only.
+
+    Raises:
+        ValueError: ``output_dir`` is a file, or holds weight files and ``overwrite`` is false.
+    """
+    output = Path(output_dir)
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"export_hf: output_dir {str(output)!r} is a file: give a directory.")
+    held = _weight_files(output)
+    if held and not overwrite:
+        more = f" and {len(held) - 1} more weight file(s)" if len(held) > 1 else ""
+        raise ValueError(
+            f"export_hf: output_dir {str(output)!r} already holds {held[0]}{more} (a pretrained directory or an "
+            f"earlier export), which from_pretrained would load instead of the new weights: give a new or empty "
+            "directory, or overwrite=True (lightning-cp export-hf --overwrite) to replace them all."
+        )
+
+
+def _weight_files(directory: Path) -> list[str]:
+    """The names of the files of :data:`WEIGHT_FILES` in ``directory``, those ``from_pretrained`` reads first
+    first; none for a directory that does not exist."""
+    if not directory.is_dir():
+        return []
+    names = {file.name for pattern in WEIGHT_FILES for file in directory.glob(pattern) if file.is_file()}
+    return sorted(names, key=lambda name: (name not in _ENTRY_POINTS, name))
+
+
+def _transformers_config(source: Checkpoint) -> tuple[Any, Path | None]:
+    """The ``transformers`` config of ``source``'s model (a composite's whole config), and the pretrained
+    directory it came from (``None`` for a config dict).
+
+    Raises:
+        ValueError: no ``config`` hyperparameter, or one no ``AutoModelForCausalLM`` is built from (another
+            kind of model's config, such as ``GPTModule``'s ``GPTConfig``), in one line.
+    """
+    from transformers import AutoConfig
+
+    hparams = source.hyper_parameters
+    where = f"export_hf({str(source.path)!r})"
+    if "config" not in hparams:
+        raise ValueError(
+            f"{where}: the checkpoint's hyper_parameters have no 'config' (keys: {sorted(hparams)}); export a "
+            "checkpoint of lightning_cp.models.HFCausalLM or of a module that saves its transformers config as "
+            "hyperparameter 'config'."
+        )
+    value = hparams["config"]
+    if not isinstance(value, str | Mapping):
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        raise ValueError(  # noqa: TRY004 - a checkpoint of another model: bad input, as the other cases
+            f"{where}: the checkpoint's model is not a Hugging Face transformers model (its hyperparameter "
+            f"'config' is a {kind}, not a pretrained directory or a dict with 'model_type'): export_hf writes "
+            "checkpoints of lightning_cp.models.HFCausalLM, or of a module that saves its transformers config as "
+            "hyperparameter 'config'."
+        )
+    try:
+        check_causal_lm_config(value)
+    except ValueError as error:
+        raise ValueError(
+            f"{where}: the checkpoint's model config does not build a causal LM: {error}"
+        ) from None
+    if isinstance(value, str):
+        return AutoConfig.from_pretrained(value, local_files_only=True), Path(value)
+    return AutoConfig.for_model(**value), None
+
+
+@contextmanager
+def _staged(output: Path) -> Iterator[Path]:
+    """A new hidden folder beside ``output`` (same filesystem) to write the export into, published into
+    ``output`` when the block succeeds (:func:`_publish`) and removed when it fails."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.export-", dir=output.parent))
+    try:
+        yield staging
+        _publish(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _publish(staging: Path, output: Path) -> None:
+    """Move every file of ``staging`` into ``output``, replacing the weight set there as one.
+
+    A new ``output`` is the renamed ``staging``. Otherwise the old weight files go first, those
+    ``from_pretrained`` reads first before the others, and the new files come in by ``os.replace`` (a rename
+    on the same filesystem) in the reverse order: the other files, the shards, then the index or
+    ``model.safetensors``. At no point does ``output`` hold an entry point with shards of another set.
+    """
+    if not output.exists():
+        staging.rename(output)
+        return
+    for name in _weight_files(output):
+        (output / name).unlink()
+    weights = set(_weight_files(staging))
+    incoming = sorted(
+        staging.iterdir(), key=lambda file: (file.name in weights, file.name in _ENTRY_POINTS, file.name)
+    )
+    for file in incoming:
+        os.replace(file, output / file.name)
 
 
 def _copy_tokenizer(directory: str | Path | None, output: Path) -> None:
@@ -219,18 +347,33 @@ class ExportHFOnFitEnd(Callback):
         output_dir: the ``save_pretrained`` directory to write.
         dtype: as :func:`export_hf` (``"bfloat16"`` to halve an fp32 export), ``None``: the parameters'.
         tokenizer: as :func:`export_hf`.
+        overwrite: as :func:`export_hf`: replace the weights ``output_dir`` holds (an earlier run's export).
+
+    Raises:
+        ValueError: when built, an ``output_dir`` that already holds weights without ``overwrite``
+            (:func:`check_output_dir`): before training, not after it.
 
     Communication: the checkpoint's collectives and the strategy's barrier.
     """
 
-    def __init__(self, output_dir: str, dtype: str | None = None, tokenizer: str | None = None) -> None:
+    def __init__(
+        self, output_dir: str, dtype: str | None = None, tokenizer: str | None = None, overwrite: bool = False
+    ) -> None:
+        check_output_dir(output_dir, overwrite)
         self.output_dir = Path(output_dir)
         self.dtype = getattr(torch, dtype) if dtype else None
         self.tokenizer = tokenizer
+        self.overwrite = overwrite
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         checkpoint = self.output_dir.with_name(self.output_dir.name + ".ckpt")
         trainer.save_checkpoint(checkpoint)
         if trainer.is_global_zero:
-            export_hf(checkpoint, self.output_dir, dtype=self.dtype, tokenizer=self.tokenizer)
+            export_hf(
+                checkpoint,
+                self.output_dir,
+                dtype=self.dtype,
+                tokenizer=self.tokenizer,
+                overwrite=self.overwrite,
+            )
         trainer.strategy.barrier("export_hf")

@@ -69,12 +69,14 @@ def check_causal_lm_config(config: Mapping[str, Any] | str, owner: str = "HFCaus
 
     Raises:
         ValueError: a path that is not a directory, a directory without ``config.json`` or without
-            safetensors weights, a dict without ``model_type``, a ``model_type`` ``transformers`` does not
+            safetensors weights, a safetensors file cut short (or longer than its header says) or named by
+            the index but absent (from the files' headers and sizes), a dict without ``model_type``, a ``model_type`` ``transformers`` does not
             know (with the closest known names), or one without a causal-LM class, a config its
             ``transformers`` config class rejects, or head counts that do not divide.
     """
+    directory = None
     if isinstance(config, str):
-        config = _read_directory_config(config, owner)
+        directory, config = Path(config), _read_directory_config(config, owner)
     elif "model_type" not in config:
         raise ValueError(
             f"{owner}(config=...): the dict has no 'model_type' (keys: {sorted(config)}); add the "
@@ -82,13 +84,18 @@ def check_causal_lm_config(config: Mapping[str, Any] | str, owner: str = "HFCaus
         )
     _check_model_type(config["model_type"], owner)
     _check_transformers_accepts(config, owner)
+    if directory is not None:
+        _check_safetensors_files(directory, owner)
 
 
-def causal_lm_config(config: Mapping[str, Any]) -> Any:
-    """The ``transformers`` config of the causal LM a config dict builds: the dict's own, or a composite's text
-    config (:mod:`lightning_cp.hf.composite`)."""
+def causal_lm_config(config: Mapping[str, Any] | str) -> Any:
+    """The ``transformers`` config of the causal LM a config dict or a ``save_pretrained`` directory builds: its
+    own, or a composite's text config (:mod:`lightning_cp.hf.composite`). A directory's ``config.json`` is all
+    that is read."""
     from transformers import AutoConfig
 
+    if isinstance(config, str):
+        return text_config(AutoConfig.from_pretrained(config, local_files_only=True))
     return text_config(AutoConfig.for_model(**config))
 
 
@@ -118,6 +125,55 @@ def _read_directory_config(path: str, owner: str) -> dict[str, Any]:
     if "model_type" not in config:
         raise ValueError(f"{owner}(config={path!r}): {config_file} has no 'model_type'.")
     return config
+
+
+def _check_safetensors_files(directory: Path, owner: str) -> None:
+    """Every ``*.safetensors`` file of ``directory`` whole, and every file its index names present: read from
+    each file's header (its first bytes) and size, no tensor is read. A file cut short by an interrupted copy
+    otherwise fails only in the ranks, deep inside the loading, without its name."""
+    where = f"{owner}(config={str(directory)!r})"
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            named = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, AttributeError) as error:
+            raise ValueError(
+                f"{where}: {index.name} is not a safetensors index ({type(error).__name__}: {error}): copy it "
+                "again from the model's source."
+            ) from None
+        missing = sorted(name for name in named if not (directory / name).is_file())
+        if missing:
+            raise ValueError(
+                f"{where}: {index.name} names {', '.join(missing)}, which the directory lacks: copy the missing "
+                "files from the model's source."
+            )
+    for file in sorted(directory.glob("*.safetensors")):
+        problem = _safetensors_problem(file)
+        if problem is not None:
+            raise ValueError(f"{where}: {file.name} {problem}: copy it again from the model's source.")
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """What is wrong with the safetensors file ``file`` as its header describes it, or ``None``. The format: an
+    8-byte little-endian header length ``n``, ``n`` bytes of JSON giving each tensor's ``data_offsets`` into
+    the data that follows, and nothing after the last tensor."""
+    size = file.stat().st_size
+    with file.open("rb") as handle:
+        length = int.from_bytes(handle.read(8), "little") if size >= 8 else None
+        if length is None or 8 + length > size:
+            announced = "" if length is None else f" (its first 8 bytes announce a {length}-byte header)"
+            return f"is {size} bytes, shorter than its header{announced}: the file is truncated, or not safetensors"
+        try:
+            header = json.loads(handle.read(length))
+            ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return "does not start with a safetensors header (not a safetensors file, or damaged)"
+    expected = 8 + length + max(ends, default=0)
+    if size < expected:
+        return f"is {size} bytes, but its header describes {expected}: the file is truncated"
+    if size > expected:
+        return f"is {size} bytes, but its header describes {expected}: the file is damaged"
+    return None
 
 
 def _check_model_type(model_type: str, owner: str) -> None:

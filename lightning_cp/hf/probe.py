@@ -22,9 +22,10 @@ refusal, and a head that needs transforms is marked so that the loss refuses its
 What a short probe cannot show is checked on the config (:mod:`lightning_cp.hf.check`): RoPE scalings
 that pick their frequencies from the sequence length, chunked attention, attention dropout.
 
-:func:`~lightning_cp.hf.integration.check_models` is both (with the token mixers adapted in between), for
-models every rank holds whole (DDP). Under FSDP the strategy runs :func:`check_configs` before sharding
-and :func:`probe_models` after it, inside the root unit's forward, so
+The strategies call both through the ``transformers`` integration (:mod:`lightning_cp.hf.integration`,
+with the token mixers adapted in between). Under DDP :func:`check_configs` runs before wrapping and
+:func:`probe_models` on the whole models; under FSDP :func:`check_configs` runs before sharding and
+:func:`probe_models` after it, inside the root unit's forward, so
 that models loaded shard by shard (:func:`~lightning_cp.load_pretrained`) are probed too, and the head's
 mark (:meth:`~lightning_cp.ops.OutputHead.mark_weight`) lands on the gathered weight the loss is given.
 """
@@ -43,7 +44,11 @@ from torch.distributed.tensor import DTensor
 
 from lightning_cp.constants import CP_SHARD, CU_SEQLENS, INPUT_IDS, POSITION_IDS
 from lightning_cp.hf.causal_lm import decoder, output_head
-from lightning_cp.hf.check import check_attention_is_context_parallel, check_config_is_context_parallel
+from lightning_cp.hf.check import (
+    check_attention_is_context_parallel,
+    check_config_is_context_parallel,
+    check_token_mixers,
+)
 from lightning_cp.parallel.layout import ParallelLayout
 from lightning_cp.parallel.sharding import shard_batch, unshard
 
@@ -65,18 +70,20 @@ class _Recorded:
     outputs: dict[tuple[str, str], Tensor]
 
 
-def check_configs(module: nn.Module, layout: ParallelLayout) -> None:
-    """The checks that need no weights: :func:`~lightning_cp.hf.check_attention_is_context_parallel`
+def check_configs(module: nn.Module, cp: int) -> None:
+    """The checks that need no weights, for ``cp`` ranks per sequence: :func:`~lightning_cp.hf.check_attention_is_context_parallel`
     (cp > 1), and for every ``transformers`` model in ``module`` (the outermost ones: a causal LM, a teacher,
     a user's own) :func:`~lightning_cp.hf.check.check_config_is_context_parallel` (what a short probe
-    cannot show). No communication.
+    cannot show) and :func:`~lightning_cp.hf.check.check_token_mixers` (Mamba1, mixers whose heads do not
+    split). They read classes, configs and sizes only, so they also run on a ``meta`` build. No communication.
 
     Raises:
-        ValueError: naming the model, the attribute and what to change.
+        ValueError: naming the model, the attribute or module and what to change.
     """
-    check_attention_is_context_parallel(module, layout.cp)
+    check_attention_is_context_parallel(module, cp)
     for where, model in transformers_models(module):
-        check_config_is_context_parallel(model, where, layout.cp)
+        check_config_is_context_parallel(model, where, cp)
+        check_token_mixers(model, where, cp)
 
 
 def probe_models(module: nn.Module, layout: ParallelLayout, device: torch.device) -> None:

@@ -13,90 +13,40 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from lightning_cp.parallel.layout import heads_split
-
 if TYPE_CHECKING:
+    from lightning_cp.hf.mixers.kinds import MixerKind, MixerShape
     from lightning_cp.models.gpt import GPTConfig
 
 Architecture = Literal["gpt", "hf"]
-MixerKind = Literal["gated_deltanet", "kda", "mamba2", "short_conv"]
 
 
 @dataclass(frozen=True)
 class TokenMixer:
     """The layers of a hybrid model whose token mixer is not softmax attention, as the head-parallel exchange
-    (:mod:`lightning_cp.hf.mixers`) runs them: how many, their kind, and their sizes.
+    (:mod:`lightning_cp.hf.mixers`) runs them: how many, and one layer's description (its kind, sizes, split
+    rule and terms: :mod:`lightning_cp.hf.mixers.kinds`)."""
 
-    ``sizes`` by kind: Gated DeltaNet ``(key heads, value heads, key dim, value dim)``; KDA ``(heads, dim)``;
-    Mamba2 ``(heads, head dim, groups, state size, chunk size)``; short convolution ``(channels,)``.
-    """
-
-    kind: MixerKind
+    shape: MixerShape
     layers: int
-    sizes: tuple[int, ...]
+
+    @property
+    def kind(self) -> MixerKind:
+        """``gated_deltanet``, ``kda``, ``mamba2`` or ``short_conv``."""
+        return self.shape.kind
 
     def splits(self, cp: int) -> bool:
-        """Whether the heads (or channels) split over ``cp`` ranks, as the adapters require
-        (:func:`~lightning_cp.parallel.layout.heads_split`)."""
-        if self.kind == "gated_deltanet":
-            keys, values = self.sizes[:2]
-            return heads_split(values, keys, cp)
-        if self.kind == "mamba2":
-            heads, groups = self.sizes[0], self.sizes[2]
-            return heads_split(heads, groups, cp)
-        return self.sizes[0] % cp == 0
+        """Whether the heads (or channels) split over ``cp`` ranks, as the adapters require."""
+        return self.shape.split_problem(cp) is None
 
     def saved_per_token(self, device: str) -> float:
-        """Elements one layer's mixer keeps for backward per local token, in fp32.
-
-        ``"cpu"``: what ``transformers``' torch kernels save, fitted to measurement within 2% (they cast to
-        fp32 and keep every chunk's intermediates: hundreds of elements per head). ``"cuda"``: what the fused
-        kernels (``fla``, ``mamba-ssm``, ``causal-conv1d``) keep by their design, not measured (no GPU has run
-        them here): the convolution's input and output, the scan's inputs and output, the gated norm's gate,
-        and one state per chunk of 64 tokens (``dk x dv`` per head), counted as fp32.
-        """
-        if device == "cpu":
-            return self._torch_kernels_saved()
-        if self.kind == "gated_deltanet":
-            keys, values, key_dim, value_dim = self.sizes
-            conv = 2 * keys * key_dim + values * value_dim
-            return 2 * conv + values * (3 * value_dim + 2 + key_dim * value_dim / 64)
-        if self.kind == "kda":
-            heads, dim = self.sizes
-            return 2 * 3 * heads * dim + heads * (4 * dim + 1 + dim * dim / 64)
-        if self.kind == "mamba2":
-            heads, dim, groups, state, chunk = self.sizes
-            conv = heads * dim + 2 * groups * state
-            return 2 * conv + heads * (3 * dim + 1 + dim * state / chunk)
-        return 6.0 * self.sizes[0]
-
-    def _torch_kernels_saved(self) -> float:
-        if self.kind == "gated_deltanet":
-            keys, values, key_dim, value_dim = self.sizes
-            per_value_head = 11.65 * key_dim + 14.27 * value_dim + 318.4 - 0.47 * key_dim * value_dim / 64
-            return 6.2 * keys * key_dim + values * per_value_head
-        if self.kind == "kda":
-            heads, dim = self.sizes
-            return heads * (1509.0 + 224.5 * dim)
-        if self.kind == "mamba2":
-            heads, dim, groups, state, chunk = self.sizes
-            per_head = 15.18 * dim + 4.51 * state + 3.17 * chunk + 5.5 * dim * state / chunk + 4.5
-            return 73.0 + 7.55 * groups * state + heads * per_head
-        return 9.0 * self.sizes[0] + 8.0
+        """Elements one layer's mixer keeps for backward per local token, in fp32
+        (:meth:`~lightning_cp.hf.mixers.kinds.MixerShape.saved_per_token`)."""
+        return self.shape.saved_per_token(device)
 
     def exchanged_per_token(self, cp: int) -> int:
-        """Elements the two all-to-alls of one layer's forward send per local token (to the heads and back;
-        heads read by several ranks sent to each)."""
-        if self.kind == "gated_deltanet":
-            keys, values, key_dim, value_dim = self.sizes
-            return 2 * max(keys, cp) * key_dim + values * (2 * value_dim + 2)
-        if self.kind == "kda":
-            heads, dim = self.sizes
-            return heads * (5 * dim + 1)
-        if self.kind == "mamba2":
-            heads, dim, groups, state, _ = self.sizes
-            return heads * (2 * dim + 1) + 2 * max(groups, cp) * state
-        return 2 * self.sizes[0]
+        """Elements the two all-to-alls of one layer's forward send per local token
+        (:meth:`~lightning_cp.hf.mixers.kinds.MixerShape.exchanged_per_token`)."""
+        return self.shape.exchanged_per_token(cp)
 
 
 @dataclass(frozen=True)
@@ -282,19 +232,7 @@ def _mlp_sizes(text: Any) -> tuple[int, int, int, int | None]:
 
 def _token_mixer(model: Any) -> TokenMixer | None:
     """The layers of ``model`` (a ``meta`` build) whose mixer the package adapts, as a :class:`TokenMixer`."""
-    from lightning_cp.hf.mixers import KINDS
+    from lightning_cp.hf.mixers import mixer_shape
 
-    found = [m for m in model.modules() if type(m).__name__ in KINDS]
-    if not found:
-        return None
-    first = found[0]
-    kind = KINDS[type(first).__name__]
-    if kind == "gated_deltanet":
-        sizes = (first.num_k_heads, first.num_v_heads, first.head_k_dim, first.head_v_dim)
-    elif kind == "kda":
-        sizes = (first.num_heads, first.head_dim)
-    elif kind == "mamba2":
-        sizes = (first.num_heads, first.head_dim, first.n_groups, first.ssm_state_size, first.chunk_size)
-    else:
-        sizes = (first.conv.in_channels,)
-    return TokenMixer(kind, len(found), sizes)
+    shapes = [shape for shape in map(mixer_shape, model.modules()) if shape is not None]
+    return TokenMixer(shapes[0], len(shapes)) if shapes else None

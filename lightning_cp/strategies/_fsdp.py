@@ -6,7 +6,7 @@ belong to the sharding group exactly as they belong to DDP's reduction group. Ea
 listed in ``fsdp_wrap``) all-gathers its parameters before its forward and backward and reduce-scatters
 its gradients after; the parameters outside every unit form the root unit, a thin wrapper around the
 ``LightningModule`` whose forward is the step method (Lightning's forward redirection), so the root
-gathers them once per step.
+gathers them once per step. Calls of the model outside the step: :mod:`lightning_cp.strategies._outside_step`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lightning_cp.parallel.layout import ProcessGroup
 
@@ -153,71 +152,6 @@ def call_in_root(root: nn.Module, function: Callable[[], T]) -> T:
     finally:
         del inner.forward
         root.reshard()
-
-
-def callable_outside_the_step(root: nn.Module) -> None:
-    """Let the modules of ``root``'s ``LightningModule`` be called outside the step, on every rank: a
-    callback's forward or ``generate``, a teacher, an evaluation hook.
-
-    Between steps the root unit's parameters (those in no ``fsdp_wrap`` unit: the embedding, the head, the
-    final norm) are this rank's shards, which a module cannot compute with (``aten.embedding got mixed
-    torch.Tensor and DTensor``). A forward pre-hook on every module whose subtree holds root-unit
-    parameters (from the ``LightningModule``'s children down to those parameters' owners) gathers the root
-    unit for the outermost such call made while it is sharded (``root.unshard()``), and a forward hook
-    reshards it after that call, also when it raises; inner units gather and reshard their own as in any
-    forward. Inside a step (the root gathered by FSDP's own hooks) the hooks do nothing. The weights are
-    those of the step (under ``bf16-mixed``, in bf16): a call equals the unsharded model's. Meant for
-    inference (``torch.no_grad()``): a backward through such a call is not reduced over the ranks.
-
-    Communication, per outermost call made outside the step: an all-gather of the root unit over its mesh
-    (every rank must make the call), and each inner unit's own all-gather as it runs.
-    """
-    inner = root.module
-    names = dict(inner.named_modules())
-    units = [name for name, module in names.items() if isinstance(module, FSDPModule)]
-    owners = [
-        name
-        for name, module in names.items()
-        if next(module.parameters(recurse=False), None) is not None
-        and not any(name == unit or name.startswith(f"{unit}.") for unit in units)
-    ]
-    if not owners:
-        return
-    sample = names[owners[0]], next(name for name, _ in names[owners[0]].named_parameters(recurse=False))
-    gatherer = _GatherOutsideTheStep(root, *sample)
-    # Each owner and its ancestors below the LightningModule (whose own calls are the steps).
-    hooked = {
-        ".".join(parts[:depth])
-        for parts in (o.split(".") for o in owners)
-        for depth in range(1, len(parts) + 1)
-    }
-    for name in sorted(hooked):
-        module = names[name]
-        module.register_forward_pre_hook(gatherer.before)
-        module.register_forward_hook(gatherer.after, always_call=True)
-
-
-class _GatherOutsideTheStep:
-    """The hooks of :func:`callable_outside_the_step`: the root unit gathered for the outermost call made
-    while it is sharded (read on one of its parameters, as its owner module holds it now)."""
-
-    def __init__(self, root: nn.Module, owner: nn.Module, parameter: str) -> None:
-        self.root, self.owner, self.parameter = root, owner, parameter
-        self.depth = 0
-        """Calls in progress since this object gathered the root (0: it holds nothing)."""
-
-    def before(self, module: nn.Module, args: Any) -> None:
-        if self.depth:
-            self.depth += 1
-        elif isinstance(self.owner._parameters[self.parameter], DTensor):
-            self.root.unshard()
-            self.depth = 1
-
-    def after(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.depth:
-            self.depth -= 1
-            if not self.depth:
-                self.root.reshard()
 
 
 def forget_meshes() -> None:

@@ -5,6 +5,11 @@
 them, and the tokens per step, unless the accumulation doubles. :class:`GlobalBatchRecord` (which the
 package's strategies add to the callbacks) saves the layout and the global batch in every checkpoint and,
 when a resumed run trains with another, says once how the global batch changes and how to keep it.
+
+Lightning closes an accumulation window when the batches of the epoch so far are a multiple of
+``accumulate_grad_batches``, so a run resumed mid-epoch with another accumulation (3 batches done, now 2 per
+step) takes its first optimizer step after fewer micro-batches; the record says that too, after that step.
+The loss of such a step is still the mean over its own tokens (:mod:`lightning_cp.loss.objective`).
 """
 
 from __future__ import annotations
@@ -102,12 +107,16 @@ class GlobalBatchRecord(Callback):
     """Saves :class:`GlobalBatch` in checkpoints; on resume, says once (rank 0) how it changed.
 
     A warning when the samples per optimizer step change (with the ``accumulate_grad_batches`` or
-    ``batch_size`` that keeps them, when one does), an info line when only the layout changed.
+    ``batch_size`` that keeps them, when one does), an info line when only the layout changed. With another
+    ``accumulate_grad_batches``, a second warning after the first optimizer step if that step accumulated
+    fewer micro-batches (a resume in the middle of an epoch: see the module docstring).
     """
 
     def __init__(self) -> None:
         self._now: GlobalBatch | None = None
         self._before: GlobalBatch | None = None
+        self._first_window: int | None = None
+        """Micro-batches since a resume with another accumulation, until its first optimizer step."""
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -116,6 +125,35 @@ class GlobalBatchRecord(Callback):
         if change is not None:
             message, warn = change
             (rank_zero_warn if warn else rank_zero_info)(message)
+        accumulation_changed = (
+            self._before is not None
+            and self._before.accumulate_grad_batches != self._now.accumulate_grad_batches
+        )
+        self._first_window = 0 if accumulation_changed else None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._first_window is not None:
+            self._first_window += 1
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if self._first_window is None:
+            return
+        taken, self._first_window = self._first_window, None
+        assert self._before is not None and self._now is not None
+        accumulate = self._now.accumulate_grad_batches
+        if taken < accumulate:
+            rank_zero_warn(
+                f"the first optimizer step after resuming (step {trainer.global_step + 1}) accumulated {taken} "
+                f"micro-batch(es), not accumulate_grad_batches={accumulate}: the run resumed in the middle of an "
+                f"epoch with accumulate_grad_batches changed from {self._before.accumulate_grad_batches}, and "
+                "Lightning counts the accumulation from the epoch's first batch. Its loss is the mean over its "
+                f"own tokens; the next steps accumulate {accumulate}. Resume with the same "
+                "accumulate_grad_batches, or from a checkpoint at the end of an epoch, to keep every step's batch."
+            )
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing_extensions import override
 from lightning_cp.checkpoint_format import load_sharded, save_sharded
 from lightning_cp.strategies import _fsdp
 from lightning_cp.strategies._modules import ModuleSpec, check_module_specs, resolve_classes
+from lightning_cp.strategies._outside_step import OutsideCallAgreement, callable_outside_the_step
 from lightning_cp.strategies.base import MegatronCPBase, broadcast_from_first
 from lightning_cp.strategies.integrations import integrations
 
@@ -43,6 +44,10 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
       :class:`~lightning_cp.models.HFCausalLM` does for a directory) is built on the ``meta`` device,
       sharded, and each rank allocates and reads only its own shards of the checkpoint's safetensors
       (:func:`~lightning_cp.hf.loading.materialize_pretrained`): no process holds the whole model;
+    - the model can be called outside the step (a callback's forward or ``generate``, under
+      ``torch.no_grad()``) on every rank: each outermost call gathers the root unit, so every rank must make
+      it; a call on some ranks only is an error naming that rule, not a hang
+      (:mod:`lightning_cp.strategies._outside_step`);
     - checkpoints are ``torch.distributed.checkpoint`` folders that every rank writes its part of
       (:func:`~lightning_cp.checkpoint_format.save_sharded`), resharded on load for any (dp, cp);
       :func:`~lightning_cp.strategies.consolidate_checkpoint` turns one into an ordinary file.
@@ -83,6 +88,7 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
                 "shards are not DTensors): use tp=1, or MegatronCPStrategy (DDP) for tp > 1."
             )
         self.fsdp_wrap = check_module_specs(type(self).__name__, "fsdp_wrap", fsdp_wrap)
+        self._outside_calls: OutsideCallAgreement | None = None
 
     @classmethod
     @override
@@ -110,7 +116,8 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         Communication: a broadcast of every parameter not on the meta device over DP x CP (every replica
         starts from the weights of its group's first rank, as DDP's construction does); the planning
         collectives of ``torch.distributed.checkpoint.load`` for pretrained weights; the probe's (FSDP's
-        all-gathers of each unit, the comparisons over CP).
+        all-gathers of each unit, the comparisons over CP); the creation of the gloo group the ranks agree
+        over before a call outside the step.
         """
         self._prepare_module()
         assert self.accelerator is not None and self.model is not None
@@ -129,7 +136,8 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         # FSDP needs a group object also for a single replica, which (tp = 1) is a world of one process.
         mesh = _fsdp.sharding_mesh(group or dist.group.WORLD, self.root_device.type)
         self.model = _fsdp.shard(self.model, mesh, units, policy, also=embeddings)
-        _fsdp.callable_outside_the_step(self.model)
+        self._outside_calls = OutsideCallAgreement.over_world(stopping=self._stopping)
+        callable_outside_the_step(self.model, self._outside_calls)
         if on_meta:
             for integration in integrations():
                 integration.materialize(self.model, self.root_device)
@@ -144,6 +152,11 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _stopping(self) -> bool:
+        """Whether this rank received SIGTERM (recorded by the package's handler, or Lightning's)."""
+        trainer = self.lightning_module.trainer
+        return (self._sigterm is not None and self._sigterm.received) or trainer.received_sigterm
 
     @override
     def _probe_before_wrapping(self) -> None:
@@ -235,6 +248,9 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
 
     @override
     def teardown(self) -> None:
+        if self._outside_calls is not None:
+            self._outside_calls.close()
+            self._outside_calls = None
         if self.lightning_module is not None:
             self.model = self.lightning_module  # the sharded module, without the root wrapper
         super().teardown()

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -92,6 +92,11 @@ class SigtermAgreement:
                 previous(signum, frame)
 
         signal.signal(signal.SIGTERM, record)
+
+    @property
+    def received(self) -> bool:
+        """Whether this rank recorded SIGTERM (not yet agreed on: see :meth:`agree`)."""
+        return self._received
 
     def agree(self) -> bool:
         """Whether every rank stops after this check point: the same answer on every rank.
@@ -204,13 +209,15 @@ def _nothing() -> None:
     pass
 
 
-class PreemptionCheckpoint(Checkpoint):
+class PreemptionCheckpoint(Callback):
     """On a SIGTERM stop of ``fit``, save the last completed step as the ``ModelCheckpoint``'s last checkpoint.
 
     That is the file ``trainer.fit(ckpt_path="last")`` (``--ckpt_path last``) resumes from. Nothing is
     saved when the trainer has no ``ModelCheckpoint`` (checkpointing disabled). Other exceptions save
     nothing: a rank that fails alone cannot join the collectives a save needs. The package's strategies
-    add one to the trainer's callbacks when there is none.
+    add one to the trainer's callbacks when there is none. It is a plain ``Callback``, not one of
+    Lightning's ``Checkpoint`` callbacks: with checkpointing disabled ``trainer.checkpoint_callback`` stays
+    ``None``, as Lightning and every caller of it expect (``ckpt_path="best"``, a ``last_model_path``).
 
     Attributes:
         saved_path: the file written on the last preemption, else ``None``.

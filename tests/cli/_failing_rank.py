@@ -1,9 +1,11 @@
-"""A callback for the tests' ``lightning-cp fit`` runs: rank ``rank`` dies after step ``step``."""
+"""Callbacks for the tests' ``lightning-cp fit`` runs: a rank that dies after a step, ranks held in setup."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
+from pathlib import Path
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
@@ -22,3 +24,16 @@ class FailRank(Callback):
         if self.how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise ValueError(f"rank {self.rank} cannot go on\nthe second line")
+
+
+class HoldInSetup(Callback):
+    """Every rank writes its pid to ``<folder>/setup-<rank>`` in ``setup`` (the process group is up, no signal
+    handler of Lightning's yet), then waits there ``seconds``."""
+
+    def __init__(self, folder: str, seconds: float) -> None:
+        self.folder = Path(folder)
+        self.seconds = seconds
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        (self.folder / f"setup-{trainer.global_rank}").write_text(str(os.getpid()))
+        time.sleep(self.seconds)

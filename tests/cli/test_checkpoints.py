@@ -7,14 +7,17 @@ The checkpoints here are written with ``torch.save`` in the layout Lightning use
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 
 from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy
-from lightning_cp.cli.checkpoints import differences, read_checkpoint
+from lightning_cp.cli.checkpoints import differences, last_checkpoint, read_checkpoint
 from lightning_cp.cli.parse_errors import ConfigurationError
 from lightning_cp.data import LongRangeDataModule
 from lightning_cp.models import GPTConfig, GPTModule
@@ -116,3 +119,44 @@ def test_a_sharded_folder_is_read_from_its_metadata_with_fsdp(tmp_path):
     torch.save({"global_step": 3, "hyper_parameters": {"config": CONFIG}}, path / "meta.pt")
     info = read_checkpoint(path, _trainer(fsdp=True))
     assert (info.global_step, info.sharded, info.model["config"]) == (3, True, CONFIG)
+
+
+def _last_candidate(path: Path, mtime: float, folder: bool = False) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if folder:
+        path.mkdir()
+        torch.save({"global_step": 1}, path / "meta.pt")
+    else:
+        _save(path)
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_last_is_the_newest_of_several_candidates_in_the_checkpoint_folder(tmp_path):
+    """ModelCheckpoint's versioned names (``last-v1``) and an FSDP folder: whichever was written last, whatever
+    its name or its place in the folder's listing."""
+    folder = tmp_path / "checkpoints"
+    candidates = [
+        _last_candidate(folder / "last.ckpt", 1_000),
+        _last_candidate(folder / "last-v1.ckpt", 1_000),
+        _last_candidate(folder / "last-v2.ckpt", 1_000, folder=True),
+    ]
+    _last_candidate(folder / "epoch=0-step=9.ckpt", 9_000)  # not a last checkpoint
+    trainer = Trainer(
+        accelerator="cpu", logger=False, callbacks=[ModelCheckpoint(dirpath=folder, save_last=True)]
+    )
+    for newest in candidates:
+        for path in candidates:
+            os.utime(path, (2_000, 2_000) if path == newest else (1_000, 1_000))
+        assert last_checkpoint(trainer) == newest
+
+
+def test_last_is_the_newest_of_the_run_s_versions(tmp_path):
+    """Without a dirpath, every ``version_N/checkpoints`` of the logger's run name; another name is not searched."""
+    run = tmp_path / "csv"
+    newest = _last_candidate(run / "version_0" / "checkpoints" / "last.ckpt", 5_000)
+    _last_candidate(run / "version_1" / "checkpoints" / "last.ckpt", 4_000)
+    _last_candidate(run / "version_2" / "checkpoints" / "last.ckpt", 3_000, folder=True)
+    _last_candidate(tmp_path / "other" / "version_0" / "checkpoints" / "last.ckpt", 6_000)
+    trainer = Trainer(accelerator="cpu", logger=CSVLogger(tmp_path, name="csv"))
+    assert last_checkpoint(trainer) == newest

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -30,23 +31,38 @@ _GLOO_CLOSED = (
 _MAX_LINES = 40
 
 
-def _fit_with_a_failing_rank(tmp_path, rank: int, how: str, devices: int = 2) -> subprocess.CompletedProcess:
-    """``lightning-cp fit`` of the main job on ``devices`` ranks, rank ``rank`` failing after step 2.
+_ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+}
 
-    Two ranks run the config's cp=2 (one sequence over both, collectives in every layer); any other number
-    runs cp=1 (DDP's gradient all-reduce every step).
-    """
+
+def _fit_with_a_failing_rank(tmp_path, rank: int, how: str, devices: int = 2) -> subprocess.CompletedProcess:
+    """``lightning-cp fit`` of the main job on ``devices`` ranks, rank ``rank`` failing after step 2."""
     callback = {
         "class_path": "tests.cli._failing_rank.FailRank",
         "init_args": {"rank": rank, "step": 2, "how": how},
     }
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    command = [
-        str(CONSOLE_SCRIPT),
+    return subprocess.run(
+        [str(CONSOLE_SCRIPT), *fit_arguments(tmp_path, devices, [callback])],
+        cwd=REPO,
+        env=_ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def fit_arguments(tmp_path, devices: int, callbacks: list[dict]) -> list[str]:
+    """The arguments of ``lightning-cp fit`` of the main job on ``devices`` ranks with ``callbacks`` (only),
+    quiet, writing under ``tmp_path``; later arguments override these.
+
+    Two ranks run the config's cp=2 (one sequence over both, collectives in every layer); any other number
+    runs cp=1 (DDP's gradient all-reduce every step).
+    """
+    return [
         "fit",
         "--config",
         str(MAIN_JOB),
@@ -67,13 +83,10 @@ def _fit_with_a_failing_rank(tmp_path, rank: int, how: str, devices: int = 2) ->
         "--trainer.default_root_dir",
         str(tmp_path),
         "--trainer.callbacks",
-        json.dumps([callback]),
+        json.dumps(callbacks),
         "--data.init_args.num_train_samples",
         "64",
     ]
-    return subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False
-    )
 
 
 def _output(result: subprocess.CompletedProcess) -> str:
@@ -115,6 +128,43 @@ def test_a_killed_launcher_is_reported_once_by_the_ranks_it_started(tmp_path):
     )
     assert "Traceback" not in output
     assert len(output.splitlines()) < _MAX_LINES, output
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_during_setup_ends_every_rank_with_the_launcher_and_nothing_is_printed_after(tmp_path):
+    """Before the change the launcher died alone and its rank went on with its setup (here 60 s held in a
+    callback's ``setup``) until a collective with the launcher failed, printing C++ frames after the prompt."""
+    callback = {
+        "class_path": "tests.cli._failing_rank.HoldInSetup",
+        "init_args": {"folder": str(tmp_path), "seconds": 60},
+    }
+    run = subprocess.Popen(
+        [str(CONSOLE_SCRIPT), *fit_arguments(tmp_path, 2, [callback])],
+        cwd=REPO,
+        env=_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    markers = [tmp_path / "setup-0", tmp_path / "setup-1"]
+    deadline = time.monotonic() + 120
+    while not all(marker.exists() and marker.read_text() for marker in markers):
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.1)
+    pids = [int(marker.read_text()) for marker in markers]
+    run.send_signal(signal.SIGTERM)
+    out, err = run.communicate(timeout=20)  # the end of the output: every process that held it has ended
+    assert run.returncode == -signal.SIGTERM
+    assert not any(_alive(pid) for pid in pids)
+    output = out + err
+    assert "Traceback" not in output and "frame #" not in output and "lightning-cp:" not in output, output
 
 
 def test_the_launcher_reports_a_dead_rank_when_its_own_collective_never_returns(tmp_path):
@@ -208,3 +258,38 @@ def test_other_errors_are_not_peer_gone_errors():
 def test_first_line_names_the_type_and_the_first_line():
     assert first_line(ValueError("rank 1 cannot go on\nthe second line")) == "ValueError: rank 1 cannot go on"
     assert first_line(KeyError()) == "KeyError"
+
+
+class _EndedRank:
+    """What the launcher reads of a rank process it started that has ended."""
+
+    def __init__(self, pid: int, returncode: int) -> None:
+        self.pid, self.returncode = pid, returncode
+
+    def poll(self) -> int:
+        return self.returncode
+
+
+def test_the_ranks_of_the_second_node_are_named_by_their_global_rank(tmp_path, monkeypatch, capsys):
+    """Node 1 of 2, three ranks a node (global ranks 3, 4, 5): its launcher failed, rank 4 was killed, rank 5
+    raised (and reported it, under its global rank, through handle_failure)."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    monkeypatch.setenv("NODE_RANK", "1")
+    launcher = rank_failures.ReportingLauncher(LightningEnvironment(), num_processes=3, num_nodes=2)
+    launcher.reports = tmp_path
+    launcher.procs = [_EndedRank(1001, -signal.SIGKILL), _EndedRank(1002, 1)]
+    monkeypatch.setenv(rank_failures._REPORTS_ENV, str(tmp_path))
+    monkeypatch.setenv(rank_failures._LAUNCHER_ENV, str(os.getppid()))
+    rank_5 = SimpleNamespace(
+        strategy=SimpleNamespace(launcher=None), global_rank=5, local_rank=2, world_size=6
+    )
+    assert handle_failure(ValueError("bad batch"), rank_5) is None  # its traceback is its own to print
+
+    status = launcher.summarise(ValueError("no memory"))
+    assert status == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"lightning-cp: rank 3 of 6 (pid {os.getpid()}) failed: ValueError: no memory",
+        "lightning-cp: rank 4 of 6 (pid 1001) was killed by SIGKILL (also what the out-of-memory killer sends)",
+        "lightning-cp: rank 5 of 6 (pid 1002) failed: ValueError: bad batch",
+    ]

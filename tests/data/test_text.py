@@ -4,6 +4,7 @@ conversations, the validation split, the tokenization cache, exact mid-epoch res
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -272,11 +273,42 @@ def _drops_earlier_replies(template):
     )
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_conversation(tiny_chat_dir, tmp_path):
+def test_a_template_that_rewrites_earlier_turns_trains_each_turn_after_its_own_prompt(
+    tiny_chat_dir, tmp_path
+):
+    """A template that renders earlier replies as '...' (as Qwen3 drops earlier reasoning): every assistant
+    turn is a sample of its own, its context exactly the inference prompt (earlier replies as '...'), its
+    targets its content and <|im_end|>; a conversation's samples stay on one side of the validation split."""
     directory = _tokenizer_with_template(tiny_chat_dir, tmp_path, _drops_earlier_replies)
-    assert "loop.last" in (directory / "chat_template.jinja").read_text()
-    with pytest.raises(ValueError, match=r"conversation \d+: the chat template does not render its first"):
-        _module(directory, tmp_path)
+    data = _module(directory, tmp_path, val_fraction=0.2)
+    tokenizer, records = data._tokenizer, _records(directory, "chat.jsonl")
+    sides = {}
+    for side, dataset in (("train", data._train), ("val", data._val)):
+        owners = list(dataset.documents["conversation"])
+        for document, start, ids, mask in _pieces(dataset):
+            conversation = owners[document]
+            sides.setdefault(conversation, set()).add(side)
+            turn = document - owners.index(conversation)  # its samples are consecutive rows, turn by turn
+            messages = records[conversation]["messages"]
+            i = [k for k, m in enumerate(messages) if m["role"] == "assistant"][turn]
+            prompt = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False)
+            assert turn == 0 or "<|im_start|>assistant\n...<|im_end|>" in prompt
+            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            assert start == 0 and ids[: len(prompt_ids)] == prompt_ids and sum(mask[: len(prompt_ids)]) == 0
+            target = [t for t, m in zip(ids, mask) if m]
+            assert tokenizer.decode(target) == messages[i]["content"] + "<|im_end|>", (
+                f"conversation {conversation}"
+            )
+            assert tokenizer.decode(ids[len(prompt_ids) + len(target) :]) == "\n"
+        summary = data.summary[side]
+        assert summary.documents == len({c for c, s in sides.items() if side in s})
+        assert summary.samples == sum(
+            sum(m["role"] == "assistant" for m in records[c]["messages"])
+            for c, s in sides.items()
+            if side in s
+        )
+    assert sorted(sides) == list(range(len(records))) and all(len(s) == 1 for s in sides.values())
+    assert data.summary["train"].samples > data.summary["train"].documents  # multi-turn conversations split
 
 
 def _no_template_tokenizer(tiny_chat_dir, tmp_path):
@@ -314,9 +346,221 @@ def test_constructor_mistakes_are_one_line_errors(case, expected, tiny_chat_dir,
     assert expected in str(error.value) and "\n" not in str(error.value)
 
 
-def test_a_missing_column_is_named_at_prepare_data(tiny_chat_dir, tmp_path):
-    data = TextDataModule(
-        str(tiny_chat_dir / "text.jsonl"), str(tiny_chat_dir), format="chat", cache_dir=str(tmp_path)
-    )
+def test_a_missing_column_is_named_in_the_constructor_or_at_prepare_data(tiny_chat_dir, tmp_path):
+    """A JSON-lines file's first record is read where the data module is built; a parquet file's columns
+    only when ``datasets`` reads it, at ``prepare_data``."""
+    with pytest.raises(ValueError, match=r"text.jsonl' line 1 has no 'messages' \(its keys: \['text'\]\)"):
+        TextDataModule(str(tiny_chat_dir / "text.jsonl"), str(tiny_chat_dir), format="chat")
+    datasets = pytest.importorskip("datasets")
+    parquet = tmp_path / "text.parquet"
+    datasets.Dataset.from_list(_records(tiny_chat_dir, "text.jsonl")).to_parquet(str(parquet))
+    data = TextDataModule(str(parquet), str(tiny_chat_dir), format="chat", cache_dir=str(tmp_path / "cache"))
     with pytest.raises(ValueError, match=r"has no column 'messages' \(its columns: \['text'\]\)"):
         data.prepare_data()
+
+
+def _chat_file(path, conversations):
+    path.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in conversations))
+    return path
+
+
+@pytest.mark.parametrize("overlong", ["drop", "truncate"])
+def test_a_prompt_longer_than_seq_len_is_dropped_and_counted_never_trained_without_targets(
+    overlong, tiny_chat_dir, tmp_path
+):
+    """A conversation whose prompt alone fills ``seq_len`` has no target in its first ``seq_len`` tokens: it
+    is dropped and counted under either ``overlong`` (never served as a row without targets); one whose first
+    reply starts inside ``seq_len`` is cut there under ``truncate`` and counted as truncated."""
+    seq_len = 32
+    question = {"role": "user", "content": "What is the capital of Peru?"}
+    answer = {"role": "assistant", "content": "The capital of Peru is Lima."}
+    long_prompt = [{"role": "system", "content": " ".join(["Answer briefly."] * 12)}, question, answer]
+    long_reply = [question, {"role": "assistant", "content": " ".join(["red green blue"] * 8)}]
+    conversations = [[question, answer]] * 3 + [long_prompt, long_reply]
+    train = _chat_file(tmp_path / "chat_train.jsonl", conversations)
+    val = _chat_file(tmp_path / "chat_val.jsonl", [[question, answer]])
+    data = TextDataModule(
+        str(train),
+        str(tiny_chat_dir),
+        format="chat",
+        seq_len=seq_len,
+        overlong=overlong,
+        val_path=str(val),
+        cache_dir=str(tmp_path / "cache"),
+    )
+    data.prepare_data()
+    data.setup("fit")
+    references = [_reference_chat(data._tokenizer, messages) for messages in conversations]
+    first_target = [mask.index(1) for _, mask in references]
+    assert first_target[3] >= seq_len and first_target[4] < seq_len < len(references[4][0])  # the cases hold
+    kept = {document: (ids, mask) for document, _, ids, mask in _pieces(data._train)}
+    assert sorted(kept) == ([0, 1, 2, 4] if overlong == "truncate" else [0, 1, 2])
+    for document, (ids, mask) in kept.items():
+        reference_ids, reference_mask = references[document]
+        assert ids == reference_ids[:seq_len] and mask == reference_mask[:seq_len] and sum(mask) > 0
+    summary = data.summary["train"]
+    assert summary.documents == 5
+    assert (summary.dropped, summary.truncated) == ((1, 1) if overlong == "truncate" else (2, 0))
+
+
+_QUESTION = {"role": "user", "content": "What is 2 plus 2?"}
+_GOOD = (
+    json.dumps({"messages": [_QUESTION, {"role": "assistant", "content": "2 plus 2 is 4."}]}).encode() + b"\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("content", "when", "expected"),
+    [
+        (b"", "built", r"holds no record \(it is empty\); pass a file with at least one"),
+        (b"\n  \n", "built", r"holds no record \(it is empty\)"),
+        (
+            b"messages: [hi]\n",
+            "built",
+            r"line 1 is not JSON \(Expecting value, at column 1\); write one JSON",
+        ),
+        (_GOOD + b"[1, 2]\n", "prepared", r"line 2 is a JSON list, not an object; write one object per"),
+        (
+            b'{"messages": "hi"}\n',
+            "built",
+            r"line 1: the conversation is a str, not a list of messages; write",
+        ),
+        (_GOOD + b"\n" + _GOOD[:-3] + b"\n", "prepared", r"line 3 is not JSON \(Expecting ',' delimiter"),
+        (
+            _GOOD + _GOOD.replace(b"2 plus 2 is 4", b"caf\xe9"),
+            "prepared",
+            rf"line 2: byte {_GOOD.index(b'2 plus 2 is 4') + 4} of the line \(b'\\xe9'\) is not UTF-8; re-encode the file as UTF-8",
+        ),
+        (
+            _GOOD + b'{"messages": [{"from": "bing", "value": "hi"}]}\n',
+            "prepared",
+            r"line 2: message 0 is from 'bing', which is not a ShareGPT sender .*; rename it",
+        ),
+        (
+            _GOOD + b'{"messages": [{"role": "user"}]}\n',
+            "prepared",
+            r"line 2: the chat template fails on it \(UndefinedError: .*\); check the messages' keys",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]}\n' * 2,
+            "prepared",
+            r"none of its 2 conversations has an assistant reply to train on \(line 1 has the roles \['user', "
+            + r"'bot'\]\); format='chat' trains on the messages of role 'assistant' \(ShareGPT: from 'gpt'\)",
+        ),
+    ],
+)
+def test_a_bad_chat_file_fails_before_training_in_one_line_naming_the_file_the_line_and_the_fix(
+    content, when, expected, tiny_chat_dir, tmp_path
+):
+    """An empty file, a line that is not JSON (or not an object), a byte that is not UTF-8, a sender or
+    a message the template cannot render, a file without any assistant reply: one line naming the file and
+    the line, in the constructor where the first record shows it, else at ``prepare_data``."""
+    file = tmp_path / "chat.jsonl"
+    file.write_bytes(content)
+    with pytest.raises(ValueError) as error:
+        data = TextDataModule(str(file), str(tiny_chat_dir), format="chat", cache_dir=str(tmp_path / "cache"))
+        assert when == "prepared", "the constructor accepted the file"
+        data.prepare_data()
+    message = str(error.value)
+    assert message.startswith(f"path={str(file)!r}") and "\n" not in message
+    assert re.search(expected, message), message
+
+
+def test_sharegpt_conversations_train_as_their_role_and_content_messages(tiny_chat_dir, tmp_path):
+    """ShareGPT's ``{"from": "human" | "gpt" | "system", "value"}`` messages give exactly the tokens and
+    targets of the same conversations written as user / assistant / system messages."""
+    sender = {"user": "human", "assistant": "gpt", "system": "system"}
+    records = _records(tiny_chat_dir, "chat.jsonl")[:20]
+    file = tmp_path / "sharegpt.jsonl"
+    file.write_text(
+        "".join(
+            json.dumps(
+                {"conversations": [{"from": sender[m["role"]], "value": m["content"]} for m in r["messages"]]}
+            )
+            + "\n"
+            for r in records
+        )
+    )
+    data = TextDataModule(
+        str(file),
+        str(tiny_chat_dir),
+        format="chat",
+        column="conversations",
+        val_fraction=0.1,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    data.prepare_data()
+    data.setup("fit")
+    pieces = [p for dataset in (data._train, data._val) for p in _pieces(dataset)]
+    assert sorted(document for document, *_ in pieces) == list(range(len(records)))
+    assert any(records[document]["messages"][0]["role"] == "system" for document, *_ in pieces)
+    for document, _, ids, mask in pieces:
+        assert (ids, mask) == _reference_chat(data._tokenizer, records[document]["messages"])
+
+
+def test_chat_template_kwargs_reach_every_rendering_and_the_cache_key(stock_chat_dir, tmp_path):
+    """Qwen3.5's small models' template opens an empty <think> block unless enable_thinking is set: the
+    same file trains after either prompt (each tokenization cached under its own key); reasoning data is
+    refused without the option, naming the line and the option."""
+    directory = stock_chat_dir("qwen3_5_nothink")
+    question = {"role": "user", "content": "What is 2 plus 2?"}
+
+    def target(file, **kwargs):
+        data = TextDataModule(
+            str(file),
+            str(directory),
+            format="chat",
+            seq_len=64,
+            val_path=str(file),
+            cache_dir=str(tmp_path / "cache"),
+            **kwargs,
+        )
+        data.prepare_data()
+        data.setup("fit")
+        [(_, _, ids, mask), *_] = _pieces(data._train)
+        return data._tokenizer.decode([t for t, m in zip(ids, mask) if m])
+
+    plain = _chat_file(tmp_path / "chat.jsonl", [[question, {"role": "assistant", "content": "4."}]] * 2)
+    assert target(plain) == "4.<|im_end|>"
+    thinking = {"chat_template_kwargs": {"enable_thinking": True}}
+    assert target(plain, **thinking) == "\n</think>\n\n4.<|im_end|>"
+    reasoned = [[question, {"role": "assistant", "reasoning_content": "Add them.", "content": "4."}]] * 2
+    reasoned = _chat_file(tmp_path / "chat_reasoned.jsonl", reasoned)
+    with pytest.raises(
+        ValueError, match=r"line 1: the chat template's generation prompt .* enable_thinking: true"
+    ):
+        target(reasoned)
+    assert target(reasoned, **thinking) == "Add them.\n</think>\n\n4.<|im_end|>"
+
+
+@pytest.mark.parametrize("overlong", ["drop", "truncate"])
+def test_a_later_turn_whose_prompt_fills_seq_len_is_dropped_and_counted_alone(
+    overlong, tiny_chat_dir, tmp_path
+):
+    """With a sample per turn (a template that rewrites earlier turns), a turn whose own prompt fills
+    ``seq_len`` is dropped and counted; the conversation's earlier turn still trains."""
+    directory = _tokenizer_with_template(tiny_chat_dir, tmp_path, _drops_earlier_replies)
+    question = {"role": "user", "content": "What is the capital of Peru?"}
+    answer = {"role": "assistant", "content": "The capital of Peru is Lima."}
+    long_question = {"role": "user", "content": " ".join(["Reverse the words: red green blue"] * 6)}
+    conversations = [[question, answer, long_question, answer], [question, answer]]
+    data = TextDataModule(
+        str(_chat_file(tmp_path / "chat_train.jsonl", conversations)),
+        str(directory),
+        format="chat",
+        seq_len=48,
+        overlong=overlong,
+        val_path=str(_chat_file(tmp_path / "chat_val.jsonl", [[question, answer]])),
+        cache_dir=str(tmp_path / "cache"),
+    )
+    data.prepare_data()
+    data.setup("fit")
+    prompt = data._tokenizer.apply_chat_template(conversations[0][:3], add_generation_prompt=True)[
+        "input_ids"
+    ]
+    assert len(prompt) >= 48  # the case holds
+    owners = list(data._train.documents["conversation"])
+    kept = [(owners[document], ids, mask) for document, _, ids, mask in _pieces(data._train)]
+    assert sorted(owner for owner, *_ in kept) == [0, 1] and all(sum(mask) > 0 for *_, mask in kept)
+    summary = data.summary["train"]
+    assert (summary.documents, summary.samples, summary.dropped, summary.truncated) == (2, 3, 1, 0)

@@ -2,8 +2,9 @@
 
 Run on every rank of a gloo pool (``cp = world size``): the family's tiny model is built the way
 :class:`~lightning_cp.models.HFCausalLM` builds it (``"lightning_cp"`` attention, from a config dict),
-:func:`lightning_cp.hf.check_models` decides at setup, and an accepted model takes one forward and backward
-step of ``HFCausalLM.training_step`` on its shard of a padded batch; losses and gradients are summed over
+:func:`lightning_cp.hf.check_models` (the ``transformers`` integration's setup steps) decides, and an
+accepted model takes one forward and backward step of ``HFCausalLM.training_step`` on its shard of a padded
+batch; losses and gradients are summed over
 CP. Rank ``i % cp`` of family ``i`` also runs the reference: ``transformers``' own
 ``model(input_ids, labels=...)`` with the family's default attention, same weights, whole batch.
 """

@@ -8,6 +8,7 @@ fail the same comparison.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from lightning_cp.data import collate_padded
 from lightning_cp.hf import ExportHFOnFitEnd
 from lightning_cp.models import HFCausalLM
 from tests._trainer import quiet_trainer
-from tests.hf._models import VOCAB
+from tests.hf._models import VOCAB, build
 from tests.hf._pretrained import SEQ, assert_logits_of, fit_and_save, save_pretrained, sharded_logits
 
 transformers = pytest.importorskip("transformers")
@@ -122,3 +123,224 @@ def test_export_at_the_end_of_fit(world2, tmp_path):
     assert checkpoint.is_dir()  # the FSDP checkpoint the export was read from, beside it
     rows = _trained_rows(world2, directory, checkpoint, cp=2, fsdp=True)
     assert_logits_of(output, rows)
+
+
+def _checkpoint_of(model, config, path):
+    """A ``.ckpt`` as ``MegatronCPStrategy`` saves an ``HFCausalLM`` of ``config`` holding ``model``."""
+    state = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
+    torch.save({"state_dict": state, "hyper_parameters": {"config": config}}, path)
+    return path
+
+
+def _files(directory):
+    return {file.name: file.read_bytes() for file in directory.iterdir() if file.is_file()}
+
+
+def _assert_loads(directory, model):
+    """``from_pretrained(directory)`` holds exactly ``model``'s weights."""
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()
+    expected = model.state_dict()
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_an_output_that_holds_weights_is_refused_unless_overwrite_replaces_the_whole_set(tmp_path, capsys):
+    """Into the pretrained directory itself, then over an earlier export with fewer shards: refused without
+    ``--overwrite`` (nothing written), and with it ``from_pretrained`` loads the new weights only."""
+    pretrained = save_pretrained("llama", tmp_path / "llama")
+    before = _files(pretrained)
+    torch.manual_seed(5)
+    trained = build("llama", "sdpa")
+    checkpoint = _checkpoint_of(trained, str(pretrained), tmp_path / "trained.ckpt")
+    capsys.readouterr()
+
+    assert cli_main(["export-hf", str(checkpoint), str(pretrained)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds model.safetensors" in err[0] and "--overwrite" in err[0]
+    assert _files(pretrained) == before and sorted(p.name for p in tmp_path.iterdir()) == [
+        "llama",
+        "trained.ckpt",
+    ]  # nothing written, no staging folder left
+
+    assert cli_main(["export-hf", str(checkpoint), str(pretrained), "--overwrite"]) == 0
+    _assert_loads(pretrained, trained)
+    assert "model.safetensors" not in _files(pretrained)
+    assert json.loads((pretrained / "config.json").read_text())["dtype"] == "float32"  # was bfloat16
+
+    torch.manual_seed(6)
+    retrained = build("llama", "sdpa")
+    again = _checkpoint_of(retrained, str(pretrained), tmp_path / "retrained.ckpt")
+    with pytest.raises(ValueError, match="already holds model.safetensors.index.json and 1 more"):
+        export_hf(again, pretrained)
+    export_hf(again, pretrained, max_shard_bytes=20_000, overwrite=True)
+    index = json.loads((pretrained / "model.safetensors.index.json").read_text())
+    shards = {name for name in _files(pretrained) if name.endswith(".safetensors")}
+    assert shards == set(index["weight_map"].values()) and len(shards) > 1  # the earlier shard is gone
+    _assert_loads(pretrained, retrained)
+
+
+def test_a_failed_export_leaves_the_output_as_it_was(tmp_path, monkeypatch):
+    pretrained = save_pretrained("llama", tmp_path / "llama")
+    torch.manual_seed(5)
+    checkpoint = _checkpoint_of(build("llama", "sdpa"), str(pretrained), tmp_path / "trained.ckpt")
+    export_hf(checkpoint, tmp_path / "export")
+    before = _files(tmp_path / "export")
+    writes = []
+
+    def full_disk(tensors, filename, metadata=None):
+        writes.append(filename)
+        if len(writes) == 2:
+            raise OSError(28, "No space left on device")
+        return save_file(tensors, filename, metadata=metadata)
+
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr("safetensors.torch.save_file", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        export_hf(checkpoint, tmp_path / "export", max_shard_bytes=20_000, overwrite=True)
+    assert _files(tmp_path / "export") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "llama", "trained.ckpt"]
+
+
+def test_the_end_of_fit_export_refuses_a_used_output_before_training(tmp_path):
+    pretrained = save_pretrained("llama", tmp_path / "llama")
+    with pytest.raises(ValueError, match=r"already holds model\.safetensors .*overwrite=True"):
+        ExportHFOnFitEnd(str(pretrained))
+    ExportHFOnFitEnd(str(pretrained), overwrite=True)
+    ExportHFOnFitEnd(str(tmp_path / "new"))
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ("gpt", "is not a Hugging Face transformers model (its hyperparameter 'config' is a "),
+        ({"vocab_size": 8}, "the dict has no 'model_type'"),
+        ({"model_type": "lama"}, "model_type 'lama' is not a model type of transformers"),
+        ({"model_type": "vit"}, "model_type 'vit' has no causal-LM class"),
+        ("missing-directory", "not a local directory"),
+    ],
+    ids=[
+        "gpt-module",
+        "no-model-type",
+        "unknown-model-type",
+        "not-a-causal-lm",
+        "moved-pretrained-directory",
+    ],
+)
+def test_a_checkpoint_of_another_kind_of_model_is_one_line(config, expected, tmp_path, capsys):
+    from lightning_cp.models import GPTConfig
+
+    if config == "gpt":
+        config = GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16)
+    elif config == "missing-directory":
+        config = str(tmp_path / "moved")
+    checkpoint = tmp_path / "other.ckpt"
+    torch.save(
+        {"state_dict": {"model.w": torch.zeros(2)}, "hyper_parameters": {"config": config}}, checkpoint
+    )
+    capsys.readouterr()
+    assert cli_main(["export-hf", str(checkpoint), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1
+        and err[0].startswith("lightning-cp export-hf: error: export_hf(")
+        and expected in err[0]
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_fit_that_would_export_into_a_used_output_is_one_line_before_any_rank_starts(
+    tmp_path, capfd, monkeypatch
+):
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # Lightning's seeding sets them: put back after
+        monkeypatch.setenv(name, "0")
+    pretrained = save_pretrained("llama", tmp_path / "llama")
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "hf_qwen3_tiny_cpu.yaml"
+    callback = [
+        "--trainer.callbacks+=lightning_cp.hf.ExportHFOnFitEnd",
+        f"--trainer.callbacks.output_dir={pretrained}",
+    ]
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as status:
+        cli_main(["fit", "--config", str(config), *callback])
+    out, err = capfd.readouterr()
+    assert status.value.code == 2 and out == ""
+    [line] = err.strip().splitlines()
+    assert line.startswith("lightning-cp: error: export_hf: output_dir") and "overwrite=True" in line
+
+
+def _safetensors(directory):
+    from safetensors import safe_open
+
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})  # noqa: SIM118
+    return tensors
+
+
+def test_a_composite_export_casts_only_the_text_model_and_writes_its_own_untied_head(tmp_path):
+    """A Gemma-3 composite with an untied head, which ``save_pretrained`` stores as
+    ``language_model.lm_head.weight`` beside ``language_model.model.*``: exported in bf16 from an fp32
+    checkpoint, the text tensors (the head included) are the trained ones in bf16, every vision tensor keeps
+    its stored fp32 bytes, and ``transformers``' composite class gives the trained text model's logits."""
+    from lightning_cp.hf.loading import load_pretrained
+    from tests.hf.test_composite import COMPOSITES
+
+    directory = tmp_path / "gemma3"
+    spec = {**COMPOSITES["gemma3"], "tie_word_embeddings": False}
+    spec["text_config"] = {**spec["text_config"], "tie_word_embeddings": False}
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("gemma3", **spec)
+    transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(directory)
+    stored = _safetensors(directory)
+    assert "language_model.lm_head.weight" in stored and "lm_head.weight" not in stored
+    text = load_pretrained(directory, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        for parameter in text.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)  # "trained"
+    checkpoint = _checkpoint_of(text, str(directory), tmp_path / "trained.ckpt")
+
+    export_hf(checkpoint, tmp_path / "export", dtype=torch.bfloat16)
+    written = _safetensors(tmp_path / "export")
+    assert written.keys() == stored.keys()
+    towers = [name for name in stored if not name.startswith("language_model.")]
+    assert len(towers) > 10 and all(stored[name].dtype == torch.float32 for name in towers)
+    for name in towers:
+        assert written[name].dtype == torch.float32 and torch.equal(written[name], stored[name]), name
+    assert torch.equal(written["language_model.lm_head.weight"], text.lm_head.weight.to(torch.bfloat16))
+
+    composite = transformers.AutoModelForImageTextToText.from_pretrained(
+        tmp_path / "export", dtype=torch.float32
+    )
+    with torch.no_grad():  # the weights as exported (buffers such as the rotary frequencies stay fp32)
+        for parameter in text.parameters():
+            parameter.copy_(parameter.to(torch.bfloat16))
+    ids = torch.randint(3, 100, (2, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            composite(input_ids=ids).logits, text(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )
+
+
+def test_a_bf16_folder_exports_in_bf16(tmp_path):
+    """An FSDP folder of bf16 parameters (``bf16-true``), as ``MegatronCPFSDPStrategy`` writes it: the export
+    keeps bf16 (files and config) and holds its exact values."""
+    from lightning_cp.checkpoint_format import save_sharded
+
+    pretrained = save_pretrained("llama", tmp_path / "llama")  # stored in bf16
+    torch.manual_seed(5)
+    trained = build("llama", "sdpa").to(torch.bfloat16)
+    state = {f"model.{name}": tensor for name, tensor in trained.state_dict().items()}
+    save_sharded(
+        {"state_dict": state, "hyper_parameters": {"config": str(pretrained)}}, tmp_path / "fsdp.ckpt", 0
+    )
+
+    export_hf(tmp_path / "fsdp.ckpt", tmp_path / "export")
+    assert {tensor.dtype for tensor in _safetensors(tmp_path / "export").values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert loaded.dtype == torch.bfloat16
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name

@@ -16,14 +16,17 @@ answer by about 2e-6, far below the tolerances; at 0.2 every mistake is visible.
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from lightning_cp.hf import check_models
 from lightning_cp.hf.mixers import ADAPTERS, adapt_token_mixers
+from lightning_cp.hf.mixers._adapter import depthwise_conv
 from lightning_cp.models import HFCausalLM
 from lightning_cp.parallel import groups, shard_batch, unshard
 from lightning_cp.parallel.layout import set_current_layout
@@ -146,6 +149,17 @@ HYBRIDS: dict[str, dict] = {
         "mamba_d_ssm": 128,
         "mamba_rms_norm": True,
         "num_hidden_layers": 2,
+        # muP multipliers as real Falcon-H1 configs have them (none is 1): the mixer's ssm_in_multiplier and
+        # mup_vector (one multiplier per part of [z | x | B | C | dt]), the layer's and the head's
+        "ssm_multipliers": [0.6, 1.4, 0.8, 1.25, 0.7],
+        "ssm_in_multiplier": 0.9,
+        "ssm_out_multiplier": 1.3,
+        "attention_in_multiplier": 0.8,
+        "attention_out_multiplier": 1.2,
+        "key_multiplier": 0.7,
+        "mlp_multipliers": [1.3, 0.8],
+        "embedding_multiplier": 1.5,
+        "lm_head_multiplier": 0.5,
     },
     "zamba2": {
         "model_type": "zamba2",
@@ -394,6 +408,45 @@ def test_each_mixer_on_its_shards_equals_the_mixer_on_each_whole_document(world4
     ):
         error = (got - want).norm() / want.norm()
         assert error < 1e-5, f"{name}: {what} off by {error:.2e} of its norm"
+
+
+def _causal_conv1d_cuda(torch_path, layouts: list[str]):
+    """A stand-in on the CPU for causal-conv1d's CUDA ``causal_conv1d_fn``: the layout checks of its
+    ``csrc/causal_conv1d.cpp`` (a channel-last input needs a multiple of 8 channels and strides), then the
+    torch path's result; ``layouts`` records which of its two kernels each call would run."""
+
+    def kernel(x, weight, bias=None, activation=None):
+        assert x.stride(2) == 1 or x.stride(1) == 1
+        channel_last = x.stride(1) == 1 and x.stride(2) > 1
+        if channel_last and (x.shape[1] % 8 or x.stride(2) % 8 or x.stride(0) % 8):
+            raise RuntimeError("causal_conv1d only supports channel dimension divisible by 8 for now")
+        layouts.append("channel-last" if channel_last else "channel-first")
+        return torch_path(x, weight, bias, activation=activation)
+
+    return kernel
+
+
+@pytest.mark.parametrize(("channels", "layout"), [(16, "channel-last"), (12, "channel-first")])
+def test_a_rank_s_channels_reach_causal_conv1d_in_a_layout_its_kernel_takes(monkeypatch, channels, layout):
+    """A rank's share of a layer's channels need not be a multiple of 8 (12 here): the CUDA kernel then gets
+    them channel-first, where it takes any count, and the convolution is the layer's own on those rows."""
+    mixer = _mixer("lfm2")
+    modeling = sys.modules[type(mixer).__module__]
+    layouts: list[str] = []
+    monkeypatch.setattr(modeling, "causal_conv1d_fn", _causal_conv1d_cuda(modeling.causal_conv1d_fn, layouts))
+    rows = torch.arange(channels) * 5 % HIDDEN  # scattered rows of the layer's 64 channels
+    x = torch.randn(2, 11, channels, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    (out,) = depthwise_conv(mixer, mixer.conv, rows, None, x)
+    weight = mixer.conv.weight[rows]  # [C, 1, K]
+    expected = F.conv1d(
+        x.transpose(1, 2),
+        weight,
+        mixer.conv.bias[rows] if mixer.conv.bias is not None else None,
+        padding=weight.shape[-1] - 1,
+        groups=channels,
+    )[:, :, : x.shape[1]].transpose(1, 2)
+    assert layouts == [layout]
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from lightning_cp.cli import main as cli_main
 from lightning_cp.hf.loading import check_causal_lm_config
 from lightning_cp.models import HFCausalLM
 from tests.hf._families import tiny_config
-from tests.hf._models import VOCAB
+from tests.hf._models import VOCAB, build
 from tests.hf._pretrained import SEQ, assert_logits_of, save_pretrained, sharded_logits
 
 transformers = pytest.importorskip("transformers")
@@ -57,6 +57,37 @@ def test_directory_mistakes_are_refused(tmp_path):
 
 def test_a_saved_model_passes_the_check(tmp_path):
     check_causal_lm_config(str(save_pretrained("llama", tmp_path / "llama")))
+
+
+def test_a_truncated_safetensors_file_is_named_with_its_sizes(tmp_path):
+    directory = save_pretrained("llama", tmp_path / "llama")
+    file = directory / "model.safetensors"
+    whole = file.read_bytes()
+    file.write_bytes(whole[:-1000])  # an interrupted copy: the header is whole, the last tensor is cut
+    message = _message(str(directory))
+    assert f"model.safetensors is {len(whole) - 1000} bytes, but its header describes {len(whole)}" in message
+    assert "truncated" in message and "copy it again" in message
+    file.write_bytes(whole[:100])  # cut inside the header
+    assert "model.safetensors is 100 bytes, shorter than its header" in _message(str(directory))
+    file.write_bytes((8).to_bytes(8, "little") + b"not json" + whole)  # not a safetensors file
+    assert "model.safetensors does not start with a safetensors header" in _message(str(directory))
+    file.write_bytes(whole + b"\0")
+    assert (
+        f"is {len(whole) + 1} bytes, but its header describes {len(whole)}: the file is damaged"
+        in _message(str(directory))
+    )
+
+
+def test_a_shard_the_index_names_but_the_directory_lacks_is_named(tmp_path):
+    directory = tmp_path / "llama"
+    torch.manual_seed(0)
+    build("llama", "sdpa").save_pretrained(directory, max_shard_size="20KB")
+    shards = sorted(directory.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    check_causal_lm_config(str(directory))
+    shards[1].unlink()
+    message = _message(str(directory))
+    assert f"model.safetensors.index.json names {shards[1].name}, which the directory lacks" in message
 
 
 def test_cli_reports_an_unknown_model_type_as_one_line(capfd):
@@ -131,13 +162,13 @@ def test_sharded_load_refuses_a_checkpoint_of_another_shape(world2, tmp_path):
 
 def test_a_model_loaded_shard_by_shard_is_probed(world2, tmp_path):
     """No rank holds the model whole, yet the setup probe runs (on the sharded model, after loading): a
-    family whose Mamba1 scan sees one shard (no context-parallel forward of its own) is refused, on every
-    rank, before any step."""
+    family whose recurrence sees one shard (RecurrentGemma's RG-LRU, which only the probe finds) is refused,
+    on every rank, before any step."""
     torch.manual_seed(0)
-    directory = tmp_path / "mamba"
-    transformers.AutoModelForCausalLM.from_config(tiny_config("mamba")).save_pretrained(directory)
+    directory = tmp_path / "recurrent_gemma"
+    transformers.AutoModelForCausalLM.from_config(tiny_config("recurrent_gemma")).save_pretrained(directory)
     for message in world2.run(_load_error, directory):
-        assert message is not None and "is a state-space (Mamba) layer" in message, message
+        assert message is not None and "is a recurrent layer" in message, message
 
 
 def _load_error(directory):

@@ -1,4 +1,5 @@
-"""The strategy's setup check (``lightning_cp.hf.check_models``): what it refuses, what it names, what it leaves.
+"""The setup's checks and probe (``lightning_cp.hf.check_models``: the ``transformers`` integration's setup steps
+in one call): what they refuse, what they name, what they leave.
 
 Distributed cases run at cp = 2 on the shared gloo pool; the families themselves are in
 ``tests/hf/test_families.py``. Here each branch is driven by a small change to a tiny Llama.
@@ -98,6 +99,19 @@ def test_weights_that_differ_between_cp_ranks_are_rank_0_s_before_the_probe(worl
     assert all(isinstance(state, dict) for state in states)
     for key, value in states[0].items():
         assert torch.equal(states[1][key], value), key
+
+
+def test_at_dp2_cp2_each_cp_group_takes_its_own_first_rank_s_weights(world4):
+    """Global ranks (0, 1) and (2, 3) are the two CP groups: each takes the weights of its own first rank
+    (DDP's broadcast over DP x CP follows the probe), never global rank 0's, which the second group lacks."""
+    states = world4.run(_check, "rank weights")
+    assert all(isinstance(state, dict) for state in states), states
+    changed = "llm.model.layers.0.mlp.up_proj.weight"
+    difference = states[2][changed] - states[0][changed]  # rank 2 added 2, rank 0 nothing
+    torch.testing.assert_close(difference, torch.full_like(difference, 2.0), rtol=0, atol=1e-6)
+    for first, second in ((0, 1), (2, 3)):
+        for key, value in states[first].items():
+            assert torch.equal(states[second][key], value), (second, key)
 
 
 @pytest.mark.parametrize("cp", [1, 2])

@@ -22,7 +22,7 @@ from lightning_cp.models import HFCausalLM
 from lightning_cp.parallel import shard_batch
 from tests._trainer import cp_trainer as _trainer
 from tests._trainer import quiet_trainer
-from tests.hf._families import tiny_config
+from tests.hf._families import tiny_config, transformers
 from tests.hf._models import CONFIGS, VOCAB, build
 
 GLOBAL_BATCH = 4
@@ -126,6 +126,59 @@ def test_dp1_cp2_with_gradient_checkpointing_and_tiles_matches_the_unsharded_mod
 @pytest.mark.parametrize("mode", MODES)
 def test_dp2_cp2_and_dp1_cp4_match_the_unsharded_model(world4, mode):
     _check(world4.run(_fit, (2, 4), mode=mode)[0])
+
+
+# A mixture of experts whose router load-balancing loss weighs as much as the LM loss: the aux loss of the
+# global batch (every DP rank's rows, every CP rank's tokens) is what transformers adds to its labels= loss.
+_MOE = {"output_router_logits": True, "router_aux_loss_coef": 1.0}
+
+
+def _fit_moe(cp):
+    """Per-step losses and final weights of a tiny Qwen3-MoE trained at (dp, cp) = (world / cp, cp)."""
+    config = tiny_config("qwen3_moe", **_MOE).to_dict()
+    module = HFCausalLM(config, lr=LR)
+    seed_everything(0)
+    module.configure_model()
+    recorder = _Losses()
+    dp = dist.get_world_size() // cp
+    # Rows of one length: transformers' aux loss counts every token, ours the real ones (the CP padding aside).
+    data = LongRangeCopyDataset(num_samples=GLOBAL_BATCH * STEPS, seq_len=26, vocab_size=VOCAB, seed=3)
+    _trainer(cp, max_steps=STEPS, callbacks=[recorder]).fit(
+        module, DataLoader(data, batch_size=GLOBAL_BATCH // dp, collate_fn=collate_padded)
+    )
+    return recorder.losses, {k: v.clone() for k, v in module.model.state_dict().items()}
+
+
+def _moe_reference():
+    seed_everything(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        tiny_config("qwen3_moe", **_MOE), attn_implementation="sdpa"
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+    data = LongRangeCopyDataset(num_samples=GLOBAL_BATCH * STEPS, seq_len=26, vocab_size=VOCAB, seed=3)
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    losses = []
+    for batch in DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler, collate_fn=collate_padded):
+        labels = torch.where(batch["loss_mask"].bool(), batch["input_ids"], -100)
+        out = model(input_ids=batch["input_ids"], labels=labels)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+        losses.append((out.loss - _MOE["router_aux_loss_coef"] * out.aux_loss).item())  # what is logged
+    return losses, model.state_dict()
+
+
+def test_dp2_cp2_moe_with_its_router_loss_matches_the_unsharded_model(world4):
+    """The router statistics are reduced over DP x CP (the loss group): over CP only, each DP replica would
+    balance its own rows, and the averaged gradients would move the weights elsewhere."""
+    ref_losses, ref_weights = _moe_reference()
+    losses, weights = world4.run(_fit_moe, 2)[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    # In norm per tensor: Adam turns a round-off gradient of an expert's odd element into a visible step (a
+    # few 1e-5), while the weights moved ~3e-2 per element; a 1% error of that move fails by far.
+    for key, value in ref_weights.items():
+        error = (weights[key] - value).norm()
+        assert error <= 1e-4 * value.norm(), f"{key}: error {error:.3e}, norm {value.norm():.3e}"
 
 
 class _SdpaModule(HFCausalLM):

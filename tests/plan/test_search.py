@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_cp.hf.mixers.kinds import GatedDeltaNetShape
 from lightning_cp.models.gpt import GPTConfig
 from lightning_cp.plan import Layout, ModelShape, estimate, layouts, max_seq_len, plan
 
@@ -53,9 +54,10 @@ def test_a_hybrid_s_head_counts_cap_cp():
     """Qwen3.5-27B's 48 value / 16 key heads split over any cp up to 16; with 12 value heads, cp 8 does not."""
     shape = ModelShape.from_hf_config(json.loads((MODELS / "qwen3_5_27b.json").read_text()))
     assert shape.mixer is not None and shape.mixer.kind == "gated_deltanet"
-    assert (shape.mixer.layers, shape.attention_layers, shape.mixer.sizes) == (48, 16, (16, 48, 128, 128))
+    assert (shape.mixer.layers, shape.attention_layers) == (48, 16)
+    assert shape.mixer.shape == GatedDeltaNetShape(key_heads=16, value_heads=48, key_dim=128, value_dim=128)
     assert {layout.cp for layout in layouts(16, shape)} == {1, 2, 4, 8, 16}
-    fewer = replace(shape, mixer=replace(shape.mixer, sizes=(4, 12, 128, 128)))
+    fewer = replace(shape, mixer=replace(shape.mixer, shape=GatedDeltaNetShape(4, 12, 128, 128)))
     assert {layout.cp for layout in layouts(16, fewer)} == {1, 2, 4}
     assert {c.layout.cp for c in plan(fewer, 1 << 14, 16)} == {1, 2, 4}
 

@@ -37,19 +37,28 @@ from torch import Tensor, nn
 from lightning_cp.constants import CP_SHARD
 from lightning_cp.hf.mixers import delta_rule, mamba2, short_conv
 from lightning_cp.hf.mixers._adapter import MixerAdapter
+from lightning_cp.hf.mixers.kinds import MixerShape
 
 ADAPTERS: dict[str, MixerAdapter] = {**delta_rule.ADAPTERS, **mamba2.ADAPTERS, **short_conv.ADAPTERS}
 """The adapter of each mixer class, by class name."""
 
-KINDS: dict[str, str] = {
-    **{name: "kda" if name in delta_rule.KDA else "gated_deltanet" for name in delta_rule.ADAPTERS},
-    **dict.fromkeys(mamba2.ADAPTERS, "mamba2"),
-    **dict.fromkeys(short_conv.ADAPTERS, "short_conv"),
-}
-"""The kind of each adapted mixer class (``gated_deltanet``, ``kda``, ``mamba2``, ``short_conv``), by class name:
-what the memory plan counts for it."""
+REFUSED: dict[str, str] = dict.fromkeys(
+    ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer"),
+    "is a state-space (Mamba) layer, whose recurrence over the sequence would see one shard: Mamba1 has no "
+    "context-parallel forward in lightning_cp (its x_proj mixes every channel of a token, so its channels cannot "
+    "be split over the ranks as Mamba2's heads are)",
+)
+"""Token mixer classes that no adapter makes exact under CP, by class name: why (the end of a sentence that
+starts with the module's name). Refused from the model's structure alone, before any weights are read."""
 
 _ADAPTED = "_lightning_cp_adapted_mixer"
+
+
+def mixer_shape(module: nn.Module) -> MixerShape | None:
+    """``module``'s :class:`~lightning_cp.hf.mixers.kinds.MixerShape` if :data:`ADAPTERS` knows its class (its
+    sizes, split rule and plan terms), else ``None``. Reads sizes only: a ``meta`` build will do."""
+    adapter = ADAPTERS.get(type(module).__name__)
+    return None if adapter is None else adapter.shape(module)
 
 
 def adapt_token_mixers(model: nn.Module, cp: int) -> list[str]:
@@ -63,22 +72,33 @@ def adapt_token_mixers(model: nn.Module, cp: int) -> list[str]:
         ValueError: a mixer whose heads (or channels) do not split over ``cp`` ranks, naming the module, the
             config value and ``cp``.
     """
+    check_token_mixers_split(model, cp)
     adapted = []
     for name, module in model.named_modules():
-        adapter = ADAPTERS.get(type(module).__name__)
-        if adapter is None:
+        if type(module).__name__ not in ADAPTERS:
             continue
-        problem = adapter.split_problem(module, cp)
-        if problem is not None:
-            raise ValueError(
-                f"{name} ({type(module).__name__}) cannot be split over cp={cp} ranks: {problem}. Use a cp that "
-                "divides these numbers."
-            )
         if not getattr(module, _ADAPTED, False):
             module.forward = types.MethodType(_forward, module)
             setattr(module, _ADAPTED, True)
         adapted.append(name)
     return adapted
+
+
+def check_token_mixers_split(model: nn.Module, cp: int) -> None:
+    """Raise if a token mixer of ``model`` that :data:`ADAPTERS` knows cannot be split over ``cp`` ranks. Reads
+    the modules' sizes only (a ``meta`` build will do); changes nothing.
+
+    Raises:
+        ValueError: the first such mixer, naming the module, its numbers and ``cp``.
+    """
+    for name, module in model.named_modules():
+        shape = mixer_shape(module)
+        problem = None if shape is None else shape.split_problem(cp)
+        if problem is not None:
+            raise ValueError(
+                f"{name} ({type(module).__name__}) cannot be split over cp={cp} ranks: {problem}. Use a cp that "
+                "divides these numbers."
+            )
 
 
 def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Tensor:

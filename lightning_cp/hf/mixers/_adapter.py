@@ -1,5 +1,4 @@
-"""What every mixer adapter shares: its interface, the modeling module's kernels, the depthwise convolution,
-the split check."""
+"""What every mixer adapter shares: its interface, the modeling module's kernels, the depthwise convolution."""
 
 from __future__ import annotations
 
@@ -10,16 +9,16 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from lightning_cp.parallel.head_parallel import head_slices, shared_heads
+from lightning_cp.hf.mixers.kinds import MixerShape
 from lightning_cp.parallel.sharding import CPShard
 
 
 class MixerAdapter(Protocol):
     """The context-parallel forward of one kind of token mixer."""
 
-    def split_problem(self, module: nn.Module, cp: int) -> str | None:
-        """Why ``module``'s heads (or channels) cannot be split over ``cp`` ranks, with the numbers; ``None``
-        when they can."""
+    def shape(self, module: nn.Module) -> MixerShape:
+        """``module``'s sizes as its kind describes them (:mod:`.kinds`): what the forward splits, the split
+        rule, the plan's terms."""
 
     def forward(self, module: nn.Module, hidden_states: Tensor, shard: CPShard) -> Tensor:
         """``module``'s output ``[B, S_local, hidden]`` for this rank's tokens ``hidden_states`` of the batch
@@ -56,17 +55,28 @@ def depthwise_conv(
     rows = rows.to(x.device)
     weight = conv.weight.squeeze(1).index_select(0, rows)
     bias = None if conv.bias is None else conv.bias.index_select(0, rows)
-    out = kernels(module).causal_conv1d_fn(x.transpose(1, 2), weight, bias, activation=activation)
+    out = kernels(module).causal_conv1d_fn(_conv_input(x), weight, bias, activation=activation)
     out = out[:, :, : x.shape[1]].transpose(1, 2)
     widths = [part[0, 0].numel() for part in parts]
     return [y.reshape(part.shape) for y, part in zip(out.split(widths, dim=-1), parts, strict=True)]
 
 
-def head_split_problem(heads: int, shared: int, cp: int, heads_name: str, shared_name: str) -> str | None:
-    """Why ``heads`` (and the ``shared`` heads they read: key heads, B/C groups) cannot be split over ``cp``
-    ranks (:func:`~lightning_cp.parallel.head_parallel.shared_heads`), with the numbers; ``None`` if they can."""
-    try:
-        shared_heads(head_slices(heads, cp, heads_name), heads, shared, shared_name)
-    except ValueError as error:
-        return str(error)
-    return None
+CHANNEL_LAST_MULTIPLE = 8
+"""causal-conv1d's CUDA kernel takes a channel-last input (``[n, C, L]`` with unit channel stride) only for a
+multiple of this many channels; its channel-first kernel takes any count."""
+
+
+def _conv_input(x: Tensor) -> Tensor:
+    """``x`` ``[n, L, C]`` as the ``[n, C, L]`` input of ``causal_conv1d_fn``: a channel-last view (no copy)
+    when ``C`` is a multiple of :data:`CHANNEL_LAST_MULTIPLE`, else a channel-first copy.
+
+    A rank convolves the channels of its heads, ``C`` of them, which need not be a multiple of 8 (a layer's
+    channels split over ``cp`` ranks); causal-conv1d's kernel refuses such a channel-last input at the first
+    step. Its channel-first kernel computes the same convolution for any ``C``, so the copy keeps the fused
+    kernel (and the torch path is indifferent to the layout): exact, one ``[n, C, L]`` copy instead of the
+    much slower torch fallback. Decided from the shape alone, so every rank (and a checkpointed layer's
+    recomputation) decides alike."""
+    channels_first = x.transpose(1, 2)
+    if x.shape[-1] % CHANNEL_LAST_MULTIPLE:
+        return channels_first.contiguous()
+    return channels_first

@@ -10,7 +10,8 @@ delta rule is per token, so it runs on this rank's tokens with the layer's own m
 them, several ranks sharing a key head when ``Hk < cp``), the convolution rows of those heads and the
 modeling module's kernel run on whole sequences, and the output comes back before the gated norm.
 
-Split: ``Hv`` a multiple of ``cp``, and ``Hk`` a multiple or a divisor of ``cp``.
+Sizes and split rule: :class:`~lightning_cp.hf.mixers.kinds.GatedDeltaNetShape`,
+:class:`~lightning_cp.hf.mixers.kinds.KDAShape`.
 """
 
 from __future__ import annotations
@@ -22,13 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_cp.hf.mixers._adapter import (
-    channel_rows,
-    depthwise_conv,
-    head_split_problem,
-    kernels,
-    tokens,
-)
+from lightning_cp.hf.mixers._adapter import channel_rows, depthwise_conv, kernels, tokens
+from lightning_cp.hf.mixers.kinds import GatedDeltaNetShape, KDAShape
 from lightning_cp.parallel.head_parallel import (
     for_each_sequence,
     head_slices,
@@ -55,23 +51,17 @@ class _Projected:
 class DeltaRuleAdapter:
     """One family's projections and output around the shared exchange, convolution and delta rule."""
 
+    shape: Callable[[nn.Module], GatedDeltaNetShape | KDAShape]
+    """The layer's heads and head dims (:mod:`.kinds`), read from the module."""
     project: Callable[[nn.Module, Tensor], _Projected]
     finish: Callable[[nn.Module, Tensor, Tensor], Tensor]
     """``(module, out [B, S, Hv, dv], gate [B, S, Hv, dv]) -> [B, S, hidden]``."""
     kernel: str
     """The modeling module's chunked delta rule (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``)."""
-    key_heads: str = "num_k_heads"
-    value_heads: str = "num_v_heads"
-    key_dim: str = "head_k_dim"
-    value_dim: str = "head_v_dim"
-
-    def split_problem(self, module: nn.Module, cp: int) -> str | None:
-        hk, hv = getattr(module, self.key_heads), getattr(module, self.value_heads)
-        return head_split_problem(hv, hk, cp, "value heads", "key heads")
 
     def forward(self, module: nn.Module, hidden_states: Tensor, shard: CPShard) -> Tensor:
-        hk, hv = getattr(module, self.key_heads), getattr(module, self.value_heads)
-        dk, dv = getattr(module, self.key_dim), getattr(module, self.value_dim)
+        shape = self.shape(module)
+        hk, hv, dk, dv = shape.key_heads, shape.value_heads, shape.key_dim, shape.value_dim
         cp, rank = shard.split.cp_size, shard.split.cp_rank
         p = self.project(module, hidden_states)
         values = head_slices(hv, cp, "value heads")
@@ -165,35 +155,33 @@ def _kda_finish(module: nn.Module, out: Tensor, gate: Tensor) -> Tensor:
     return module.o_proj(module.o_norm(out, gate).flatten(2))
 
 
-# KDA has no grouped keys: as many key heads as value heads, all of head_dim.
-_KDA_SIZES = {
-    "key_heads": "num_heads",
-    "value_heads": "num_heads",
-    "key_dim": "head_dim",
-    "value_dim": "head_dim",
-}
+def _gated_deltanet_shape(module: nn.Module) -> GatedDeltaNetShape:
+    return GatedDeltaNetShape(module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim)
 
 
-_GATED_DELTANET = DeltaRuleAdapter(_qwen3_5, _norm_then("norm", "out_proj"), "torch_chunk_gated_delta_rule")
+def _kda_shape(module: nn.Module) -> KDAShape:
+    return KDAShape(module.num_heads, module.head_dim)
+
+
+_GATED_DELTANET = DeltaRuleAdapter(
+    _gated_deltanet_shape, _qwen3_5, _norm_then("norm", "out_proj"), "torch_chunk_gated_delta_rule"
+)
 ADAPTERS = {
     "Qwen3_5GatedDeltaNet": _GATED_DELTANET,
     "Qwen3_5MoeGatedDeltaNet": _GATED_DELTANET,
     "Qwen4ExpTextGatedDeltaNet": _GATED_DELTANET,
     "LaraMiniGatedDeltaNet": _GATED_DELTANET,
     "Qwen3NextGatedDeltaNet": DeltaRuleAdapter(
-        _qwen3_next, _norm_then("norm", "out_proj"), "torch_chunk_gated_delta_rule"
+        _gated_deltanet_shape, _qwen3_next, _norm_then("norm", "out_proj"), "torch_chunk_gated_delta_rule"
     ),
     "OlmoHybridGatedDeltaNet": DeltaRuleAdapter(
-        _olmo_hybrid, _norm_then("o_norm", "o_proj"), "torch_chunk_gated_delta_rule"
+        _gated_deltanet_shape, _olmo_hybrid, _norm_then("o_norm", "o_proj"), "torch_chunk_gated_delta_rule"
     ),
     "KimiLinearDeltaAttention": DeltaRuleAdapter(
-        _kimi, _kda_finish, "chunk_kimi_delta_attention", **_KDA_SIZES
+        _kda_shape, _kimi, _kda_finish, "chunk_kimi_delta_attention"
     ),
     "BailingHybridDeltaAttention": DeltaRuleAdapter(
-        _bailing, _kda_finish, "chunk_kimi_delta_attention", **_KDA_SIZES
+        _kda_shape, _bailing, _kda_finish, "chunk_kimi_delta_attention"
     ),
 }
 """The Gated DeltaNet and KDA adapters, by mixer class name."""
-
-KDA = ("KimiLinearDeltaAttention", "BailingHybridDeltaAttention")
-"""The Kimi Delta Attention classes among :data:`ADAPTERS` (a decay per channel, no grouped keys)."""

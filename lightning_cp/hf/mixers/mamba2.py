@@ -10,7 +10,7 @@ those channels and the modeling module's ``mamba2_chunk_scan`` run on whole sequ
 ``dt_bias`` sliced to the rank's heads. Falcon-H1's multipliers (``ssm_in_multiplier``, ``mup_vector``) are
 per token and its norm optional, as in its own forward.
 
-Split: ``H`` a multiple of ``cp``, and ``G`` a multiple or a divisor of ``cp``.
+Sizes and split rule: :class:`~lightning_cp.hf.mixers.kinds.Mamba2Shape`.
 """
 
 from __future__ import annotations
@@ -19,13 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_cp.hf.mixers._adapter import (
-    channel_rows,
-    depthwise_conv,
-    head_split_problem,
-    kernels,
-    tokens,
-)
+from lightning_cp.hf.mixers._adapter import channel_rows, depthwise_conv, kernels, tokens
+from lightning_cp.hf.mixers.kinds import Mamba2Shape
 from lightning_cp.parallel.head_parallel import (
     for_each_sequence,
     head_slices,
@@ -39,11 +34,14 @@ from lightning_cp.parallel.sharding import CPShard
 class Mamba2Adapter:
     """The context-parallel forward of ``transformers``' Mamba2 mixers (the attributes of ``Mamba2Mixer``)."""
 
-    def split_problem(self, module: nn.Module, cp: int) -> str | None:
-        return head_split_problem(module.num_heads, module.n_groups, cp, "heads", "groups")
+    def shape(self, module: nn.Module) -> Mamba2Shape:
+        return Mamba2Shape(
+            module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size, module.chunk_size
+        )
 
     def forward(self, module: nn.Module, hidden_states: Tensor, shard: CPShard) -> Tensor:
-        heads, dim, groups, state = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
+        shape = self.shape(module)
+        heads, dim, groups, state = shape.heads, shape.head_dim, shape.groups, shape.state
         inner = module.intermediate_size
         cp, rank = shard.split.cp_size, shard.split.cp_rank
         dtype = hidden_states.dtype
@@ -80,7 +78,7 @@ class Mamba2Adapter:
                 a,
                 b,
                 c,
-                chunk_size=module.chunk_size,
+                chunk_size=shape.chunk,
                 D=module.D.index_select(0, own),
                 z=None,
                 dt_bias=module.dt_bias.index_select(0, own),

@@ -6,7 +6,7 @@ mixing, and it is per channel: ``B * x`` goes to the channels (``hidden / cp`` p
 convolution rows of those channels run on whole sequences through the modeling module's
 ``causal_conv1d_fn``, and the result comes back before ``C *``.
 
-Split: ``hidden_size`` a multiple of ``cp``.
+Sizes and split rule: :class:`~lightning_cp.hf.mixers.kinds.ShortConvShape`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from lightning_cp.hf.mixers._adapter import channel_rows, depthwise_conv, tokens
+from lightning_cp.hf.mixers.kinds import ShortConvShape
 from lightning_cp.parallel.head_parallel import for_each_sequence, head_slices, to_heads, to_tokens
 from lightning_cp.parallel.sharding import CPShard
 
@@ -21,13 +22,12 @@ from lightning_cp.parallel.sharding import CPShard
 class ShortConvAdapter:
     """The context-parallel forward of ``transformers``' ``*ShortConv`` layers: channels split over ranks."""
 
-    def split_problem(self, module: nn.Module, cp: int) -> str | None:
-        hidden = module.conv.in_channels
-        return None if hidden % cp == 0 else f"hidden_size={hidden} is not divisible by cp={cp}"
+    def shape(self, module: nn.Module) -> ShortConvShape:
+        return ShortConvShape(module.conv.in_channels)
 
     def forward(self, module: nn.Module, hidden_states: Tensor, shard: CPShard) -> Tensor:
         cp, rank = shard.split.cp_size, shard.split.cp_rank
-        width = module.conv.in_channels // cp
+        width = self.shape(module).channels // cp
         b, c, x = module.in_proj(hidden_states).chunk(3, dim=-1)
         # Rank r convolves the channels r * width .. (r + 1) * width.
         slices = head_slices(cp, cp, "channel blocks")

@@ -1,0 +1,189 @@
+"""The files ``TextDataModule`` reads: checked where it is built, read with ``datasets``, records located.
+
+``datasets`` reports a JSON file's mistakes without the file or the line (an empty file raises a bare
+``StopIteration``, a byte that is not UTF-8 a ``UnicodeDecodeError`` of its own buffer, a line that is not
+JSON a ``DatasetGenerationError``). :func:`load_records` finds the first such line when ``datasets`` fails
+and names the file, the line and the fix; :func:`check_first_record` reads only the first record of a
+JSON-lines file, cheaply enough for a constructor, so that a file of the wrong shape fails before launch;
+:func:`record_location` turns a record's index into the line (or row) a message names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from lightning_cp.data.chat_messages import normalize_messages
+from lightning_cp.data.tokenization import not_a_document
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+"""File extension -> the ``datasets`` builder that reads it."""
+
+
+def check_file(name: str, file: str) -> None:
+    """``file`` (the argument ``name``) exists and has an extension of :data:`BUILDERS`.
+
+    Raises:
+        ValueError: it does not exist, or has another extension.
+    """
+    if not os.path.isfile(file):
+        raise ValueError(f"{name}={file!r} does not exist; pass a .jsonl, .json, .parquet or .arrow file.")
+    extension = os.path.splitext(file)[1]
+    if extension not in BUILDERS:
+        raise ValueError(
+            f"{name}={file!r} has the extension {extension!r}; TextDataModule reads {', '.join(BUILDERS)} files."
+        )
+
+
+def check_first_record(name: str, file: str, column: str, chat: bool) -> None:
+    """The first record of a JSON-lines ``file`` holds ``column``, a document (a string) or, ``chat``, a
+    conversation (:func:`~lightning_cp.data.chat_messages.normalize_messages`). A ``.parquet`` / ``.arrow``
+    file or a ``.json`` array is left to :func:`load_records` (its first record is not cheap to read).
+
+    Raises:
+        ValueError: the file is empty, its first non-blank line is not UTF-8 or not a JSON object, or that
+            record lacks ``column`` or holds something else; naming the file, the line and the fix.
+    """
+    if BUILDERS[os.path.splitext(file)[1]] != "json" or _first_byte(file) == b"[":
+        return
+    first = next(_json_records(name, file), None)
+    if first is None:
+        raise _empty(name, file)
+    location, record = first
+    if record.get(column) is None:
+        keys = sorted(key for key, value in record.items() if value is not None)
+        raise ValueError(
+            f"{name}={file!r} {location} has no {column!r} (its keys: {keys}); set column to the one holding "
+            f"the {'conversations' if chat else 'documents'}."
+        )
+    try:
+        if chat:
+            normalize_messages(record[column])
+        elif not isinstance(record[column], str):
+            raise ValueError(not_a_document(record[column]))
+    except ValueError as error:
+        raise ValueError(f"{name}={file!r} {location}: {error}") from None
+
+
+def load_records(name: str, file: str, cache_dir: str | None) -> Any:
+    """``file`` as a ``datasets.Dataset`` (``datasets.load_dataset``; cached in ``cache_dir``).
+
+    Raises:
+        ValueError: the file holds no record, or (a JSON file ``datasets`` fails on) its first line that is
+            not UTF-8 or not a JSON object (:func:`check_json_lines`). Other failures of ``datasets`` are
+            raised as they are.
+    """
+    import datasets
+
+    try:
+        records = datasets.load_dataset(
+            BUILDERS[os.path.splitext(file)[1]], data_files=file, split="train", cache_dir=cache_dir
+        )
+    except Exception:  # datasets' own exceptions, StopIteration included, name neither file nor line
+        check_json_lines(name, file)
+        raise
+    if len(records) == 0:
+        raise _empty(name, file) from None
+    return records
+
+
+def check_json_lines(name: str, file: str) -> None:
+    """Every record of a JSON ``file`` is UTF-8 and a JSON object, and there is one; nothing for another
+    format. For a failure of ``datasets`` that names neither file nor line: ``pyarrow`` reads a byte that is
+    not UTF-8 into a string column unchecked, and only converting it to Python fails.
+
+    Raises:
+        ValueError: the file holds no record, or its first line (or record) that is not UTF-8 or not a JSON
+            object; naming the file, the line and the fix.
+    """
+    if BUILDERS[os.path.splitext(file)[1]] != "json":
+        return
+    if next(_json_records(name, file), None) is None:
+        raise _empty(name, file) from None
+    for _ in _json_records(name, file):  # raises at the first line that is not a JSON object
+        pass
+
+
+def record_location(name: str, file: str, index: int) -> str:
+    """Where record ``index`` (0-based, as ``datasets`` numbers it) of ``file`` is: ``"line N"`` in a
+    JSON-lines file (blank lines counted, as an editor shows them), ``"record N"`` (1-based) in a ``.json``
+    array, ``"row N"`` (0-based) in a ``.parquet`` / ``.arrow`` file."""
+    if BUILDERS[os.path.splitext(file)[1]] == "json":
+        for position, (location, _) in enumerate(_json_records(name, file)):
+            if position == index:
+                return location
+    return f"row {index} (counting from 0)"
+
+
+def _json_records(name: str, file: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(location, record)`` of every record of a JSON file: one JSON object per non-blank line, or a JSON
+    array of objects (a file whose first non-blank byte is ``[``).
+
+    Raises:
+        ValueError: a line (or the array) that is not UTF-8, not JSON, or a record that is not an object.
+    """
+    if _first_byte(file) == b"[":
+        with open(file, "rb") as f:
+            content = f.read()
+        try:
+            records = json.loads(_decoded(name, file, content, first_line=1))
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"{name}={file!r} line {error.lineno} is not JSON ({error.msg}, at column {error.colno}); "
+                "fix the JSON there (a .json file holds one JSON array of objects, or one object per line)."
+            ) from None
+        for number, record in enumerate(records if isinstance(records, list) else [records], start=1):
+            yield _checked_object(name, file, f"record {number}", record)
+        return
+    with open(file, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            line = _decoded(name, file, raw, first_line=number)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"{name}={file!r} line {number} is not JSON ({error.msg}, at column {error.colno}); write one "
+                    'JSON object per line, e.g. {"messages": [...]} or {"text": "..."}.'
+                ) from None
+            yield _checked_object(name, file, f"line {number}", record)
+
+
+def _decoded(name: str, file: str, raw: bytes, first_line: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = first_line + raw.count(b"\n", 0, error.start)
+        column = error.start - (raw.rfind(b"\n", 0, error.start) + 1) + 1
+        raise ValueError(
+            f"{name}={file!r} line {line}: byte {column} of the line ({raw[error.start : error.start + 1]!r}) is "
+            "not UTF-8; re-encode the file as UTF-8 (for example iconv -f latin1 -t utf-8)."
+        ) from None
+
+
+def _checked_object(name: str, file: str, location: str, record: Any) -> tuple[str, dict[str, Any]]:
+    if not isinstance(record, dict):
+        raise ValueError(  # noqa: TRY004 (a data error: the CLI reports ValueError)
+            f"{name}={file!r} {location} is a JSON {type(record).__name__}, not an object; write one object "
+            'per record, e.g. {"messages": [...]} or {"text": "..."}.'
+        ) from None
+    return location, record
+
+
+def _first_byte(file: str) -> bytes:
+    """The file's first byte that is not white space (``b""`` for a file of white space only)."""
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if stripped := chunk.lstrip():
+                return stripped[:1]
+    return b""
+
+
+def _empty(name: str, file: str) -> ValueError:
+    return ValueError(
+        f"{name}={file!r} holds no record (it is empty); pass a file with at least one document or "
+        "conversation."
+    )

@@ -1,0 +1,162 @@
+"""What ``lightning-cp`` refuses before any rank starts (``lightning_cp.cli.launch_checks``), from the config alone.
+
+Each mistake used to start every rank and end in one refusal per rank (or an ``IndexError`` in the
+embedding). The checks are called here on the classes the CLI builds (nothing is launched); two cases run
+through the installed console script, as a user types them: one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from lightning_cp import MegatronCPStrategy
+from lightning_cp.cli.launch_checks import check_before_launch
+from lightning_cp.data import LongRangeDataModule
+from lightning_cp.models import GPTConfig, GPTModule, HFCausalLM
+from tests.test_cli import HF_CPU, _check_one_line, _run_console_script
+
+transformers = pytest.importorskip("transformers")
+
+from tests.hf._families import tiny_config
+from tests.hf._models import CONFIGS, VOCAB, build
+from tests.hf.test_hybrid import HYBRIDS
+
+
+def _refusal(model, strategy, datamodule=None) -> str | None:
+    try:
+        check_before_launch(model, datamodule, strategy)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _llama(**fields) -> HFCausalLM:
+    return HFCausalLM({**CONFIGS["llama"], **fields})
+
+
+def test_ulysses_with_heads_that_do_not_split_is_refused_and_auto_falls_back():
+    six_heads = _llama(num_attention_heads=6, hidden_size=48)  # 6 query heads, 2 key/value heads
+    message = _refusal(six_heads, MegatronCPStrategy(cp=4, cp_attention="ulysses"))
+    assert message == (
+        "model (LlamaForCausalLM): cp_attention='ulysses' splits the query heads over the CP "
+        "ranks, but 6 query heads and 2 key/value heads do not split over cp=4 (query heads a multiple of cp, "
+        "key/value heads a multiple or a divisor of it): use cp_attention='allgather' or 'auto', or another cp."
+    )
+    assert _refusal(six_heads, MegatronCPStrategy(cp=2, cp_attention="ulysses")) is None  # 6 = 3 x 2
+    assert _refusal(six_heads, MegatronCPStrategy(cp=4, cp_attention="auto")) is None
+    assert _refusal(six_heads, MegatronCPStrategy(cp=4)) is None
+
+
+@pytest.mark.parametrize(
+    ("model_type", "module"),
+    [
+        ("mamba", "backbone.layers.0.mixer (MambaMixer)"),
+        ("falcon_mamba", "backbone.layers.0.mixer (FalconMambaMixer)"),
+        ("jamba", "model.layers.0.mamba (JambaMambaMixer)"),
+        ("zamba", "model.layers.0.mamba (ZambaMambaMixer)"),
+    ],
+)
+def test_a_mamba1_model_is_refused_under_cp_only(model_type, module):
+    model = HFCausalLM(tiny_config(model_type).to_dict())
+    message = _refusal(model, MegatronCPStrategy(cp=2))
+    assert message.startswith(f"model ({type(build_meta(model_type)).__name__}): {module} is a state-space")
+    assert "Mamba1 has no context-parallel forward" in message and "train it with cp=1" in message
+    assert _refusal(model, MegatronCPStrategy(cp=1)) is None
+
+
+def build_meta(model_type: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(tiny_config(model_type))
+
+
+@pytest.mark.parametrize(
+    ("name", "fields", "cp", "expected"),
+    [
+        ("qwen3_5_text", {"linear_num_value_heads": 6}, 4, "value heads=6 is not divisible by cp=4"),
+        ("mamba2", {"n_groups": 3, "num_heads": 12, "head_dim": 32, "expand": 6}, 4, "groups=3 for 12 heads"),
+        ("lfm2", {"hidden_size": 66}, 4, "hidden_size=66 is not divisible by cp=4"),
+    ],
+)
+def test_hybrid_heads_that_do_not_split_are_refused_with_their_numbers(name, fields, cp, expected):
+    message = _refusal(HFCausalLM({**HYBRIDS[name], **fields}), MegatronCPStrategy(cp=cp))
+    assert message.startswith("model (") and f"cannot be split over cp={cp} ranks" in message
+    assert expected in message
+    assert _refusal(HFCausalLM(HYBRIDS[name]), MegatronCPStrategy(cp=cp)) is None
+
+
+def test_a_family_with_attention_classes_of_its_own_is_refused_under_cp():
+    message = _refusal(HFCausalLM(tiny_config("falcon").to_dict()), MegatronCPStrategy(cp=2))
+    assert "model (FalconForCausalLM) computes attention in classes of its own" in message
+
+
+def _pretrained(directory, vocab: int) -> str:
+    torch.manual_seed(0)
+    build("llama", "sdpa", vocab_size=vocab).save_pretrained(directory)
+    return str(directory)
+
+
+def test_a_pretrained_vocabulary_smaller_than_the_data_s_is_refused(tmp_path):
+    directory = _pretrained(tmp_path / "llama", VOCAB)
+    model = HFCausalLM(directory)
+    data = LongRangeDataModule(vocab_size=VOCAB + 3, seq_len=16, num_train_samples=4, num_val_samples=2)
+    message = _refusal(model, MegatronCPStrategy(cp=2), data)
+    assert message.startswith(
+        f"data.vocab_size={VOCAB + 3} is larger than the model's vocab_size={VOCAB}: token ids up to "
+        f"{VOCAB + 2} cannot be embedded. The model is the pretrained {directory!r} (its config.json)"
+    )
+    assert f"model.resize_token_embeddings({VOCAB + 3})" in message
+    same = LongRangeDataModule(vocab_size=VOCAB, seq_len=16, num_train_samples=4, num_val_samples=2)
+    assert _refusal(model, MegatronCPStrategy(cp=2), same) is None
+
+
+def test_a_composite_s_text_vocabulary_is_the_one_compared(tmp_path):
+    """A composite directory's config.json keeps the text model's vocabulary in its text_config."""
+    directory = tmp_path / "gemma3"
+    config = tiny_config("gemma3", text_config={**tiny_config("gemma3_text").to_dict(), "vocab_size": VOCAB})
+    config.save_pretrained(directory)
+    assert json.loads((directory / "config.json").read_text())["text_config"]["vocab_size"] == VOCAB
+    (directory / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")
+    data = LongRangeDataModule(vocab_size=VOCAB + 1, seq_len=16, num_train_samples=4, num_val_samples=2)
+    message = _refusal(HFCausalLM(str(directory)), MegatronCPStrategy(cp=1), data)
+    assert message.startswith(f"data.vocab_size={VOCAB + 1} is larger than the model's vocab_size={VOCAB}")
+
+
+def test_a_gpt_vocabulary_smaller_than_the_data_s_is_refused():
+    model = GPTModule(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    data = LongRangeDataModule(vocab_size=65, seq_len=16, num_train_samples=4, num_val_samples=2)
+    message = _refusal(model, MegatronCPStrategy(cp=2), data)
+    assert message.endswith("Set the model's vocab_size to at least 65.")
+
+
+# --- through the console script: one line, status 2, no rank started ----------------------------------------
+
+
+def _hf_yaml(tmp_path, model_config, strategy_args) -> str:
+    tree = yaml.safe_load(HF_CPU.read_text())
+    tree["model"]["init_args"]["config"] = model_config
+    tree["trainer"]["strategy"]["init_args"].update(strategy_args)
+    tree["trainer"]["logger"][0]["init_args"]["save_dir"] = str(tmp_path / "logs")
+    path = tmp_path / "hf.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["ulysses-heads", "pretrained-vocabulary"])
+def test_the_console_script_refuses_before_any_rank_starts(case, tmp_path):
+    config = yaml.safe_load(HF_CPU.read_text())["model"]["init_args"]["config"]
+    if case == "ulysses-heads":  # 4 processes, cp = 4: the 6 query heads do not split
+        path = _hf_yaml(
+            tmp_path,
+            {**config, "num_attention_heads": 6, "hidden_size": 96},
+            {"cp": 4, "cp_attention": "ulysses"},
+        )
+        expected = "6 query heads and 2 key/value heads do not split over cp=4"
+    else:  # the long-range task's 128 ids against a pretrained 61-token vocabulary
+        path = _hf_yaml(tmp_path, _pretrained(tmp_path / "llama", VOCAB), {})
+        expected = f"data.vocab_size=128 is larger than the model's vocab_size={VOCAB}"
+    result = _run_console_script("fit", "--config", path, timeout=120)
+    assert expected in _check_one_line(result.returncode, result.stdout, result.stderr)

@@ -1,0 +1,144 @@
+"""The model called outside the step under ``MegatronCPFSDPStrategy``: one root gather per outermost call, and a
+call that not every rank makes ends with an error naming the rule instead of a hang.
+
+The model is the package GPT (its embedding and final norm in the root unit, called nested inside its
+forward), on the shared pool of 2 gloo ranks; the reference for a call's output is the same GPT built with
+the gathered weights (``full_state_dict``) in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, seed_everything
+
+from lightning_cp import MegatronCPFSDPStrategy
+from lightning_cp.models import GPTModule
+from lightning_cp.models.gpt import GPT
+from lightning_cp.strategies._outside_step import OutsideCallAgreement
+from tests._trainer import cp_trainer
+from tests.strategies.test_megatron_cp import CONFIG, _dataset, _loader
+
+_IDS = torch.randint(0, CONFIG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(7))
+_POSITIONS = torch.arange(9).expand(2, 9)
+
+
+class _CallsBetweenSteps(Callback):
+    """After each step, on every rank: the whole weights, then two calls of the GPT outside the step, counting
+    the root unit's gathers (``unshard`` of the FSDP root) they cause."""
+
+    def __init__(self):
+        self.weights, self.outputs, self.gathers = [], [], []
+
+    def on_train_start(self, trainer, pl_module):
+        root = trainer.strategy.model
+        unshard = root.unshard
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return unshard(*args, **kwargs)
+
+        self.count = 0
+        root.unshard = counted
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.weights.append(trainer.strategy.full_state_dict())
+        before = self.count
+        with torch.no_grad():
+            self.outputs.append(pl_module.model(_IDS, _POSITIONS))
+            pl_module.model(_IDS, _POSITIONS)
+        self.gathers.append(self.count - before)
+
+
+def _fit_calling_between_steps():
+    seed_everything(0)
+    calls = _CallsBetweenSteps()
+    trainer = cp_trainer(2, strategy=MegatronCPFSDPStrategy(cp=2), max_steps=2, callbacks=[calls])
+    trainer.fit(GPTModule(CONFIG, lr=1e-2), _loader(2, False, _dataset()))
+    return {"weights": calls.weights, "outputs": calls.outputs, "gathers": calls.gathers}
+
+
+def test_each_outermost_call_gathers_the_root_once_and_equals_the_gathered_model(world2):
+    """The GPT's forward calls its embedding and its final norm (root-unit modules) inside it: counted as
+    nested calls, one gather per call; uncounted, one gather each (two per call), with the same output."""
+    per_rank = world2.run(_fit_calling_between_steps)
+    for rank in per_rank:
+        assert rank["gathers"] == [2, 2]  # two calls per step
+    for step, weights in enumerate(per_rank[0]["weights"]):
+        reference = GPT(CONFIG)
+        reference.load_state_dict({name.removeprefix("model."): value for name, value in weights.items()})
+        with torch.no_grad():
+            expected = reference(_IDS, _POSITIONS)
+        for rank in per_rank:
+            torch.testing.assert_close(rank["outputs"][step], expected, rtol=1e-5, atol=1e-5)
+
+
+class _CallOnRankZeroOnly(Callback):
+    """At the end of training, rank 0 alone calls the model (the mistake), and receives SIGTERM half a second
+    into it; rank 1 stays a few seconds in the same hook (its run, and the agreement's group, still there)."""
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.global_rank != 0:
+            time.sleep(3.0)
+            return
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        with torch.no_grad():
+            pl_module.model(_IDS, _POSITIONS)
+
+
+def _fit_calling_on_rank_zero_only():
+    seed_everything(0)
+    trainer = cp_trainer(
+        2, strategy=MegatronCPFSDPStrategy(cp=2), max_steps=1, callbacks=[_CallOnRankZeroOnly()]
+    )
+    started = time.monotonic()
+    try:
+        trainer.fit(GPTModule(CONFIG), _loader(2, False, _dataset()))
+    except RuntimeError as error:
+        return str(error), time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+def test_a_call_on_rank_zero_alone_ends_with_the_rule_on_sigterm(world2):
+    (error, seconds), (other, _) = world2.run(_fit_calling_on_rank_zero_only)
+    assert other is None
+    assert error.startswith("rank 0 of 2 called the model outside the training step")
+    assert "SIGTERM arrived while this rank waited" in error
+    assert "every rank must make the same calls outside the step" in error
+    assert "not under `if trainer.is_global_zero`" in error
+    assert seconds < 60  # not the 120 s timeout
+
+
+def _agree(calls: bool, timeout_s: float) -> tuple[str | None, float]:
+    """Every rank: an agreement over the world; rank 0 calls it, rank 1 only if ``calls`` (else it keeps the
+    group open longer than rank 0 waits)."""
+    agreement = OutsideCallAgreement.over_world(stopping=lambda: False)
+    agreement.timeout_s = timeout_s
+    started = time.monotonic()
+    try:
+        if calls or dist.get_rank() == 0:
+            agreement()
+        else:
+            time.sleep(timeout_s + 2.0)
+    except RuntimeError as error:
+        return str(error), time.monotonic() - started
+    finally:
+        agreement.close()
+    return None, time.monotonic() - started
+
+
+def test_every_rank_calling_agrees_at_once(world2):
+    for error, seconds in world2.run(_agree, True, 60.0):
+        assert error is None and seconds < 10
+
+
+def test_a_rank_left_alone_stops_waiting_after_the_timeout(world2):
+    (error, seconds), (other, _) = world2.run(_agree, False, 1.0)
+    assert other is None
+    assert "none came within 1 s" in error and "every rank must make the same calls" in error
+    assert 1.0 <= seconds < 2.5
