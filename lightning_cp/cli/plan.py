@@ -124,7 +124,7 @@ def _describe(shape: ModelShape) -> str:
 
 
 _HEADER = (
-    f"{'layout':<46}{'params':>7}{'grads':>7}{'optim':>7}{'fsdp':>6}{'saved':>7}{'transient':>20}"
+    f"{'layout':<50}{'params':>7}{'grads':>7}{'optim':>7}{'fsdp':>6}{'saved':>7}{'transient':>20}"
     f"{'reserve':>8}{'peak':>7}{'host':>7}{'comm':>8}"
 )
 
@@ -133,7 +133,7 @@ def _row(candidate: Candidate) -> str:
     e = candidate.estimate
     transient = f"{_gib(e.transient)} {e.largest_transient}"
     return (
-        f"{candidate.layout.name():<46}{_gib(e.parameters):>7}{_gib(e.gradients):>7}{_gib(e.optimizer):>7}"
+        f"{candidate.layout.name():<50}{_gib(e.parameters):>7}{_gib(e.gradients):>7}{_gib(e.optimizer):>7}"
         f"{_gib(e.fsdp_gathered):>6}{_gib(e.activations):>7}{transient:>20}{_gib(e.reserve):>8}"
         f"{_gib(e.peak):>7}{_gib(e.host):>7}{_gib(e.communication):>8}"
     )

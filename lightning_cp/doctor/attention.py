@@ -88,7 +88,7 @@ def sdpa_reference(
 
 def kernel_name(q: Tensor) -> str:
     """The local kernel CP attention runs for queries like ``q``: the package's own choice."""
-    return "flash-varlen" if _varlen.use_flash(q, q, None) else "torch-blocked"
+    return "flash-varlen" if _varlen.use_flash(q, q, q, None) else "torch-blocked"
 
 
 def shard_heads(

@@ -119,11 +119,10 @@ def mixer_layer(kind: str, dtype: torch.dtype, sizes: dict[str, Any] | None = No
 
 
 def split_problem(kind: str, cp: int) -> str | None:
-    """Why the layer of ``kind`` cannot be split over ``cp`` ranks (the adapter's own words), or ``None``."""
-    from lightning_cp.hf.mixers import ADAPTERS
+    """Why the layer of ``kind`` cannot be split over ``cp`` ranks (its mixer description's words), or ``None``."""
+    from lightning_cp.hf.mixers import mixer_shape
 
-    layer = mixer_layer(kind, DTYPE)
-    return ADAPTERS[type(layer).__name__].split_problem(layer, cp)
+    return mixer_shape(mixer_layer(kind, DTYPE)).split_problem(cp)
 
 
 def _on_documents(

@@ -10,9 +10,9 @@ function registered under its config's ``_attn_implementation``. The batch's
     )
 
 Given ``cp_shard``, :func:`hf_context_parallel_attention` calls
-:func:`~lightning_cp.parallel.context_parallel_attention` with it, over the CP group the shard carries
-(only the key/value heads are all-gathered), with the
-layer's variants: its ``scaling``, its ``sliding_window`` (per layer), its logit ``softcap`` (Gemma-2),
+:func:`~lightning_cp.parallel.context_parallel_attention` with it, over the CP group the shard carries and
+by the exchange its attention mode names (the strategies' ``cp_attention``: the key/value heads
+all-gathered, or Ulysses' all-to-all), with the layer's variants: its ``scaling``, its ``sliding_window`` (per layer), its logit ``softcap`` (Gemma-2),
 its attention sinks (``s_aux``, gpt-oss) and a value head dim of its own (DeepSeek's MLA). Without it,
 the function is exactly ``transformers``' ``"sdpa"`` attention, so the same model runs anywhere: in a
 callback, as a teacher on other tensors, without a strategy, in ``generate``.
@@ -170,11 +170,13 @@ def hf_context_parallel_attention(
             ``position_bias`` must be ``None``.
 
     Returns:
-        ``([B, S_local, Hq, Dv], None)``: the output in ``query``'s dtype, and no attention weights.
+        ``([B, S_local, Hq, Dv], None)``: the output (with ``cp_shard`` in the compute dtype of
+        :func:`~lightning_cp.parallel.attention.compute_dtype`, else SDPA's), and no attention weights.
 
-    Communication: with ``cp_shard``, that of ``context_parallel_attention`` over the shard's CP
-    group (one all-gather of K and V forward; the same again and one reduce-scatter backward; none
-    without CP). Without ``cp_shard`` none: this is ``transformers``' SDPA attention.
+    Communication: with ``cp_shard``, that of ``context_parallel_attention`` over the shard's CP group
+    (the all-gather: per round of key/value heads one all-gather of K and V forward, the same again and
+    one reduce-scatter backward; Ulysses: one all-to-all each way, forward and backward; none without CP).
+    Without ``cp_shard`` none: this is ``transformers``' SDPA attention.
 
     Raises:
         ValueError: without ``cp_shard``, ``position_ids`` of a batch sharded over ``cp > 1`` ranks (the
@@ -186,7 +188,7 @@ def hf_context_parallel_attention(
     if cp_shard is None:
         return _sdpa(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     _check_supported(module, query, key, dropout, kwargs)
-    _check_mask(attention_mask)
+    _check_mask(attention_mask, cp_shard)
     _check_tokens(cp_shard, query)
     _check_positions(cp_shard, kwargs.get("position_ids"), attention_mask)
     out = context_parallel_attention(
@@ -210,6 +212,9 @@ def guard_sharded_calls(module: nn.Module) -> None:
       (:func:`~lightning_cp.parallel.sharding.sharded_under_cp`) without the batch's ``cp_shard`` is refused:
       it passes neither the shard nor its ``position_ids`` to the attention, which would then attend within
       the rank's own tokens;
+    * a call with ``cp_shard`` and an ``attention_mask`` that masks a token of the batch is refused, on every
+      rank of the CP group alike (:meth:`~lightning_cp.parallel.CPShard.masks_tokens`: with right padding
+      only one rank's slice holds the zeros), before any layer reaches the other ranks;
     * a call with ``cp_shard`` and no ``use_cache`` runs with ``use_cache=False``: a KV cache of a shard
       cannot be continued, and ``transformers`` would otherwise build one (its config's default) that keeps
       every layer's K/V of the shard alive until the step's outputs are freed (what ``transformers`` does
@@ -235,24 +240,36 @@ _GUARDED = "_lightning_cp_guards_sharded_calls"
 def _guard_sharded_call(
     module: nn.Module, args: tuple, kwargs: dict[str, Any]
 ) -> tuple[tuple, dict[str, Any]] | None:
-    if kwargs.get(CP_SHARD) is None:
+    cp_shard = kwargs.get(CP_SHARD)
+    if cp_shard is None:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if sharded_under_cp(input_ids):
             raise ValueError(f"{type(module).__name__}: {_WITHOUT_SHARD}")
         return None
-    position = _use_cache_position(type(module))
+    mask = _argument(type(module), "attention_mask", args, kwargs)
+    if isinstance(mask, Tensor) and (mask.dim() != 2 or cp_shard.masks_tokens(mask)):
+        raise ValueError(f"{type(module).__name__}: {_MASK_WITH_SHARD}")
     # use_cache neither given by keyword nor positionally
+    position = _argument_position(type(module), "use_cache")
     if kwargs.get("use_cache") is None and position is not None and position >= len(args):
         return args, {**kwargs, "use_cache": False}
     return None
 
 
+def _argument(model_class: type, name: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The argument ``name`` of a call of ``model_class.forward``, by keyword or by position (else ``None``)."""
+    if name in kwargs:
+        return kwargs[name]
+    position = _argument_position(model_class, name)
+    return args[position] if position is not None and position < len(args) else None
+
+
 @functools.cache
-def _use_cache_position(model_class: type) -> int | None:
-    """The position of ``use_cache`` among the arguments of ``model_class.forward`` (after ``self``), or
-    ``None`` when it takes none: read once per class, not at every call."""
+def _argument_position(model_class: type, name: str) -> int | None:
+    """The position of ``name`` among the arguments of ``model_class.forward`` (after ``self``), or ``None``
+    when it takes none: read once per class, not at every call."""
     parameters = list(inspect.signature(model_class.forward).parameters)[1:]
-    return parameters.index("use_cache") if "use_cache" in parameters else None
+    return parameters.index(name) if name in parameters else None
 
 
 def _sdpa(
@@ -340,21 +357,25 @@ def _check_supported(
         )
 
 
-def _check_mask(attention_mask: DeferredMask | Tensor | None) -> None:
+_MASK_WITH_SHARD = (
+    'attn_implementation="lightning_cp" got an attention mask with cp_shard; the shard already defines '
+    "causality and document boundaries. Do not pass attention_mask to the model (pad on the right and mark "
+    "targets with loss_mask, or pack documents with cu_seqlens instead)."
+)
+
+
+def _check_mask(attention_mask: DeferredMask | Tensor | None, cp_shard: CPShard) -> None:
+    """Refuse a mask that masks a token (a 2-D padding mask: of the whole batch, so that every rank of the
+    CP group refuses it alike), or any other mask."""
     deferred = attention_mask if isinstance(attention_mask, DeferredMask) else None
     user_mask = attention_mask if deferred is None else deferred.padding_mask
     if user_mask is None or (deferred is not None and deferred.verified_no_padding):
         return
     # Some models make an all-ones padding mask themselves: it masks nothing (checked once per forward).
-    if deferred is not None and user_mask.dim() == 2 and bool(user_mask.all()):
+    if deferred is not None and user_mask.dim() == 2 and not cp_shard.masks_tokens(user_mask):
         deferred.verified_no_padding = True
         return
-    if user_mask is not None:
-        raise ValueError(
-            'attn_implementation="lightning_cp" got an attention mask with cp_shard; the shard already '
-            "defines causality and document boundaries. Do not pass attention_mask to the model (pad on the "
-            "right and mark targets with loss_mask, or pack documents with cu_seqlens instead)."
-        )
+    raise ValueError(_MASK_WITH_SHARD)
 
 
 def _check_tokens(cp_shard: CPShard, query: Tensor) -> None:

@@ -1,6 +1,6 @@
 """Which keys every query piece of CP attention attends to, and where the kernels read them in place.
 
-CP attention (:mod:`lightning_cp.parallel.attention`) cuts this rank's queries into *pieces*, one per
+CP attention (:mod:`lightning_cp.parallel._allgather_attention`) cuts this rank's queries into *pieces*, one per
 kept chunk of every sequence (:class:`~lightning_cp.parallel.CPShard`): piece ``(i, h)`` holds the ``c``
 queries at positions ``g * c .. (g + 1) * c - 1`` of sequence ``i`` (``g = kept_chunks[h]``, ``c`` its
 chunk length). With full causal attention they see the sequence's keys ``0 .. (g + 1) * c - 1``; with a

@@ -1,6 +1,6 @@
 """Variable-length causal attention kernels for the local work of CP attention (forward and backward).
 
-The problem (set up by :mod:`lightning_cp.parallel.attention` from a
+The problem (set up by :mod:`lightning_cp.parallel._allgather_attention` from a
 :class:`~lightning_cp.parallel._key_selection.KeySelection`): ``q`` ``[Tq, Hq, D]``, ``k`` ``[Tk, Hkv, D]``
 and ``v`` ``[Tk, Hkv, Dv]`` (``Hkv`` divides ``Hq``: grouped-query attention; ``Dv`` may differ from ``D``,
 as in DeepSeek's multi-head latent attention) are cut into pieces by ``cu_q`` and ``cu_k`` (``[P + 1]``
@@ -16,8 +16,8 @@ attention probabilities. Attention sinks are a correction of either kernel's res
 
 Two kernels (:func:`use_flash` chooses, and logs its choice once):
 
-- PyTorch's FlashAttention-2 variable-length kernels on CUDA (fp16 / bf16, head dims up to 256 and
-  multiples of 8), the ones behind ``torch.nn.attention.varlen.varlen_attn``; the aten ops are called
+- PyTorch's FlashAttention-2 variable-length kernels on CUDA GPUs of compute capability 8.0 or newer
+  (fp16 / bf16, head dims up to 256 and multiples of 8), the ones behind ``torch.nn.attention.varlen.varlen_attn``; the aten ops are called
   directly so that the backward takes the saved ``lse`` (``varlen_attn``'s autograd would keep the keys).
   Windows go through their ``window_size_left`` / ``window_size_right``; a value head dim other than the
   query's is padded with zeros to the larger one (scores and outputs are unchanged). They have no
@@ -26,7 +26,7 @@ Two kernels (:func:`use_flash` chooses, and logs its choice once):
   ``[heads, block, keys]`` scores bounded by ``_SCORE_BUDGET_BYTES`` and recomputed in the backward, so
   memory is ``O(Tq + Tk)`` plus one block whatever the lengths (with a window, a block spans only the
   keys its queries reach). It is the CPU path (FlexAttention has no CPU backward), and on CUDA the path
-  for fp32 and for softcapping.
+  for fp32, for softcapping and for GPUs older than Ampere (a V100, a T4).
 """
 
 from __future__ import annotations
@@ -44,23 +44,46 @@ _log = logging.getLogger(__name__)
 _SCORE_BUDGET_BYTES = 64 * 2**20
 """fp32 scores of one query block (the torch kernel): a few such temporaries at a time."""
 
+_FLASH_CAPABILITY = (8, 0)
+"""The oldest CUDA compute capability PyTorch's FlashAttention-2 kernels run on (Ampere)."""
+
 Pieces = list[tuple[int, int, int, int]]
 """``(q_start, q_stop, k_start, k_stop)`` of every piece, on the host."""
 
 
-def use_flash(q: Tensor, v: Tensor, softcap: float | None) -> bool:
-    """Whether the FlashAttention-2 kernels run for tensors like ``q``, ``v`` (else the torch kernel).
+def use_flash(q: Tensor, k: Tensor, v: Tensor, softcap: float | None) -> bool:
+    """Whether the FlashAttention-2 kernels run for tensors like ``q``, ``k``, ``v`` (else the torch kernel):
+    :func:`flash_chosen` of their device, dtypes and head dim."""
+    return flash_chosen(q.device, (q.dtype, k.dtype, v.dtype), max(q.shape[-1], v.shape[-1]), softcap)
 
-    Logs once per process and reason which kernel runs (INFO; WARNING when CUDA inputs that could run
-    FlashAttention take the slower torch kernel because of ``softcap``).
+
+def flash_chosen(
+    device: torch.device, dtypes: tuple[torch.dtype, ...], head_dim: int, softcap: float | None
+) -> bool:
+    """Whether the FlashAttention-2 kernels run for ``q``, ``k``, ``v`` of ``dtypes`` on ``device`` whose
+    larger head dim is ``head_dim``: a CUDA GPU of compute capability 8.0 or newer, one dtype, fp16 or bf16,
+    a head dim that is a multiple of 8 up to 256, FlashAttention enabled, no ``softcap``. Else the torch
+    kernel.
+
+    Logs once per process and reason which kernel runs (INFO; WARNING when a GPU takes the slower torch
+    kernel for its generation (a V100, a T4), or inputs that could run FlashAttention because of ``softcap``).
     """
-    dim = max(q.shape[-1], v.shape[-1])
-    if not q.is_cuda:
-        reason = f"{q.device.type} tensors (FlashAttention-2 is CUDA only)"
-    elif q.dtype not in (torch.float16, torch.bfloat16):
-        reason = f"{q.dtype} inputs (FlashAttention-2 takes fp16 / bf16)"
-    elif dim % 8 or dim > 256:
-        reason = f"head dim {dim} (FlashAttention-2 takes multiples of 8 up to 256)"
+    if device.type != "cuda":
+        reason = f"{device.type} tensors (FlashAttention-2 is CUDA only)"
+    elif (capability := torch.cuda.get_device_capability(device)) < _FLASH_CAPABILITY:
+        _log_once(
+            logging.WARNING,
+            "CP attention: the exact blocked torch kernel (fp32 scores, slower than FlashAttention), for a GPU "
+            f"of compute capability {capability[0]}.{capability[1]}: FlashAttention-2 needs "
+            f"{_FLASH_CAPABILITY[0]}.{_FLASH_CAPABILITY[1]} or newer (A100, H100).",
+        )
+        return False
+    elif len(set(dtypes)) > 1:
+        reason = f"q, k, v of different dtypes {', '.join(map(str, dtypes))} (FlashAttention-2 takes one)"
+    elif dtypes[0] not in (torch.float16, torch.bfloat16):
+        reason = f"{dtypes[0]} inputs (FlashAttention-2 takes fp16 / bf16)"
+    elif head_dim % 8 or head_dim > 256:
+        reason = f"head dim {head_dim} (FlashAttention-2 takes multiples of 8 up to 256)"
     elif not torch.backends.cuda.flash_sdp_enabled():
         reason = "FlashAttention disabled (torch.backends.cuda.enable_flash_sdp(False))"
     elif softcap is not None:
@@ -262,7 +285,10 @@ def torch_backward(
     window: int | None = None,
     softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Exact blocked backward recomputing each block's probabilities from ``lse``: ``(dq, dk, dv)``."""
+    """Exact blocked backward recomputing each block's probabilities from ``lse``: ``(dq, dk, dv)``, ``dq``
+    in ``q``'s dtype, ``dk`` and ``dv`` in the accumulation dtype (fp32, or float64 for float64 inputs): a
+    key's gradient is a sum over the queries that read it, which CP attention goes on summing over the
+    ranks before it rounds once to the keys' dtype."""
     kv_heads = k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -285,7 +311,7 @@ def torch_backward(
         ds.mul_(scale)
         dq[q0:q1] = torch.einsum("hgbk,khd->bhgd", ds, kb).flatten(1, 2)
         dk[k0:k1] += torch.einsum("hgbk,bhgd->khd", ds, qb)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk, dv
 
 
 def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:

@@ -50,7 +50,7 @@ class GroupExchange:
             return full
         size = dist.get_world_size(self.group)
         local = full.shape[0] // size
-        if dist.get_backend(self.group) == "nccl":
+        if self._nccl():
             out = full.new_empty((local, *full.shape[1:]))
             dist.reduce_scatter_single(out, full, group=self.group)
             return out
@@ -58,6 +58,20 @@ class GroupExchange:
         dist.all_reduce(full, group=self.group)
         rank = dist.get_rank(self.group)
         return full[rank * local : (rank + 1) * local].clone()
+
+    def agree_min(self, value: int) -> int:
+        """The least of every rank's ``value``: one all-reduce (MIN) of one int64 over the group, read back
+        on the host (on the current CUDA device for NCCL, else on the CPU). For a choice that sets how many
+        collectives run (or how large they are), which every rank must make alike."""
+        if self.group is None:
+            return value
+        device = torch.device("cuda", torch.cuda.current_device()) if self._nccl() else torch.device("cpu")
+        agreed = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+        return int(agreed.item())
+
+    def _nccl(self) -> bool:
+        return dist.get_backend(self.group) == "nccl"
 
     def all_to_all(self, send: Tensor) -> Tensor:
         """``[cp, ...]`` whose row ``r`` is what rank ``r`` sent this rank: ``send`` ``[cp, ...]`` holds in

@@ -75,7 +75,8 @@ def to_heads(shard: CPShard, *tensors: tuple[Tensor, Tensor]) -> list[Tensor]:
         *tensors: ``(x, heads)`` pairs: ``x`` ``[T_local, H, d]``, this rank's tokens (token-major, the rows
             of the batch flattened), of any dtype (a layer's fp32 decay beside its bf16 values); ``heads``
             ``[cp, h]`` int64 (CPU), the heads of ``x`` each rank takes (:func:`head_slices`,
-            :func:`shared_heads`).
+            :func:`shared_heads`); copied to the device once per batch (:meth:`CPShard.device_index
+            <lightning_cp.parallel.CPShard.device_index>`).
 
     Returns:
         One ``[T_seq, h, d]`` per pair, of its dtype: the sequences of the batch one after the other in
@@ -92,7 +93,7 @@ def to_heads(shard: CPShard, *tensors: tuple[Tensor, Tensor]) -> list[Tensor]:
                 f"to_heads: heads {tuple(heads.shape)} must have a row per rank of cp={cp}, and x "
                 f"{tuple(x.shape)} the shard's {local} local tokens"
             )
-        picked = x.index_select(1, heads.flatten().to(x.device))  # [T_local, cp * h, d]
+        picked = x.index_select(1, shard.device_index(heads.flatten()))  # [T_local, cp * h, d]
         sends.append(picked.view(local, cp, -1).transpose(0, 1))  # [cp, T_local, h * d]
     received = _AllToAll.apply(exchange, *sends)  # each [cp, T_local, h * d]: row r from rank r
     return [
@@ -124,31 +125,20 @@ def for_each_sequence(
     Sequences of the same (padded) length run together as a batch: ``function`` gets each tensor as
     ``[n, L, ...]`` (``n`` sequences of ``L`` tokens) and returns one ``[n, L, ...]`` tensor or a sequence of
     them; the results are put back in sequence order. A padded batch (rows of one length) is one call; a packed
-    row, one call per distinct document length. No state crosses a sequence boundary.
+    row, one call per distinct document length (the rows of each length built once per batch:
+    :meth:`CPShard.sequences_by_length <lightning_cp.parallel.CPShard.sequences_by_length>`). No state
+    crosses a sequence boundary.
     """
-    lengths = shard.sequence_lengths.tolist()
-    starts = [0]
-    for length in lengths[:-1]:
-        starts.append(starts[-1] + length)
-    groups: dict[int, list[int]] = {}
-    for index, length in enumerate(lengths):
-        groups.setdefault(length, []).append(index)
     outputs: list[Tensor] = []
     single = True
-    for length, members in groups.items():
-        rows = _rows(starts, members, length, tensors[0].device)  # [n * L]
-        result = function(*(t.index_select(0, rows).unflatten(0, (len(members), length)) for t in tensors))
+    for length, rows in shard.sequences_by_length():  # rows [n * L]
+        result = function(*(t.index_select(0, rows).unflatten(0, (-1, length)) for t in tensors))
         single = isinstance(result, Tensor)
         results = [result] if single else list(result)
         if not outputs:
             outputs = [r.new_empty((tensors[0].shape[0], *r.shape[2:])) for r in results]
         outputs = [out.index_copy(0, rows, r.flatten(0, 1)) for out, r in zip(outputs, results, strict=True)]
     return outputs[0] if single else outputs
-
-
-def _rows(starts: list[int], members: list[int], length: int, device: torch.device) -> Tensor:
-    first = torch.tensor([starts[i] for i in members], dtype=torch.int64)
-    return (first[:, None] + torch.arange(length)).flatten().to(device)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -48,6 +48,9 @@ _PACKED_KEYS = (CU_SEQLENS, CU_SEQLENS_PADDED)
 _DERIVED_KEYS = (LABELS, LOSS_MASK, INPUT_MASK, POSITION_IDS, CP_SHARD)
 # An attribute of the position_ids and input_ids tensors of a batch split over cp > 1 ranks (sharded_under_cp).
 _SHARDED_UNDER_CP = "_lightning_cp_sharded_under_cp"
+PADDING_MASK = "attention_mask"
+"""The key of a ``[B, S]`` padding mask in a batch (1 on tokens, 0 on padding), as Hugging Face tokenizers
+make it: :func:`shard_batch` records whether it masks a token before the split (:meth:`CPShard.masks_tokens`)."""
 
 
 def sharded_under_cp(tensor: Any) -> bool:
@@ -60,6 +63,25 @@ def sharded_under_cp(tensor: Any) -> bool:
     (another batch, a copy) carries it. Local, no communication.
     """
     return getattr(tensor, _SHARDED_UNDER_CP, False)
+
+
+class _BatchState:
+    """What a :class:`CPShard` builds on first use and what its layers record, for the batch: the key
+    selections by window, the sequence order, the whole-sequence shard, the device copies of index tensors,
+    the rows of each sequence length, and whether a layer reached the other ranks.
+
+    Not a dataclass nor a container: FSDP's ``cast_forward_inputs`` (and ``torch.distributed``'s
+    ``_apply_to_tensors``) rebuild dataclasses, lists and dicts in a forward's arguments, so the copy of the
+    shard a model receives under FSDP's mixed precision shares this one object with the batch's shard.
+    """
+
+    def __init__(self) -> None:
+        self.keys: dict[int | None, KeySelection] = {}
+        self.sequence_order: Tensor | None = None
+        self.whole: CPShard | None = None
+        self.indices: dict[tuple[tuple[int, ...], tuple[int, ...]], Tensor] = {}
+        self.lengths: list[tuple[int, Tensor]] | None = None
+        self.reached = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,9 +121,18 @@ class CPShard:
     ``split.cp_rank``); ``None`` for a shard built without its group (only a split over one rank needs none)."""
     attention: AttentionMode = field(default_factory=AttentionMode)
     """How every attention layer of the batch reaches the other ranks' tokens (all-gather or Ulysses)."""
-    _keys: dict[int | None, KeySelection] = field(default_factory=dict, repr=False)
-    _sequence_order: list[Tensor] = field(default_factory=list, repr=False)
-    _whole: list[CPShard] = field(default_factory=list, repr=False)
+    kv_gather_budget: int | None = None
+    """Bytes one all-gather round's key/value copies may take, the same on every rank of the CP group
+    (:meth:`AttentionMode.gather_budget <lightning_cp.parallel.attention_mode.AttentionMode.gather_budget>`,
+    asked once per batch by :func:`shard_batch`); ``None``: no budget. Every attention layer of the batch,
+    and a checkpointed layer's recomputation, sizes its rounds from it."""
+    padding_mask: Tensor | None = None
+    """``[B, S_local]``: this rank's slice of the batch's ``attention_mask`` (the batch's tensor), ``None``
+    when the batch has none."""
+    batch_padded: Tensor | None = field(default=None, repr=False)
+    """0-d bool on the batch's device: whether the whole batch's ``attention_mask`` masks a token, computed
+    by :func:`shard_batch` before the split (read only by :meth:`masks_tokens`); ``None`` without one."""
+    _state: _BatchState = field(default_factory=_BatchState, repr=False)
 
     @classmethod
     def build(cls, split: CPSplit, lengths: Tensor, device: torch.device | str) -> CPShard:
@@ -127,27 +158,77 @@ class CPShard:
         """
         longest = 2 * self.split.cp_size * int(self.chunk_lengths.max()) if self.num_sequences else 0
         window = effective_window(window, longest)
-        if window not in self._keys:
-            self._keys[window] = select_keys(self.split, self.chunk_lengths, window, self.cu_seqlens.device)
-        return self._keys[window]
+        selections = self._state.keys
+        if window not in selections:
+            selections[window] = select_keys(self.split, self.chunk_lengths, window, self.cu_seqlens.device)
+        return selections[window]
 
     def sequence_order(self) -> Tensor:
         """``[cp * T_local]`` int64 on :attr:`cu_seqlens`' device: the row, among every rank's local tokens in
         rank order, of each token of the whole sequences in sequence order
         (:meth:`CPSplit.sequence_order <lightning_cp.parallel.split.CPSplit.sequence_order>`). Built on the
         CPU on the first call and cached on the shard, so every layer of the batch reuses it."""
-        if not self._sequence_order:
+        state = self._state
+        if state.sequence_order is None:
             order = self.split.sequence_order(self.chunk_lengths)
-            self._sequence_order.append(order.to(self.cu_seqlens.device, non_blocking=True))
-        return self._sequence_order[0]
+            state.sequence_order = order.to(self.cu_seqlens.device, non_blocking=True)
+        return state.sequence_order
+
+    def device_index(self, index: Tensor) -> Tensor:
+        """``index``, a small integer index on the CPU (the heads or channels a rank takes), on
+        :attr:`cu_seqlens`' device: copied on the first call for its values and cached on the shard, so the
+        layers of a batch that ask for the same index share one copy (a host-to-device copy per layer would
+        hold up the device's stream every time)."""
+        key = (tuple(index.shape), tuple(index.flatten().tolist()))
+        indices = self._state.indices
+        if key not in indices:
+            indices[key] = index.to(self.cu_seqlens.device, non_blocking=True)
+        return indices[key]
+
+    def sequences_by_length(self) -> list[tuple[int, Tensor]]:
+        """``(L, rows)`` for each distinct padded sequence length ``L`` (:attr:`sequence_lengths`), in order
+        of first appearance: ``rows`` ``[n * L]`` int64 on :attr:`cu_seqlens`' device, the positions of those
+        ``n`` sequences' tokens in sequence order (:meth:`sequence_order`), sequence after sequence. Built on
+        the CPU on the first call and cached on the shard."""
+        state = self._state
+        if state.lengths is None:
+            lengths = self.sequence_lengths
+            starts = torch.cumsum(lengths, 0) - lengths
+            groups = []
+            for length in dict.fromkeys(lengths.tolist()):
+                first = starts[lengths == length]
+                rows = (first[:, None] + torch.arange(length)).flatten()
+                groups.append((length, rows.to(self.cu_seqlens.device, non_blocking=True)))
+            state.lengths = groups
+        return state.lengths
 
     def whole_sequences(self) -> CPShard:
         """The shard of one rank holding every sequence whole (cp = 1), each padded to its ``2 * cp``
         chunks: the tokens the head-parallel exchange gives a rank (``to_heads``), in that order, as one
         packed row. Cached on this shard."""
-        if not self._whole:
-            self._whole.append(CPShard.build(CPSplit(1, 0), self.sequence_lengths, self.cu_seqlens.device))
-        return self._whole[0]
+        state = self._state
+        if state.whole is None:
+            state.whole = CPShard.build(CPSplit(1, 0), self.sequence_lengths, self.cu_seqlens.device)
+        return state.whole
+
+    def masks_tokens(self, mask: Tensor) -> bool:
+        """Whether ``mask``, a padding mask (1 on tokens, 0 on padding) a model was called with under this
+        shard, masks any token of the batch: the same answer on every rank of the CP group for the batch's
+        own ``attention_mask``.
+
+        Right padding puts the zeros in the last chunk, which one rank holds: a check of each rank's slice
+        would raise on that rank only while the others went on to their first collective. So for
+        :attr:`padding_mask`, or a tensor of the same values (``transformers`` converts it to bool), the
+        answer is the whole batch's, recorded by :func:`shard_batch` before the split; for any other mask,
+        whether it has a zero on this rank. Local, no communication (one read of a device flag).
+        """
+        batch = self.padding_mask
+        of_the_batch = (
+            batch is not None
+            and mask.shape == batch.shape
+            and (mask is batch or torch.equal(mask.bool(), batch.bool()))
+        )
+        return bool(self.batch_padded) if of_the_batch else not bool(mask.all())
 
     @property
     def sequence_lengths(self) -> Tensor:
@@ -156,11 +237,13 @@ class CPShard:
         return 2 * self.split.cp_size * self.chunk_lengths
 
     def group_exchange(self) -> GroupExchange:
-        """:attr:`exchange`, the shard's CP group, which layers that reach their peers use.
+        """:attr:`exchange`, the shard's CP group, which layers that reach their peers use (and so
+        :attr:`reached_peers`).
 
         Raises:
             ValueError: the shard is one of a split over several ranks but was built without its group.
         """
+        self._state.reached = True
         if self.exchange is not None:
             return self.exchange
         if self.split.cp_size > 1:
@@ -170,6 +253,13 @@ class CPShard:
                 "MegatronCPStrategy does), so that attention reaches the other ranks' tokens."
             )
         return GroupExchange()
+
+    @property
+    def reached_peers(self) -> bool:
+        """Whether a layer reached the other ranks through this shard (:meth:`group_exchange`): CP attention
+        and the token mixers do at every call under CP. A model whose layers never did attended within
+        each rank's own tokens; the strategies refuse its training step."""
+        return self._state.reached
 
     @property
     def num_sequences(self) -> int:
@@ -242,7 +332,8 @@ def shard_batch(
 ) -> dict[str, Any]:
     """Shift labels to the next token, pad and keep this CP rank's two chunks of every sequence.
 
-    Runs locally (no communication); every CP peer calls it on the same full batch.
+    Every CP peer calls it on the same full batch. Local, but for one all-reduce of one integer over
+    ``cp_group`` on CUDA when the all-gather's rounds are sized by free memory (``attention``).
 
     Args:
         batch: ``input_ids`` ``[B, S]`` (padded) or ``[1, T]`` with ``cu_seqlens`` ``[n + 1]`` (packed).
@@ -259,7 +350,8 @@ def shard_batch(
             ``cp_rank``. ``None``: a shard of the data only (under CP, attention refuses it).
         attention: how the batch's attention layers reach the other ranks' tokens (:class:`AttentionMode`:
             all-gather by rounds of key/value heads, or Ulysses); default: the all-gather, all heads at once
-            on the CPU.
+            on the CPU. With ``kv_heads_per_gather=None`` on CUDA under CP, the rounds' memory budget is
+            agreed over ``cp_group`` here, once for the batch (:attr:`CPShard.kv_gather_budget`).
         ignore_index: label of positions that are not targets.
         pad_id: token id used to pad sequences to a multiple of ``2 * cp_size``.
 
@@ -270,7 +362,9 @@ def shard_batch(
         False on padding, including the padding added here, so token counts need no knowledge of the
         split), the other sequence tensors, ``cp_shard`` (the :class:`CPShard` the model's attention is
         given), and for packed batches ``cu_seqlens`` (this rank's local boundaries, int32) and
-        ``cu_seqlens_padded`` (boundaries of the padded full sequence, int32).
+        ``cu_seqlens_padded`` (boundaries of the padded full sequence, int32). An ``attention_mask`` is
+        split as the other sequence tensors, and the shard records whether the whole batch's masks a token
+        (:meth:`CPShard.masks_tokens`).
         Local length is ``S_pad / cp`` (padded) or ``sum(len_pad_i) / cp`` (packed).
 
     Raises:
@@ -335,8 +429,17 @@ def shard_batch(
         for marked in (position_ids, out.get(INPUT_IDS)):
             if isinstance(marked, Tensor):
                 setattr(marked, _SHARDED_UNDER_CP, True)
+    attention = attention or AttentionMode()
+    padding = batch.get(PADDING_MASK)
+    padded = isinstance(padding, Tensor) and padding.shape == input_ids.shape
     out[CP_SHARD] = replace(
-        shard, position_ids=position_ids, exchange=exchange, attention=attention or AttentionMode()
+        shard,
+        position_ids=position_ids,
+        exchange=exchange,
+        attention=attention,
+        kv_gather_budget=attention.gather_budget(device, exchange),
+        padding_mask=out[PADDING_MASK] if padded else None,
+        batch_padded=~padding.bool().all() if padded else None,
     )
     if packed:
         out[CU_SEQLENS] = shard.cu_seqlens

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from lightning_cp.parallel.attention import _CPAttention
+from lightning_cp.parallel._allgather_attention import AllGatherAttention
 from lightning_cp.parallel.exchange import GroupExchange
 from lightning_cp.parallel.sharding import CPShard, shard_batch, unshard
 
@@ -151,7 +151,8 @@ def rank_attention(
     Returns:
         ``[T_local, Hq, D]``, differentiable w.r.t. ``q``, ``k``, ``v``.
     """
-    return _CPAttention.apply(q, k, v, None, shard.keys(window), shard.group_exchange(), scale, None, 1)
+    keys, exchange = shard.keys(window), shard.group_exchange()
+    return AllGatherAttention.apply(q, k, v, None, keys, exchange, scale, None, k.shape[1])
 
 
 def simulate_cp_attention(

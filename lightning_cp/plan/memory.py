@@ -14,6 +14,7 @@ from typing import Literal
 
 from lightning_cp.memory.tiling import auto_tile_tokens
 from lightning_cp.ops._plan import chunk_budget, chunk_tokens
+from lightning_cp.parallel.attention_mode import AttentionMode
 from lightning_cp.plan.shape import ModelShape
 
 Precision = Literal["bf16-mixed", "bf16-true", "32-true"]
@@ -52,16 +53,28 @@ class Layout:
     norms' fp32 copies recomputed per tile, only their inputs saved."""
     attention: Literal["allgather", "ulysses"] = "allgather"
     """The strategies' ``cp_attention``: the key/value heads all-gathered, or Ulysses' all-to-all."""
-    kv_rounds: int = 1
-    """All-gather: in how many rounds the key/value heads are gathered (``Hkv / kv_heads_per_gather``)."""
+    kv_heads_per_gather: int | None = None
+    """The strategies' ``kv_heads_per_gather``: with the all-gather, the key/value heads gathered per round
+    (rounded down to a divisor of the model's ``Hkv``, as at run time); ``None``: every head at once."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.cp < 1 or self.gpus % self.cp:
             raise ValueError(f"Layout: gpus={self.gpus} must be a positive multiple of cp={self.cp}.")
         if self.offload and not self.checkpointing:
             raise ValueError("Layout: offload moves the checkpointed layers' inputs; set checkpointing=True.")
-        if self.kv_rounds < 1 or (self.attention == "ulysses" and self.kv_rounds != 1):
-            raise ValueError("Layout: kv_rounds is a positive number of all-gather rounds (1 with Ulysses).")
+        try:
+            self.mode()
+        except ValueError as error:
+            raise ValueError(f"Layout: {error}") from None
+
+    def mode(self) -> AttentionMode:
+        """The run-time attention mode of this layout's strategy arguments."""
+        return AttentionMode(self.attention, self.kv_heads_per_gather)
+
+    def gathered_kv_heads(self, kv_heads: int) -> int:
+        """The key/value heads of one all-gather round for a model of ``kv_heads`` (all of them with every
+        head at once), rounded as the run time rounds :attr:`kv_heads_per_gather`."""
+        return self.mode().heads_per_gather(kv_heads, 0, None)
 
     @property
     def dp(self) -> int:
@@ -81,8 +94,8 @@ class Layout:
         attention = []
         if self.attention == "ulysses":
             attention = ["ulysses"]
-        elif self.kv_rounds > 1:
-            attention = [f"kv/{self.kv_rounds}"]
+        elif self.kv_heads_per_gather is not None:
+            attention = [f"kv{self.kv_heads_per_gather}/gather"]
         return " ".join([f"dp{self.dp} x cp{self.cp}", "FSDP" if self.fsdp else "DDP", *attention, *extras])
 
 
@@ -109,9 +122,9 @@ class MemoryEstimate:
     buffers are in :attr:`loss`."""
     attention: int
     """Transient of one layer's attention backward: its local gradients (``dq``, ``dout``, ``dk``, ``dv``);
-    under the all-gather three sequence-sized copies of one round's K and V (``1 / kv_rounds`` of the
-    heads), and on the blocked kernel its score blocks; under Ulysses the heads' side gradients and the
-    exchange's buffers.
+    under the all-gather three sequence-sized copies of one round's K and V (``kv_heads_per_gather / Hkv``
+    of the heads), and on the blocked kernel its score blocks; under Ulysses the heads' side gradients and
+    the exchange's buffers.
     For a hybrid, the larger of that and a mixer layer's backward: its kernels' gradients (the size of what
     they saved) and the head-parallel exchange's buffers."""
     mlp: int
@@ -326,15 +339,16 @@ def estimate(
         attention = 0
     elif layout.cp == 1:
         attention = local_grads  # the fused SDPA kernel: its gradients, no K/V copy
-    elif ulysses:  # the heads' side gradients and the exchange's buffers: no sequence-sized K/V copy
+    elif ulysses:  # the heads' side gradients and the exchange's buffers (the heads' K/V among the saved)
         # (A whole sequence on one rank runs the fused SDPA kernel where FlashAttention does not: no blocks.)
         attention = 2 * tokens * (shape.q_dim + replicated) * compute + ulysses_sent
     else:
         # Three sequence-sized copies of a round's K/V at the backward's peak (its keys in sequence order,
         # their gradients, those at their gathered rows for the reduce-scatter), measured on the CPU.
-        attention = 3 * kv // layout.kv_rounds + local_grads
+        per_round = layout.gathered_kv_heads(shape.kv_heads)
+        attention = 3 * kv * per_round // shape.kv_heads + local_grads
         if not flash:  # a score block and its softmax gradient, for a piece of tokens / 2 queries
-            heads = shape.heads // layout.kv_rounds  # a round's query heads
+            heads = shape.heads * per_round // shape.kv_heads  # a round's query heads
             attention += 2 * min(CPU_SCORE_BLOCK_BYTES, 4 * heads * (tokens // 2) * padded)
     layer_transient = attention  # an attention layer's (0 without one)
     if mixer is not None:
@@ -382,8 +396,8 @@ def estimate(
         sent = ulysses_sent * (layout.cp - 1) // layout.cp
         communication = wrapper + (3 if layout.checkpointing else 2) * shape.attention_layers * sent
     else:
-        kv_rounds = 4 if layout.checkpointing else 3
-        communication = wrapper + kv_rounds * shape.attention_layers * _ring(layout.cp, kv)
+        kv_exchanges = 4 if layout.checkpointing else 3  # gathered forward, backward (recomputed), reduced
+        communication = wrapper + kv_exchanges * shape.attention_layers * _ring(layout.cp, kv)
     if mixer is not None:  # two all-to-alls forward, two backward, two more to recompute
         sent = tokens * mixer.exchanged_per_token(layout.cp) * compute * (layout.cp - 1) // layout.cp
         communication += (3 if layout.checkpointing else 2) * mixer.layers * sent

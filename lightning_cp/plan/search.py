@@ -47,25 +47,26 @@ def layouts(gpus: int, shape: ModelShape | None = None) -> list[Layout]:
     if shape is not None and shape.mixer is not None:
         sizes = [cp for cp in sizes if shape.mixer.splits(cp)]
     return [
-        Layout(gpus, cp, fsdp, checkpointing, offload, tiled, attention, rounds)
+        Layout(gpus, cp, fsdp, checkpointing, offload, tiled, attention, heads_per_gather)
         for cp in sizes
-        for attention, rounds in attentions(cp, shape)
+        for attention, heads_per_gather in attentions(cp, shape)
         for fsdp in (False, True)
         for checkpointing, offload, tiled in SAVINGS
     ]
 
 
-def attentions(cp: int, shape: ModelShape | None = None) -> list[tuple[str, int]]:
-    """The CP attentions tried at ``cp``: ``(attention, kv_rounds)``. The all-gather of every key/value head
-    at once; with ``shape``, also one head per round (the smallest K/V transient, the same bytes sent) and
-    Ulysses where the heads split over ``cp`` (:func:`~lightning_cp.parallel.layout.heads_split`). Without CP, none."""
+def attentions(cp: int, shape: ModelShape | None = None) -> list[tuple[str, int | None]]:
+    """The CP attentions tried at ``cp``: ``(cp_attention, kv_heads_per_gather)``. The all-gather of every
+    key/value head at once; with ``shape``, also one head per round (the smallest K/V transient, the same
+    bytes sent) and Ulysses where the heads split over ``cp``
+    (:func:`~lightning_cp.parallel.layout.heads_split`). Without CP, none."""
     if cp == 1 or shape is None:
-        return [("allgather", 1)]
-    found = [("allgather", 1)]
+        return [("allgather", None)]
+    found: list[tuple[str, int | None]] = [("allgather", None)]
     if shape.kv_heads > 1:
-        found.append(("allgather", shape.kv_heads))
+        found.append(("allgather", 1))
     if heads_split(shape.heads, shape.kv_heads, cp):
-        found.append(("ulysses", 1))
+        found.append(("ulysses", None))
     return found
 
 

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -20,9 +20,11 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightning_cp.constants import CP_SHARD
 from lightning_cp.memory.offload import ActivationOffload
 from lightning_cp.parallel import groups
 from lightning_cp.parallel.attention_mode import AttentionKind, AttentionMode
@@ -33,7 +35,7 @@ from lightning_cp.parallel.layout import (
     data_parallel_size,
     set_current_layout,
 )
-from lightning_cp.parallel.sharding import shard_batch
+from lightning_cp.parallel.sharding import CPShard, shard_batch
 from lightning_cp.strategies._modules import (
     ModuleSpec,
     apply_checkpointing,
@@ -62,7 +64,9 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
       :func:`lightning_cp.parallel.shard_batch` after it reaches the device: the step methods receive
       next-token ``labels``, ``loss_mask``, ``position_ids``, ``cp_shard`` (which the model passes to its
       attention) and, for packed batches, local ``cu_seqlens``. Step methods that take a
-      ``dataloader_iter`` (whose batches Lightning never hands to the strategy) are refused at setup;
+      ``dataloader_iter`` (whose batches Lightning never hands to the strategy) are refused at setup, and
+      under ``cp > 1`` a training step in which no layer reached the other ranks through the batch's
+      ``cp_shard`` (a model that never gave its attention the shard) is refused after its forward;
     - refuse at ``setup`` any model whose training under this layout could differ from the unsharded
       model's, and make its models refuse a call on a batch's shard that would attend within the shard,
       through the model integrations registered with the strategies
@@ -89,13 +93,16 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         offload_activations: keep what the ``activation_checkpointing`` modules save for their backward (their
             inputs) in host memory, copied back ahead of need (:func:`lightning_cp.memory.offload_checkpointed`).
             Needs ``activation_checkpointing``.
-        cp_attention: how attention reaches the other CP ranks' tokens: ``"allgather"`` (the key/value heads
-            all-gathered, any head counts), ``"ulysses"`` (an all-to-all to whole sequences for ``Hq / cp``
-            query heads, no sequence-sized K/V copy; the heads must split over ``cp``) or ``"auto"`` (Ulysses
-            where the heads split, else the all-gather). See :mod:`lightning_cp.parallel.attention_mode`.
-        kv_heads_per_gather: with the all-gather, the key/value heads gathered per round (the whole
-            sequence's K/V transient falls with it; the numbers do not change); ``None``: as many as fit a
-            quarter of the free device memory on CUDA, all at once on the CPU.
+        cp_attention: how attention reaches the other CP ranks' tokens: ``"allgather"`` (every rank keeps its
+            queries and all-gathers the key/value heads, in rounds; any head counts), ``"ulysses"`` (an
+            all-to-all to every token of ``Hq / cp`` query heads and the key/value heads they read: each rank
+            holds the whole sequences' K/V of those heads only; the heads must split over ``cp``) or
+            ``"auto"`` (Ulysses where the heads split, else the all-gather). The numbers are the same either
+            way. See :mod:`lightning_cp.parallel.attention_mode`.
+        kv_heads_per_gather: with the all-gather, the key/value heads gathered per round, rounded down to a
+            divisor of the model's ``Hkv`` (the whole sequence's K/V transient falls with it; the numbers do
+            not change); ``None``: on CUDA as many as fit a quarter of the least free device memory of the
+            CP group (agreed once per batch), all at once on the CPU. Refused with ``"ulysses"``.
         accelerator: the device type (default: the Trainer's ``accelerator``).
         parallel_devices: the devices of this node's ranks (default: from the Trainer's ``devices``).
         cluster_environment: where each rank's rank, the world size and the main address come from
@@ -114,11 +121,13 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
     Raises:
         TypeError: ``cp`` or ``tp`` is not an integer, an option the wrapper does not take, or
             ``activation_checkpointing`` holds something that is neither a module class nor a name.
-        ValueError: ``cp`` or ``tp`` < 1, an unknown ``cp_attention``, ``kv_heads_per_gather`` < 1,
-            ``offload_activations`` without ``activation_checkpointing``, or the
-            world size is not divisible by ``tp * cp`` (raised when the Trainer is built, before any process
-            is launched or collective is run). At setup: an ``activation_checkpointing`` entry that matches no
-            module, or (``cp > 1``) a model that CP cannot train exactly.
+        ValueError: ``cp`` or ``tp`` < 1, an unknown ``cp_attention``, ``kv_heads_per_gather`` < 1 or
+            given with ``cp_attention="ulysses"``, ``offload_activations`` without
+            ``activation_checkpointing``, or the world size is not divisible by ``tp * cp`` (raised when the
+            Trainer is built, before any process is launched or collective is run). At setup: an
+            ``activation_checkpointing`` entry that matches no module, or (``cp > 1``) a model that CP cannot
+            train exactly. At the first training step (``cp > 1``): no layer reached the other ranks through
+            the batch's ``cp_shard``.
     """
 
     strategy_name: str
@@ -308,6 +317,15 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         return {name: tensor.detach().cpu() for name, tensor in self.lightning_module.state_dict().items()}
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """The module's ``training_step``; under CP refused when no layer reached the other ranks through the
+        batch's ``cp_shard`` (the model attended within each rank's own tokens)."""
+        output = super().training_step(*args, **kwargs)
+        batch = args[0] if args else kwargs.get("batch")
+        _check_shard_reached(self.lightning_module, self.layout.cp, batch)
+        return output
+
+    @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Move the batch (user transfer hooks see the full batch), then keep this CP rank's shard."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
@@ -340,6 +358,23 @@ def broadcast_from_first(tensors: Iterable[torch.Tensor], group: ProcessGroup | 
     src = dist.get_global_rank(group, 0)
     for tensor in tensors:
         dist.broadcast(tensor.data, src=src, group=group)
+
+
+def _check_shard_reached(module: LightningModule | None, cp: int, batch: Any) -> None:
+    """Refuse a training step under ``cp > 1`` whose batch's shard no layer used to reach the other ranks.
+
+    The same verdict on every rank (every rank runs the same model on its shard), so every rank raises.
+    """
+    shard = batch.get(CP_SHARD) if isinstance(batch, Mapping) else None
+    if cp == 1 or not isinstance(shard, CPShard) or shard.reached_peers:
+        return
+    raise ValueError(
+        f"{type(module).__name__}.training_step ran under cp={cp} but no layer reached the other CP ranks "
+        "through the batch's shard, so its attention saw only this rank's tokens (two chunks of every "
+        'sequence) and training would be silently wrong: pass cp_shard=batch["cp_shard"] to the model and on '
+        "to every attention layer (context_parallel_attention(q, k, v, cp_shard=cp_shard); a transformers "
+        'model built with attn_implementation="lightning_cp" takes it as a keyword of its forward).'
+    )
 
 
 def _check_steps_take_batches(module: LightningModule) -> None:

@@ -43,7 +43,8 @@ class MegatronCPStrategy(MegatronCPBase):
       which takes the same arguments but the DDP options, and ``fsdp_wrap``.
 
     Args: those of :class:`~lightning_cp.strategies.base.MegatronCPBase` (``cp``, ``tp``,
-    ``activation_checkpointing``, ``offload_activations`` and Lightning's), and as further keywords
+    ``activation_checkpointing``, ``offload_activations``, ``cp_attention``, ``kv_heads_per_gather`` and
+    Lightning's), and as further keywords
     ``DDPStrategy``'s communication-hook options and
     :class:`~torch.nn.parallel.DistributedDataParallel`'s (``find_unused_parameters``, ...).
 

@@ -53,8 +53,9 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
       :func:`~lightning_cp.strategies.consolidate_checkpoint` turns one into an ordinary file.
 
     Args: ``fsdp_wrap``, and those of :class:`~lightning_cp.strategies.base.MegatronCPBase` (``cp``,
-    ``activation_checkpointing``, ``offload_activations`` and Lightning's; ``tp`` only 1: the TP shards are
-    not DTensors, use :class:`~lightning_cp.MegatronCPStrategy` for ``tp > 1``).
+    ``activation_checkpointing``, ``offload_activations``, ``cp_attention``, ``kv_heads_per_gather`` and
+    Lightning's; ``tp`` only 1: the TP shards are not DTensors, use :class:`~lightning_cp.MegatronCPStrategy`
+    for ``tp > 1``).
 
     Raises:
         TypeError: ``fsdp_wrap`` holds something that is neither a module class nor a name, a DDP option,

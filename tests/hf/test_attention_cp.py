@@ -4,15 +4,21 @@ References are ``transformers``' own ``"sdpa"`` models with the same weights, on
 each document alone, in the test process.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_cp.hf import decoder, output_head
-from lightning_cp.parallel import groups, shard_batch
+from lightning_cp.hf.attention import guard_sharded_calls
+from lightning_cp.hf.mixers import adapt_token_mixers
+from lightning_cp.parallel import context_parallel_attention, groups, shard_batch
+from lightning_cp.parallel.attention_mode import AttentionMode
 from lightning_cp.parallel.layout import current_layout, set_current_layout
 from tests.hf._models import CONFIGS, VARIANTS, VOCAB, assert_grads_close, build, build_variant
+from tests.hf.test_hybrid import HYBRIDS, transformers
 
 DOC_LENGTHS = [7, 13, 5, 11]  # odd and unequal: every CP split pads, pieces straddle ranks
 PADDED_SHAPE = (3, 10)
@@ -168,3 +174,146 @@ def _without_position_ids(cp):
 def test_a_model_called_without_position_ids_under_cp_fails_on_every_rank(world2):
     for message in world2.run(_without_position_ids, 2):
         assert message is not None and "position_ids=batch['position_ids']" in message
+
+
+def _right_padded_batch(cp, rank, **tensors):
+    """A [2, 8] batch whose second row ends in two padding tokens, sharded with its attention_mask (and
+    ``tensors``): at cp = 2 the last chunk (tokens 6, 7), and so every zero of the mask, is rank 0's."""
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, -2:] = 0
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "attention_mask": mask, **tensors}
+    return shard_batch(batch, cp, rank, cp_group=current_layout().cp_group)
+
+
+def _error(call):
+    """The message of the ``ValueError`` ``call()`` raises, or None."""
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _right_padded(cp):
+    """The sharded attention_mask given to a bare decoder and, as bool (what transformers hands its
+    attention function), to a guarded one: whether this rank's slice masks nothing, and each error."""
+
+    def run(rank):
+        torch.manual_seed(0)
+        batch = _right_padded_batch(cp, rank)
+        messages = []
+        for guarded, local_mask in ((False, batch["attention_mask"]), (True, batch["attention_mask"].bool())):
+            model = build("llama", "lightning_cp")
+            if guarded:
+                guard_sharded_calls(model)
+            inputs = {name: batch[name] for name in ("input_ids", "position_ids", "cp_shard")}
+            messages.append(_error(lambda: model.model(**inputs, attention_mask=local_mask)))  # noqa: B023
+        return bool(batch["attention_mask"].all()), messages
+
+    return _in_cp_group(cp, run)
+
+
+def test_right_padding_in_one_rank_s_slice_is_refused_on_every_rank(world2):
+    per_rank = world2.run(_right_padded, 2)
+    assert [all_ones for all_ones, _ in per_rank] == [False, True]  # only rank 0's slice has the zeros
+    for _, messages in per_rank:
+        assert messages[0] is not None and "Do not pass attention_mask to the model" in messages[0]
+        assert messages[1] is not None and messages[1].startswith("LlamaModel: ")
+        assert "Do not pass attention_mask to the model" in messages[1]
+
+
+def _mixer_given_the_padding(cp):
+    """A Gated DeltaNet layer called with the right-padded batch's attention_mask slice and cp_shard: each
+    rank's error, or None."""
+
+    def run(rank):
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(**HYBRIDS["qwen3_5_text"])
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        mixer = model.get_submodule(adapt_token_mixers(model, cp)[0])
+        batch = _right_padded_batch(cp, rank, h=torch.randn(2, 8, config.hidden_size))
+        return _error(
+            lambda: mixer(batch["h"], attention_mask=batch["attention_mask"], cp_shard=batch["cp_shard"])
+        )
+
+    return _in_cp_group(cp, run)
+
+
+def test_a_mixer_refuses_the_batch_s_padding_on_every_rank(world2):
+    for message in world2.run(_mixer_given_the_padding, 2):
+        assert message is not None and "got a padding mask with cp_shard" in message
+
+
+def _index_copies_per_layer(cp):
+    """Integer ``.to`` calls (the index copies to the device) of two calls ("layers") on one batch's shard
+    of Ulysses attention with sinks and of each kind of token mixer (Gated DeltaNet's, Mamba2's and the
+    short convolution's channel rows, Mamba2's own heads)."""
+
+    def run(rank):
+        torch.manual_seed(0)
+        group = current_layout().cp_group
+        ids = torch.zeros(1, 16, dtype=torch.long)
+        cu = torch.tensor([0, 5, 16])
+        copies = {}
+
+        def layers(name, layer):
+            counts = []
+            for _ in range(2):
+                with _counting_index_copies() as count:
+                    layer()
+                counts.append(count[0])
+            copies[name] = counts
+
+        q, k, v = (torch.randn(1, heads, 16, 8) for heads in (4, 2, 2))
+        batch = shard_batch(
+            {
+                "input_ids": ids,
+                "cu_seqlens": cu,
+                "q": q.transpose(1, 2),
+                "k": k.transpose(1, 2),
+                "v": v.transpose(1, 2),
+            },
+            cp,
+            rank,
+            cp_group=group,
+            attention=AttentionMode("ulysses"),
+        )
+        local = [batch[name].transpose(1, 2) for name in "qkv"]
+        sinks = torch.randn(4)
+        layers("ulysses", lambda: context_parallel_attention(*local, cp_shard=batch["cp_shard"], sinks=sinks))
+        for family in ("qwen3_5_text", "mamba2", "lfm2"):
+            config = transformers.AutoConfig.for_model(**HYBRIDS[family])
+            model = transformers.AutoModelForCausalLM.from_config(config)
+            mixer = model.get_submodule(adapt_token_mixers(model, cp)[0])
+            hidden = torch.randn(1, 16, config.hidden_size)
+            batch = shard_batch({"input_ids": ids, "cu_seqlens": cu, "h": hidden}, cp, rank, cp_group=group)
+            layers(family, lambda: mixer(batch["h"], cp_shard=batch["cp_shard"]))  # noqa: B023
+        return copies
+
+    return _in_cp_group(cp, run)
+
+
+@contextlib.contextmanager
+def _counting_index_copies():
+    count = [0]
+    to = torch.Tensor.to
+
+    def counted(self, *args, **kwargs):
+        if not self.is_floating_point() and self.dtype != torch.bool:
+            count[0] += 1
+        return to(self, *args, **kwargs)
+
+    torch.Tensor.to = counted
+    try:
+        yield count
+    finally:
+        torch.Tensor.to = to
+
+
+def test_index_tensors_are_copied_to_the_device_once_per_batch_not_per_layer(world2):
+    for copies in world2.run(_index_copies_per_layer, 2):
+        for name, (first, second) in copies.items():
+            assert first > 0 and second == 0, (
+                f"{name}: {first} copies in the first layer, {second} in the second"
+            )

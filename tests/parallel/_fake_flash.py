@@ -142,7 +142,7 @@ def fake_flash() -> Iterator[list[dict[str, int]]]:
     CALLS.clear()
     for name, fake in _FAKES.items():
         setattr(aten, name, fake)
-    _varlen.use_flash = lambda q, v, softcap: softcap is None
+    _varlen.use_flash = lambda q, k, v, softcap: softcap is None
     try:
         yield CALLS
     finally:

@@ -30,11 +30,11 @@ PADDED_SHAPE = (2, 22)  # B, S: 22 is not a multiple of 2*cp for cp = 4 (padding
 PACKED_CU = torch.tensor([0, 1, 10, 11, 26, 33, 34])
 
 
-def _inputs(batch, total, kv_heads=KV_HEADS):
+def _inputs(batch, total, kv_heads=KV_HEADS, heads=HEADS):
     g = torch.Generator().manual_seed(1234)
-    q = torch.randn(batch, HEADS, total, DIM, generator=g, dtype=torch.float64)
+    q = torch.randn(batch, heads, total, DIM, generator=g, dtype=torch.float64)
     k, v = (torch.randn(batch, kv_heads, total, DIM, generator=g, dtype=torch.float64) for _ in range(2))
-    dout = torch.randn(batch, HEADS, total, DIM, generator=g, dtype=torch.float64)
+    dout = torch.randn(batch, heads, total, DIM, generator=g, dtype=torch.float64)
     return q, k, v, dout
 
 

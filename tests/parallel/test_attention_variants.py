@@ -348,7 +348,7 @@ def _cuda_bf16_run(variant, lengths):
         unshard([t.detach().double().cpu().transpose(1, 2)], cu_seqlens=cu).transpose(1, 2)
         for t in (out, *(t.grad for t in leaves))
     ]
-    flash = _varlen.use_flash(leaves[0], leaves[2], variant.softcap)
+    flash = _varlen.use_flash(*leaves, variant.softcap)
     return flash, (q, k, v, sinks, dout), (*full, None if ls is None else ls.grad.double().cpu())
 
 

@@ -104,7 +104,7 @@ def test_attention_transient_is_three_copies_of_a_round_s_kv_or_ulysses_buffers(
     kv = 2 * seq * llama.kv_dim * 2  # K and V of every token, bf16
     local = 2 * local_tokens(seq, 8) * (llama.q_dim + llama.kv_dim) * 2
     assert estimate(llama, seq, Layout(gpus=8, cp=8)).attention == 3 * kv + local
-    by_head = estimate(llama, seq, Layout(gpus=8, cp=8, kv_rounds=llama.kv_heads))
+    by_head = estimate(llama, seq, Layout(gpus=8, cp=8, kv_heads_per_gather=1))
     assert by_head.attention == 3 * kv // llama.kv_heads + local  # one key/value head per round
     assert by_head.communication == estimate(llama, seq, Layout(gpus=8, cp=8)).communication
     assert estimate(llama, seq, Layout(gpus=8, cp=1)).attention == local * 8  # no K/V copies without CP

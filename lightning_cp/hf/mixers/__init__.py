@@ -115,7 +115,7 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
             f"{name} was called with cp_shard and a cache: a cache of a shard cannot be continued. Call the "
             "model on a batch's shard with use_cache=False."
         )
-    if mask is not None and not bool(mask.all()):
+    if mask is not None and shard.masks_tokens(mask):
         raise ValueError(
             f"{name} got a padding mask with cp_shard; the shard already defines the sequences. Do not pass "
             "attention_mask to the model (pad on the right and mark targets with loss_mask, or pack documents "

@@ -49,10 +49,9 @@ def depthwise_conv(
     module: nn.Module, conv: nn.Conv1d, rows: Tensor, activation: str | None, *parts: Tensor
 ) -> list[Tensor]:
     """The layer's causal depthwise convolution of ``parts`` (each ``[n, L, ...]``, whose channels side by
-    side are ``conv``'s channels ``rows``), through the modeling module's ``causal_conv1d_fn``: each part's
-    channels convolved, shaped as the part."""
+    side are ``conv``'s channels ``rows``, an index on the parts' device: ``shard.device_index``), through
+    the modeling module's ``causal_conv1d_fn``: each part's channels convolved, shaped as the part."""
     x = torch.cat([part.flatten(2) for part in parts], dim=-1)  # [n, L, C_r]
-    rows = rows.to(x.device)
     weight = conv.weight.squeeze(1).index_select(0, rows)
     bias = None if conv.bias is None else conv.bias.index_select(0, rows)
     out = kernels(module).causal_conv1d_fn(_conv_input(x), weight, bias, activation=activation)

@@ -75,12 +75,14 @@ class DeltaRuleAdapter:
             (tokens(p.g, decay), values),
             (tokens(p.beta, 1), values),
         )
-        rows = torch.cat(
-            [
-                channel_rows(keys[rank], dk),
-                channel_rows(keys[rank], dk, hk * dk),
-                channel_rows(values[rank], dv, 2 * hk * dk),
-            ]
+        rows = shard.device_index(
+            torch.cat(
+                [
+                    channel_rows(keys[rank], dk),
+                    channel_rows(keys[rank], dk, hk * dk),
+                    channel_rows(values[rank], dv, 2 * hk * dk),
+                ]
+            )
         )
         kernel = getattr(kernels(module), self.kernel)
 

@@ -60,14 +60,16 @@ class Mamba2Adapter:
             (tokens(c, state), read),
             (tokens(dt, 1), mine),
         )
-        rows = torch.cat(
-            [
-                channel_rows(mine[rank], dim),
-                channel_rows(read[rank], state, inner),
-                channel_rows(read[rank], state, inner + groups * state),
-            ]
+        rows = shard.device_index(
+            torch.cat(
+                [
+                    channel_rows(mine[rank], dim),
+                    channel_rows(read[rank], state, inner),
+                    channel_rows(read[rank], state, inner + groups * state),
+                ]
+            )
         )
-        own = mine[rank].to(hidden_states.device)
+        own = shard.device_index(mine[rank])
         a = -torch.exp(module.A_log.float()).index_select(0, own)
 
         def mix(x: Tensor, b: Tensor, c: Tensor, dt: Tensor) -> Tensor:

@@ -32,7 +32,7 @@ class ShortConvAdapter:
         # Rank r convolves the channels r * width .. (r + 1) * width.
         slices = head_slices(cp, cp, "channel blocks")
         (bx,) = to_heads(shard, (tokens(b * x, width), slices))
-        rows = channel_rows(slices[rank], width)
+        rows = shard.device_index(channel_rows(slices[rank], width))
 
         def mix(bx: Tensor) -> Tensor:
             return depthwise_conv(module, module.conv, rows, None, bx)[0]
