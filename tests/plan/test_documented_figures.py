@@ -271,3 +271,19 @@ def test_the_sample_output_is_the_plan_s() -> None:
     """docs/plan.md's sample output is the command's, line for line."""
     sample = re.search(r"```\n(transformers: 8\.03B.*?)```", PLAN_DOC, re.DOTALL)[1]
     assert sample.strip() == _plan("llama3_8b.json", "--seq-len", "1M", "--gpus", "8").strip()
+
+
+def test_the_2tb_node_example_is_the_plan_s() -> None:
+    """An 8-GPU node of 2 TB (``--host-memory 250GB``): Llama-3-8B shorter than without the check,
+    Qwen3-30B-A3B as long."""
+    llama = _plan("llama3_8b.json", "--gpus", "8", "--max-seq", "--host-memory", "250GB")
+    qwen = _longest(_plan("qwen3_30b_a3b.json", "--gpus", "8", "--max-seq", "--host-memory", "250GB"))
+    assert qwen == _longest(_plan("qwen3_30b_a3b.json", "--gpus", "8", "--max-seq"))
+    assert _longest(llama) < _longest(_plan("llama3_8b.json", "--gpus", "8", "--max-seq"))
+    row = _rows(llama)[0]
+    stated = (
+        f"`--host-memory 250GB` plans {_longest(llama):,} tokens at {float(row['host']):.0f} GiB",
+        f"Llama-3-8B {_longest(llama):,} tokens and Qwen3-30B-A3B still {qwen:,}",
+    )
+    for phrase in stated:
+        assert phrase in _flat(PLAN_DOC), phrase
