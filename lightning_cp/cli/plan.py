@@ -4,13 +4,15 @@ Run::
 
     lightning-cp plan examples/configs/models/llama3_8b.json --seq-len 1M --gpus 8 --gpu-memory 80GB
     lightning-cp plan examples/configs/models/llama3_8b.json --gpus 8 --max-seq
+    lightning-cp plan examples/configs/models/llama3_8b.json --gpus 1 --max-seq --host-memory 240GB
 
 ``MODEL`` is a ``transformers`` config (a JSON file with its ``model_type``, or a local ``save_pretrained``
 directory; no weights are read) or a JSON file of :class:`~lightning_cp.models.GPTConfig` fields. Every
-layout (cp, DDP or FSDP, checkpointing, offload, tiled MLPs and norms) gets its parameters, gradients, optimizer
-state, saved activations, largest transient and reserve per rank (:mod:`lightning_cp.plan`); those that
-fit are listed cheapest in communication first. ``--max-seq`` finds the longest sequence that fits. Bad
-input is one line on stderr and exit status 2.
+layout (cp, DDP, FSDP or FSDP with the model state on the host, checkpointing, offload, tiled MLPs, experts
+and norms) gets its parameters, gradients, optimizer state, saved activations, largest transient and reserve
+per rank, and what it keeps on the host (:mod:`lightning_cp.plan`); those that fit are listed cheapest
+first, and the arguments that give the first are printed. ``--max-seq`` finds the longest sequence that
+fits. Bad input is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         shape = read_model(args.model)
-        gpu_bytes = _memory(args.gpu_memory)
+        gpu_bytes = _memory(args.gpu_memory, "--gpu-memory")
+        args.host_bytes = None if args.host_memory is None else _memory(args.host_memory, "--host-memory")
         if args.gpus < 1:
             raise ValueError(f"--gpus {args.gpus}: give a positive number of GPUs.")
         if args.max_seq:
@@ -87,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
         "--gpu-memory", default="80GB", help="memory of one GPU: 80GB, 141GB, 79.6GiB (default: 80GB)"
     )
     parser.add_argument(
+        "--host-memory",
+        help="host memory each GPU may use (the node's memory over its GPUs), e.g. 240GB: rules out the "
+        "layouts that keep more on the host (default: not checked)",
+    )
+    parser.add_argument(
         "--precision", choices=PRECISIONS, default="bf16-mixed", help="Trainer(precision=...)"
     )
     parser.add_argument(
@@ -104,10 +112,10 @@ def _tokens(text: str) -> int:
     return int(match[1]) * _UNITS[match[2].upper()]
 
 
-def _memory(text: str) -> int:
+def _memory(text: str, option: str) -> int:
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(GB|GiB|)", text.strip(), flags=re.IGNORECASE)
     if match is None or float(match[1]) <= 0:
-        raise ValueError(f"--gpu-memory {text!r}: give the memory of one GPU, e.g. 80GB or 79.6GiB.")
+        raise ValueError(f"{option} {text!r}: give an amount of memory, e.g. 80GB or 79.6GiB.")
     return int(float(match[1]) * _MEMORY_UNITS[match[2].upper()])
 
 
@@ -124,8 +132,8 @@ def _describe(shape: ModelShape) -> str:
 
 
 _HEADER = (
-    f"{'layout':<50}{'params':>7}{'grads':>7}{'optim':>7}{'fsdp':>6}{'saved':>7}{'transient':>20}"
-    f"{'reserve':>8}{'peak':>7}{'host':>7}{'comm':>8}"
+    f"{'layout':<62}{'params':>7}{'grads':>7}{'optim':>7}{'fsdp':>6}{'saved':>7}{'transient':>20}"
+    f"{'reserve':>8}{'peak':>7}{'host':>7}{'h2d+d2h':>8}{'comm':>8}"
 )
 
 
@@ -133,24 +141,37 @@ def _row(candidate: Candidate) -> str:
     e = candidate.estimate
     transient = f"{_gib(e.transient)} {e.largest_transient}"
     return (
-        f"{candidate.layout.name():<50}{_gib(e.parameters):>7}{_gib(e.gradients):>7}{_gib(e.optimizer):>7}"
+        f"{candidate.layout.name():<62}{_gib(e.parameters):>7}{_gib(e.gradients):>7}{_gib(e.optimizer):>7}"
         f"{_gib(e.fsdp_gathered):>6}{_gib(e.activations):>7}{transient:>20}{_gib(e.reserve):>8}"
-        f"{_gib(e.peak):>7}{_gib(e.host):>7}{_gib(e.communication):>8}"
+        f"{_gib(e.peak):>7}{_gib(e.host):>7}{_gib(e.host_transfer):>8}{_gib(e.communication):>8}"
     )
+
+
+def _arguments(shape: ModelShape, candidate: Candidate) -> str:
+    """The strategy's and HFCausalLM's init_args that give ``candidate``, as YAML lines."""
+    strategy = "MegatronCPFSDPStrategy" if candidate.layout.fsdp else "MegatronCPStrategy"
+    lines = ["trainer:", "  strategy:", f"    class_path: lightning_cp.{strategy}", "    init_args:"]
+    arguments = candidate.arguments(shape)
+    lines += [f"      {key}: {json.dumps(value)}" for key, value in arguments["strategy"].items()]
+    if arguments["model"]:
+        lines += ["model:", "  init_args:"]
+        lines += [f"    {key}: {json.dumps(value)}" for key, value in arguments["model"].items()]
+    return "\n".join(lines)
 
 
 def _print_plan(shape: ModelShape, seq_len: int, args: argparse.Namespace, gpu_bytes: int) -> None:
     candidates = plan(shape, seq_len, args.gpus, precision=args.precision, loss_chunk=args.loss_chunk)
-    fitting = [c for c in candidates if c.fits(gpu_bytes)]
+    fitting = [c for c in candidates if c.fits(gpu_bytes, args.host_bytes)]
     print(_describe(shape))
     print(
         f"{seq_len:,} tokens per sequence on {args.gpus} GPUs of {_gib(gpu_bytes)} GiB, {args.precision}; "
-        "GiB per rank, comm = GiB sent per step"
+        "GiB per rank; host: kept in host memory, h2d+d2h: copied between host and GPU per step; comm = GiB "
+        "sent per step"
     )
     print()
     print(_HEADER)
     for candidate in candidates if args.all else fitting:
-        print(_row(candidate) + ("" if candidate.fits(gpu_bytes) else "  does not fit"))
+        print(_row(candidate) + ("" if candidate.fits(gpu_bytes, args.host_bytes) else "  does not fit"))
     if not fitting:
         best = min(candidates, key=lambda c: c.estimate.peak)
         print(
@@ -158,13 +179,16 @@ def _print_plan(shape: ModelShape, seq_len: int, args: argparse.Namespace, gpu_b
             f"({best.layout.name()}): more GPUs, a shorter sequence, or try --max-seq."
         )
     else:
-        print(f"\n{len(fitting)} of {len(candidates)} layouts fit, cheapest in communication first.")
+        print(
+            f"\n{len(fitting)} of {len(candidates)} layouts fit, cheapest first (the model state on the host last)."
+        )
+        print(f"\nThe first, as arguments:\n{_arguments(shape, fitting[0])}")
 
 
 def _print_max_seq(shape: ModelShape, args: argparse.Namespace, gpu_bytes: int) -> None:
+    options = {"precision": args.precision, "loss_chunk": args.loss_chunk, "host_bytes": args.host_bytes}
     lengths: dict[Layout, int] = {
-        layout: max_seq_len(shape, layout, gpu_bytes, precision=args.precision, loss_chunk=args.loss_chunk)
-        for layout in layouts(args.gpus, shape)
+        layout: max_seq_len(shape, layout, gpu_bytes, **options) for layout in layouts(args.gpus, shape)
     }
     longest = max(lengths.values())
     print(_describe(shape))
@@ -180,3 +204,4 @@ def _print_max_seq(shape: ModelShape, args: argparse.Namespace, gpu_bytes: int) 
     print(_HEADER)
     for candidate in best:
         print(_row(candidate))
+    print(f"\nThe first, as arguments:\n{_arguments(shape, best[0])}")

@@ -49,19 +49,26 @@ class Layout:
     offload: bool = False
     """The checkpointed layers' inputs moved to host memory (needs ``checkpointing``)."""
     tiled: bool = False
-    """``lightning_cp.memory.tile_mlps`` and ``tile_norms``: the MLP's ``[tokens, ffn]`` intermediates and the
-    norms' fp32 copies recomputed per tile, only their inputs saved."""
+    """``HFCausalLM(tiled=True)``: ``lightning_cp.memory.tile_mlps``, ``tile_norms`` and ``tile_experts``: the
+    MLP's ``[tokens, ffn]`` intermediates, a mixture of experts' expert activations and the norms' fp32 copies
+    recomputed per tile, only their inputs saved."""
     attention: Literal["allgather", "ulysses"] = "allgather"
     """The strategies' ``cp_attention``: the key/value heads all-gathered, or Ulysses' all-to-all."""
     kv_heads_per_gather: int | None = None
     """The strategies' ``kv_heads_per_gather``: with the all-gather, the key/value heads gathered per round
     (rounded down to a divisor of the model's ``Hkv``, as at run time); ``None``: every head at once."""
+    cpu_offload: bool = False
+    """FSDP only (``MegatronCPFSDPStrategy(cpu_offload=True)``): the parameters, gradients and AdamW state
+    sharded in host memory, each unit gathered to the GPU for its forward and backward, the optimizer step
+    on the host."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.cp < 1 or self.gpus % self.cp:
             raise ValueError(f"Layout: gpus={self.gpus} must be a positive multiple of cp={self.cp}.")
         if self.offload and not self.checkpointing:
             raise ValueError("Layout: offload moves the checkpointed layers' inputs; set checkpointing=True.")
+        if self.cpu_offload and not self.fsdp:
+            raise ValueError("Layout: cpu_offload keeps FSDP's shards on the host; set fsdp=True.")
         try:
             self.mode()
         except ValueError as error:
@@ -88,6 +95,7 @@ class Layout:
                 ("+ckpt", self.checkpointing),
                 ("+offload", self.offload),
                 ("+tiled", self.tiled),
+                ("+cpu_offload", self.cpu_offload),
             )
             if on
         ]
@@ -139,7 +147,12 @@ class MemoryEstimate:
     reserve: int
     """:data:`RESERVE_BYTES` plus :data:`RESERVE_FRACTION` of the rest."""
     host: int
-    """Host memory of the offloaded layer inputs (not on the device)."""
+    """Host memory per rank (not on the device): the offloaded layer inputs, and under ``cpu_offload`` the
+    rank's shards of the parameters, gradients and AdamW state."""
+    host_transfer: int
+    """Bytes copied between host and device per step besides the batch: the offloaded layer inputs out and
+    back, and under ``cpu_offload`` the parameter shards in for every unit's forward and backward gather and
+    the gradient shards out."""
     communication: int
     """Bytes each rank sends per step: the gradient all-reduce (DDP) or FSDP's gathers and reduce-scatter,
     and CP attention's K/V all-gathers and dK/dV reduce-scatters (ring volumes)."""
@@ -206,9 +219,13 @@ def saved_per_token(
     - Ulysses' attention (``ulysses``): the same tensors on the heads' side (every token of ``Hq / cp`` query
       heads and the key/value heads they read, replicated when ``Hkv < cp``: ``max(Hkv, cp)`` heads' worth per
       local token), and the output brought back, which the output projection reads (``q_dim`` more);
+    - the queries' and keys' norms (:attr:`~lightning_cp.plan.ModelShape.qk_norm`): like the layer's norms,
+      an fp32 copy of their input (the projections' output), the normalized input in the compute dtype and
+      the reciprocal RMS per head; tiled, only their input;
     - MLP: GELU's input and output (``2 ffn``), or a gated MLP's gate, up, activation and product
       (``4 ffn``), and a mixture of experts' routed experts (:func:`routed_per_token`); none tiled
-      (:func:`~lightning_cp.memory.tile_mlps`: it saves only its input).
+      (:func:`~lightning_cp.memory.tile_mlps`: it saves only its input), and of a tiled mixture of experts
+      (:func:`~lightning_cp.memory.tile_experts`) only the router's own tensors (:func:`router_bytes`).
     """
     d = shape.hidden
     inputs = 2 * (residual_bytes * d if tiled_norms else norm_bytes(d, residual_bytes))
@@ -218,8 +235,23 @@ def saved_per_token(
         attention += shape.q_dim + 2 * (max(shape.kv_heads, cp) - shape.kv_heads) * shape.head_dim
     if shape.architecture == "gpt":
         attention += shape.q_dim + shape.kv_dim + (shape.q_dim if cp == 1 else 0)
+    norms += qk_norm_bytes(shape, tiled_norms, compute_bytes)
+    if tiled_mlp:
+        return norms + attention * compute_bytes + router_bytes(shape, compute_bytes)
     mlp = (2 if shape.architecture == "gpt" else 4) * shape.ffn + routed_per_token(shape)
-    return norms + (attention + (0 if tiled_mlp else mlp)) * compute_bytes
+    return norms + (attention + mlp) * compute_bytes
+
+
+def qk_norm_bytes(shape: ModelShape, tiled: bool, compute_bytes: int) -> int:
+    """Bytes the queries' and keys' norms of one attention layer save per token (0 without them): the input
+    (the projections' output) when tiled; else, as the layer's norms, an fp32 copy of it, the normalized
+    input in the compute dtype and the fp32 reciprocal RMS of every head."""
+    if not shape.qk_norm:
+        return 0
+    normalized = shape.q_dim + shape.kv_dim
+    if tiled:
+        return normalized * compute_bytes
+    return normalized * (4 + compute_bytes) + 4 * (shape.heads + shape.kv_heads)
 
 
 def norm_bytes(hidden: int, residual_bytes: int) -> int:
@@ -240,12 +272,21 @@ def residual_bytes(precision: Precision, fsdp: bool) -> int:
 def routed_per_token(shape: ModelShape) -> int:
     """Elements a mixture of experts' routed experts save per token (0 for a dense MLP): each of the
     ``top_k`` experts' gated MLP (``4 * expert_ffn``) and the token's copy in and out (``2 * hidden``), the
-    router's logits, and the routing's own buffers (about ``390 + 9 top_k``: index and permutation tensors),
-    as ``transformers``' grouped experts save them, measured on the CPU."""
+    router's probabilities, and the routing's own buffers (about ``9 top_k``: index and permutation
+    tensors), as ``transformers``' grouped experts save them, measured on the CPU."""
     if not shape.experts:
         return 0
     k = shape.top_k
-    return k * (4 * shape.expert_ffn + 2 * shape.hidden + 9) + shape.experts + 390
+    return k * (4 * shape.expert_ffn + 2 * shape.hidden + 9) + shape.experts
+
+
+def router_bytes(shape: ModelShape, compute_bytes: int) -> int:
+    """Bytes a tiled mixture of experts saves per token besides the layer's input (0 for a dense MLP): the
+    router's fp32 probabilities, its top-k indices (int64) and routing weights (the compute dtype), which the
+    tiled experts take as inputs (:func:`~lightning_cp.memory.tile_experts`)."""
+    if not shape.experts:
+        return 0
+    return 4 * shape.experts + (8 + compute_bytes) * shape.top_k
 
 
 def loss_chunk_tokens(shape: ModelShape, tokens: int, device: str = "cuda") -> int:
@@ -289,31 +330,34 @@ def estimate(
     tokens = local_tokens(seq_len, layout.cp)
     padded = tokens * layout.cp
 
-    parameters = math.ceil(params / shards) * master
+    shard = math.ceil(params / shards) * master
     buckets = params * master if (not layout.fsdp and layout.gpus > 1) else 0
-    gradients = math.ceil(params / shards) * master + buckets
-    optimizer = 2 * math.ceil(params / shards) * master
+    parameters, gradients, optimizer = shard, shard + buckets, 2 * shard
     gathered = 0
     if layout.fsdp:
         root = params - shape.layers * shape.layer_params
         if not shape.tied:  # an untied token embedding is a unit of its own, gathered only to use it
             root -= shape.vocab * shape.hidden
         gathered = root * compute + shape.layer_params * (3 * compute + 4)
+    host = host_transfer = 0
+    if layout.cpu_offload:  # the state on the host; a unit's shard copied in before each gather
+        host, parameters, gradients, optimizer = parameters + gradients + optimizer, 0, 0, 0
+        gathered += math.ceil(shape.layer_params / shards) * master
+        host_transfer = 3 * shard  # the shards in for the forward and the backward, the gradients out
 
-    # tile_mlps tiles a dense MLP (a mixture of experts' grouped experts are no nn.Linear: one tile).
-    tiled = layout.tiled and not shape.experts
     ulysses = layout.attention == "ulysses" and layout.cp > 1
     stream = residual_bytes(precision, layout.fsdp)
     dtypes = {"residual_bytes": stream, "compute_bytes": compute}
     per_token = saved_per_token(
-        shape, cp=layout.cp, tiled_norms=layout.tiled, tiled_mlp=tiled, ulysses=ulysses, **dtypes
+        shape, cp=layout.cp, tiled_norms=layout.tiled, tiled_mlp=layout.tiled, ulysses=ulysses, **dtypes
     )
     attention_layer = tokens * per_token
     mixer = shape.mixer
     mixer_layer = 0
     if mixer is not None:  # a hybrid's other layers: the attention's tensors replaced by the mixer's (fp32)
-        attention_part = 2 * shape.q_dim + 2 * shape.kv_dim + shape.heads
-        mixer_layer = attention_layer - tokens * attention_part * compute
+        attention_part = (2 * shape.q_dim + 2 * shape.kv_dim + shape.heads) * compute
+        attention_part += qk_norm_bytes(shape, layout.tiled, compute)
+        mixer_layer = attention_layer - tokens * attention_part
         mixer_layer += math.ceil(tokens * mixer.saved_per_token(device)) * 4
     weight_copies = shape.layer_params * compute if precision == "bf16-mixed" and not layout.fsdp else 0
     # The final norm's saved tensors (its output goes to the fused loss, which saves none of it).
@@ -321,10 +365,10 @@ def estimate(
     final = tokens * (TOKEN_BYTES + final_norm)
     layer_input = tokens * shape.hidden * stream
     mixer_layers = mixer.layers if mixer is not None else 0
-    host = 0
     if layout.offload:
         saved = final
-        host = shape.layers * layer_input
+        host += shape.layers * layer_input
+        host_transfer += 2 * shape.layers * layer_input
     elif layout.checkpointing:
         saved = final + shape.layers * layer_input
     else:
@@ -358,10 +402,12 @@ def estimate(
         exchanged = tokens * mixer.exchanged_per_token(layout.cp) * compute
         kernels = math.ceil(tokens * mixer.saved_per_token(device) * (1 / 3 if device == "cpu" else 1)) * 4
         attention = max(attention, kernels + 3 * exchanged)
-    if tiled:
+    if layout.tiled:
         tile = auto_tile_tokens(tokens, shape.hidden)
         mlp = (7 if shape.architecture == "hf" else 4) * tile * shape.mlp_width * compute
         mlp += 2 * tokens * shape.hidden * compute  # the incoming gradient and the tiles' input gradient
+        if shape.experts:  # the router's input gradient, and its sum with the experts' (measured on the CPU)
+            mlp += 2 * tokens * shape.hidden * compute
     else:
         mlp = (2 if shape.architecture == "hf" else 1) * tokens * shape.mlp_width * compute
     chunk = loss_chunk or loss_chunk_tokens(shape, tokens, device)
@@ -378,11 +424,11 @@ def estimate(
         # Under CP on the blocked kernel, a recomputed attention layer with a tiled MLP peaks as high as
         # without tiles (measured on the CPU: the score blocks meet the tiles' buffers): its untiled bytes.
         recomputed_attention = attention_layer
-        if tiled and layout.cp > 1 and not flash:
+        if layout.tiled and layout.cp > 1 and not flash:
             recomputed_attention = tokens * saved_per_token(shape, cp=layout.cp, ulysses=ulysses, **dtypes)
         # With tiles, the layer's MLP side (the second norm's and the MLP's inputs) is gone by the
         # attention's backward (measured on the CPU; untiled, the fitted transients include it).
-        mlp_side = 2 * tokens * shape.hidden * stream if tiled else 0
+        mlp_side = 2 * tokens * shape.hidden * stream if layout.tiled else 0
         recompute = rebuilt + max(
             recomputed_attention + max(layer_transient - mlp_side, mlp) if shape.attention_layers else 0,
             mixer_layer + mlp if mixer is not None else 0,
@@ -415,6 +461,7 @@ def estimate(
         recompute=recompute,
         reserve=RESERVE_BYTES + int(RESERVE_FRACTION * counted),
         host=host,
+        host_transfer=host_transfer,
         communication=communication,
     )
 

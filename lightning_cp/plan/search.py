@@ -6,8 +6,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_cp.parallel.layout import heads_split
-from lightning_cp.plan.memory import Layout, MemoryEstimate, Precision, estimate
+from lightning_cp.plan.memory import (
+    Layout,
+    MemoryEstimate,
+    Precision,
+    estimate,
+    local_tokens,
+    loss_chunk_tokens,
+)
 from lightning_cp.plan.shape import ModelShape
+
+MIN_LOSS_CHUNK = 1024
+"""The smallest chunk (tokens) the plan gives the fused loss to lower the peak: a ``[1024, d] x [d, vocab]``
+product still fills a GPU."""
 
 SAVINGS: tuple[tuple[bool, bool, bool], ...] = (
     (False, False, False),
@@ -22,35 +33,70 @@ SAVINGS: tuple[tuple[bool, bool, bool], ...] = (
 
 @dataclass(frozen=True)
 class Candidate:
-    """A layout and its estimate."""
+    """A layout, the fused loss's chunk it is planned with, and its estimate."""
 
     layout: Layout
     estimate: MemoryEstimate
+    loss_chunk: int | None = None
+    """Tokens per chunk of the fused loss (``chunk_size``); ``None``: the automatic one."""
 
-    def fits(self, gpu_bytes: int) -> bool:
-        """The peak (reserve included) is within ``gpu_bytes``."""
-        return self.estimate.peak <= gpu_bytes
+    def fits(self, gpu_bytes: int, host_bytes: int | None = None) -> bool:
+        """The peak (reserve included) is within ``gpu_bytes``, and what the rank keeps on the host within
+        ``host_bytes`` (``None``: not checked)."""
+        host = host_bytes is None or self.estimate.host <= host_bytes
+        return self.estimate.peak <= gpu_bytes and host
 
-    def cost(self) -> tuple[int, int, int]:
-        """Sort key: bytes communicated per step, then recomputation (checkpointing, tiles), then host copies."""
+    def cost(self) -> tuple[int, int, int, int]:
+        """Sort key: the model state on the host last (its transfers and the optimizer step on the host CPU
+        are slower than any collective), then bytes communicated per step, recomputation (checkpointing,
+        tiles), and the offloaded activations' copies."""
         layout = self.layout
-        return (self.estimate.communication, layout.checkpointing + layout.tiled, int(layout.offload))
+        return (
+            int(layout.cpu_offload),
+            self.estimate.communication,
+            layout.checkpointing + layout.tiled,
+            int(layout.offload),
+        )
+
+    def arguments(self, shape: ModelShape) -> dict[str, dict[str, object]]:
+        """What gives this layout: ``{"strategy": MegatronCP(FSDP)Strategy's init_args, "model":
+        HFCausalLM's}``, the arguments that differ from their defaults."""
+        layout = self.layout
+        strategy: dict[str, object] = {"cp": layout.cp}
+        if layout.checkpointing:
+            strategy["activation_checkpointing"] = list(shape.layer_classes)
+        if layout.offload:
+            strategy["offload_activations"] = True
+        if layout.cp > 1 and layout.attention == "ulysses":
+            strategy["cp_attention"] = "ulysses"
+        if layout.cp > 1 and layout.kv_heads_per_gather is not None:
+            strategy["kv_heads_per_gather"] = layout.kv_heads_per_gather
+        if layout.cpu_offload:
+            strategy["cpu_offload"] = True
+        model: dict[str, object] = {}
+        if layout.tiled:
+            model["tiled"] = True
+        if self.loss_chunk is not None:
+            model["chunk_size"] = self.loss_chunk
+        return {"strategy": strategy, "model": model}
 
 
 def layouts(gpus: int, shape: ModelShape | None = None) -> list[Layout]:
     """Every candidate on ``gpus`` ranks: ``cp`` a power of two dividing ``gpus`` (and, for a hybrid
-    ``shape``, splitting its mixers' heads: the cap the head counts put on ``cp``), DDP or FSDP, each
-    combination of :data:`SAVINGS`, and under CP each attention of :func:`attentions`."""
+    ``shape``, splitting its mixers' heads: the cap the head counts put on ``cp``), DDP, FSDP or FSDP with
+    the model state on the host, each combination of :data:`SAVINGS`, and under CP each attention of
+    :func:`attentions`."""
     if gpus < 1:
         raise ValueError(f"gpus={gpus} must be positive.")
     sizes = [cp for cp in (2**i for i in range(gpus.bit_length())) if gpus % cp == 0]
     if shape is not None and shape.mixer is not None:
         sizes = [cp for cp in sizes if shape.mixer.splits(cp)]
+    wrappers = ((False, False), (True, False), (True, True))  # (fsdp, cpu_offload)
     return [
-        Layout(gpus, cp, fsdp, checkpointing, offload, tiled, attention, heads_per_gather)
+        Layout(gpus, cp, fsdp, checkpointing, offload, tiled, attention, heads_per_gather, cpu_offload)
         for cp in sizes
         for attention, heads_per_gather in attentions(cp, shape)
-        for fsdp in (False, True)
+        for fsdp, cpu_offload in wrappers
         for checkpointing, offload, tiled in SAVINGS
     ]
 
@@ -78,12 +124,43 @@ def plan(
     precision: Precision = "bf16-mixed",
     loss_chunk: int | None = None,
 ) -> list[Candidate]:
-    """Every candidate of :func:`layouts`, cheapest in communication first (see :meth:`Candidate.cost`)."""
-    found = [
-        Candidate(layout, estimate(shape, seq_len, layout, precision=precision, loss_chunk=loss_chunk))
-        for layout in layouts(gpus, shape)
-    ]
+    """Every candidate of :func:`layouts` (:func:`candidate`), cheapest first (see :meth:`Candidate.cost`)."""
+    found = [candidate(shape, seq_len, layout, precision, loss_chunk) for layout in layouts(gpus, shape)]
     return sorted(found, key=Candidate.cost)
+
+
+def candidate(
+    shape: ModelShape,
+    seq_len: int,
+    layout: Layout,
+    precision: Precision = "bf16-mixed",
+    loss_chunk: int | None = None,
+) -> Candidate:
+    """``layout`` planned with the fused loss's ``loss_chunk``; when that is ``None`` (automatic) and the loss
+    is the step's largest transient, with the chunk that brings it down to the next largest
+    (:func:`memory_chunk`), which lowers the peak."""
+    planned = estimate(shape, seq_len, layout, precision=precision, loss_chunk=loss_chunk)
+    chunk = memory_chunk(shape, seq_len, layout, planned) if loss_chunk is None else None
+    if chunk is None:
+        return Candidate(layout, planned, loss_chunk)
+    return Candidate(layout, estimate(shape, seq_len, layout, precision=precision, loss_chunk=chunk), chunk)
+
+
+def memory_chunk(shape: ModelShape, seq_len: int, layout: Layout, planned: MemoryEstimate) -> int | None:
+    """The fused loss's chunk (tokens) whose transient is no larger than the other transients of ``planned``
+    (``layout``'s estimate with the automatic chunk): a multiple of :data:`MIN_LOSS_CHUNK`, at least that.
+    ``None`` when the loss is not the largest transient or that chunk is not smaller than the automatic one.
+
+    Only the loss's two fp32 ``[chunk, vocab]`` blocks depend on the chunk: the rest of its transient stays."""
+    if planned.largest_transient != "loss":
+        return None
+    tokens = local_tokens(seq_len, layout.cp)
+    automatic = min(loss_chunk_tokens(shape, tokens), tokens)
+    blocks = 2 * 4 * shape.vocab  # bytes of the two fp32 blocks per chunk token
+    rest = planned.loss - automatic * blocks
+    others = max(planned.attention, planned.mlp, planned.recompute)
+    chunk = max(MIN_LOSS_CHUNK, (others - rest) // blocks // MIN_LOSS_CHUNK * MIN_LOSS_CHUNK)
+    return chunk if chunk < automatic else None
 
 
 def max_seq_len(
@@ -93,13 +170,15 @@ def max_seq_len(
     *,
     precision: Precision = "bf16-mixed",
     loss_chunk: int | None = None,
+    host_bytes: int | None = None,
     step: int = 1024,
 ) -> int:
-    """The longest sequence, a multiple of ``step``, whose peak on ``layout`` is within ``gpu_bytes``
-    (0 when not even ``step`` tokens fit). The peak grows with the length, so a bisection finds it."""
+    """The longest sequence, a multiple of ``step``, that :func:`candidate` fits within ``gpu_bytes`` (and
+    ``host_bytes`` of host memory per rank, when given); 0 when not even ``step`` tokens fit. The peak grows
+    with the length, so a bisection finds it."""
 
     def fits(tokens: int) -> bool:
-        return estimate(shape, tokens, layout, precision=precision, loss_chunk=loss_chunk).peak <= gpu_bytes
+        return candidate(shape, tokens, layout, precision, loss_chunk).fits(gpu_bytes, host_bytes)
 
     if not fits(step):
         return 0

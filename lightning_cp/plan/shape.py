@@ -82,6 +82,10 @@ class ModelShape:
     """Experts each token is routed to."""
     expert_ffn: int = 0
     """Width of one expert's inner layer."""
+    qk_norm: bool = False
+    """The attention normalizes its queries and keys (``q_norm`` / ``k_norm``: Qwen3, OLMo2, Gemma-3)."""
+    layer_classes: tuple[str, ...] = ()
+    """The decoder layers' class names (``_no_split_modules``): what ``activation_checkpointing`` names."""
 
     @property
     def mlp_width(self) -> int:
@@ -116,9 +120,10 @@ class ModelShape:
         import torch
 
         from lightning_cp.models.gpt import GPT
+        from lightning_cp.strategies._fsdp import default_wrap
 
         with torch.device("meta"):
-            params = sum(p.numel() for p in GPT(config).parameters())
+            model = GPT(config)
         return cls(
             hidden=config.n_embd,
             layers=config.n_layer,
@@ -128,8 +133,9 @@ class ModelShape:
             ffn=config.mlp_ratio * config.n_embd,
             vocab=config.vocab_size,
             tied=config.tie_embeddings,
-            params=params,
+            params=sum(p.numel() for p in model.parameters()),
             architecture="gpt",
+            layer_classes=default_wrap(model),
         )
 
     @classmethod
@@ -152,6 +158,8 @@ class ModelShape:
         """
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        from lightning_cp.strategies._fsdp import default_wrap
 
         if not isinstance(config, Mapping):
             path = Path(config) / "config.json"
@@ -201,6 +209,8 @@ class ModelShape:
             experts=experts,
             top_k=top_k,
             expert_ffn=expert_ffn,
+            qk_norm=any(name.rsplit(".", 1)[-1] == "q_norm" for name, _ in model.named_modules()),
+            layer_classes=default_wrap(model),
         )
 
 

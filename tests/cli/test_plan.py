@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lightning_cp.cli import main
 from lightning_cp.models.gpt import GPTConfig
-from lightning_cp.plan import ModelShape, estimate, layouts, max_seq_len
+from lightning_cp.plan import ModelShape, layouts, max_seq_len
+from lightning_cp.plan.search import candidate
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "examples" / "configs" / "models"
@@ -30,11 +33,12 @@ def test_plan_lists_the_fitting_layouts_with_their_terms(gpt_json: Path, capsys)
     rows = [line for line in out.splitlines() if line.startswith("dp")]
     assert rows and not any("does not fit" in row for row in rows)
     # Each row's peak is the plan's, and the fitting ones are exactly those within the memory.
-    fitting = [layout for layout in layouts(4, shape) if estimate(shape, 1 << 16, layout).peak <= 24 * 2**30]
+    planned = [candidate(shape, 1 << 16, layout) for layout in layouts(4, shape)]
+    fitting = [found for found in planned if found.estimate.peak <= 24 * 2**30]
     assert len(rows) == len(fitting)
-    first = min(fitting, key=lambda layout: estimate(shape, 1 << 16, layout).communication)
-    assert rows[0].startswith(first.name())
-    assert f"{estimate(shape, 1 << 16, first).peak / 2**30:.1f}" in rows[0].split()
+    first = min(fitting, key=lambda found: found.cost())
+    assert rows[0][:62].rstrip() == first.layout.name()
+    assert f"{first.estimate.peak / 2**30:.1f}" in rows[0].split()
 
 
 def test_plan_says_when_nothing_fits(gpt_json: Path, capsys) -> None:
@@ -76,6 +80,7 @@ def test_plan_is_a_listed_command(capsys) -> None:
         (["{model}", "--seq-len", "0"], "--seq-len '0'"),
         (["{model}", "--seq-len", "1M", "--gpu-memory", "lots"], "--gpu-memory 'lots'"),
         (["{model}", "--seq-len", "1M", "--gpus", "0"], "--gpus 0"),
+        (["{model}", "--seq-len", "1M", "--host-memory", "0GB"], "--host-memory '0GB'"),
         (["{model}"], "give --seq-len"),
         (["{bad}", "--seq-len", "1M"], "neither a transformers config"),
         (["{listed}", "--seq-len", "1M"], "not a JSON object"),
@@ -90,3 +95,36 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, gpt_jso
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lightning-cp plan: error: ") and message in err and err.count("\n") == 1
+
+
+def test_one_gpu_fits_llama_3_8b_only_with_the_model_state_on_a_host_large_enough(capsys) -> None:
+    """16 bytes per parameter (128 GB) fit no 80 GB GPU: only the ``+cpu_offload`` layouts fit, the first is
+    printed as the arguments that give it, and a host smaller than that state rules them all out."""
+    pytest.importorskip("transformers")
+    argv = ["plan", str(MODELS / "llama3_8b.json"), "--seq-len", "64K", "--gpus", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("dp")]
+    assert rows and all("+cpu_offload" in row for row in rows)
+    arguments = yaml.safe_load(out.split("The first, as arguments:\n")[1])
+    shape = ModelShape.from_hf_config(json.loads((MODELS / "llama3_8b.json").read_text()))
+    layout = next(layout for layout in layouts(1, shape) if rows[0][:62].rstrip() == layout.name())
+    expected = candidate(shape, 1 << 16, layout).arguments(shape)
+    strategy = arguments["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_cp.MegatronCPFSDPStrategy"
+    assert strategy["init_args"] == expected["strategy"] and strategy["init_args"]["cpu_offload"] is True
+    assert arguments.get("model", {}).get("init_args", {}) == expected["model"]
+
+    assert main([*argv, "--host-memory", "100GB"]) == 0
+    assert "no layout fits" in capsys.readouterr().out
+    assert main([*argv, "--host-memory", "200GB"]) == 0
+    assert "The first, as arguments:" in capsys.readouterr().out
+
+
+def test_the_printed_arguments_build_the_strategy(gpt_json: Path, capsys) -> None:
+    assert main(["plan", str(gpt_json), "--seq-len", "64K", "--gpus", "4", "--gpu-memory", "24GiB"]) == 0
+    arguments = yaml.safe_load(capsys.readouterr().out.split("The first, as arguments:\n")[1])
+    strategy = arguments["trainer"]["strategy"]
+    module, name = strategy["class_path"].rsplit(".", 1)
+    built = getattr(importlib.import_module(module), name)(**strategy["init_args"])
+    assert built.cp == strategy["init_args"]["cp"]

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from lightning_cp.memory import auto_tile_tokens, tile_mlps, tile_norms, tiled_mlp
+from lightning_cp.memory import auto_tile_tokens, tile_experts, tile_mlps, tile_norms, tiled_mlp
 from lightning_cp.models.gpt import GPT, GPTConfig
 
 
@@ -283,3 +283,75 @@ def test_tile_mlps_leaves_a_mixture_of_experts_whole():
     model = Qwen3MoeForCausalLM(config)
     assert tile_mlps(model) == ["model.layers.1.mlp"]
     assert not getattr(model.model.layers[0].mlp, "_lightning_cp_tiled", False)
+
+
+_MOE_FAMILIES = [
+    "qwen3_moe",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+    "mixtral",
+    "gpt_oss",
+    "deepseek_v3",
+    "glm4_moe",
+]
+_EVERY_LAYER_MOE = {"first_k_dense_replace": 0}
+"""DeepSeek-V3's and GLM-4-MoE's first layers are dense by default (the tiny configs have two)."""
+
+
+def _moe_model(model_type: str) -> nn.Module:
+    """A tiny random MoE causal LM whose routers' weights are not zero (some initialize theirs to zeros,
+    which routes every token alike), recording its router logits for the load-balancing loss."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf._families import tiny_config
+
+    extra = _EVERY_LAYER_MOE if model_type in ("deepseek_v3", "glm4_moe") else {}
+    config = tiny_config(model_type, output_router_logits=True, router_aux_loss_coef=0.5, **extra)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("model_type", _MOE_FAMILIES)
+def test_tiled_experts_give_the_untiled_loss_router_loss_and_gradients(model_type):
+    """Tiles of 5 tokens over 12 (the last one shorter, holding a target): the routed experts (and shared
+    ones) recomputed per tile, the router whole.
+    transformers' own loss and load-balancing loss (the router logits of every token) and every gradient
+    equal the untiled model's, the router's included."""
+    torch.manual_seed(0)
+    reference = _moe_model(model_type)
+    model = copy.deepcopy(reference)
+    tiled = tile_experts(model, 5)
+    assert any(name.endswith(".experts") for name in tiled)
+    ids = torch.randint(0, reference.config.vocab_size, (1, 12))
+    outputs = []
+    for m in (reference, model):
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        outputs.append(out)
+    assert reference.model.layers[0].mlp.experts.forward != model.model.layers[0].mlp.experts.forward
+    torch.testing.assert_close(outputs[1].loss, outputs[0].loss, rtol=1e-6, atol=0)
+    # (DeepSeek-V3 and GLM-4-MoE route without a load-balancing loss: their aux_loss is None.)
+    torch.testing.assert_close(outputs[1].aux_loss, outputs[0].aux_loss, rtol=1e-6, atol=1e-6)
+    router_grads = 0
+    for (name, want), got in zip(reference.named_parameters(), model.parameters(), strict=True):
+        if want.grad is None:
+            assert got.grad is None, name
+            continue
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5, msg=name)
+        router_grads += ("gate" in name or "router" in name) and bool(want.grad.abs().max() > 0)
+    assert router_grads > 0  # the routing weights' gradient reaches the routers through the tiles
+
+
+def test_tile_experts_refuses_experts_it_cannot_route_and_a_dense_model():
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf._families import tiny_config
+
+    llama4 = AutoModelForCausalLM.from_config(tiny_config("llama4_text"))
+    with pytest.raises(ValueError, match="feed_forward.experts .*Llama4TextExperts.*tiled=False"):
+        tile_experts(llama4)
+    with pytest.raises(ValueError, match="no mixture of experts"):
+        tile_experts(_qwen3(layers=1))

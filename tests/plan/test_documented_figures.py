@@ -1,27 +1,39 @@
 """The plan's headline figures that README.md and docs/plan.md state, recomputed from the code.
 
-A change to a term of the plan that moves Llama-3-8B's or Llama-3-70B's longest sequence, or the best peak
-of Llama-3-8B at 1M tokens, fails here until the documents are regenerated.
+A change to a term of the plan that moves a stated longest sequence (with the model state on the host and
+on the GPUs), its host memory or host-device copies, or the best peak of Llama-3-8B at 1M tokens, fails
+here until the documents are regenerated.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import re
 from pathlib import Path
 
 import pytest
 
-from lightning_cp.cli.plan import main
+from lightning_cp.cli.plan import main, read_model
+from lightning_cp.plan import Candidate, layouts, max_seq_len
+from lightning_cp.plan.search import candidate
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "examples" / "configs" / "models"
 README = (ROOT / "README.md").read_text()
 PLAN_DOC = (ROOT / "docs" / "plan.md").read_text()
+GiB = 2**30
+GB80 = 80 * 10**9
 
 
-def _plan(capsys: pytest.CaptureFixture, model: str, *argv: str) -> str:
-    assert main([str(MODELS / model), "--gpu-memory", "80GB", *argv]) == 0
-    return capsys.readouterr().out
+@functools.cache
+def _plan(model: str, *argv: str) -> str:
+    """``lightning-cp plan`` on 80 GB GPUs unless ``argv`` says otherwise; its output, once per arguments."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([str(MODELS / model), "--gpu-memory", "80GB", *argv]) == 0
+    return out.getvalue()
 
 
 def _flat(text: str) -> str:
@@ -29,42 +41,249 @@ def _flat(text: str) -> str:
     return re.sub(r"\s+", " ", text.replace("**", ""))
 
 
+STATED = _flat(PLAN_DOC) + " " + _flat(README)
+
+
+def _rows(out: str) -> list[dict[str, str]]:
+    """The layouts of a plan's output that fit: name, the GiB columns and the largest transient's name."""
+    columns = ("params", "grads", "optim", "fsdp", "saved", "transient", "largest", "reserve", "peak")
+    columns += ("host", "h2d", "comm")
+    rows = []
+    for line in out.splitlines():
+        if line.startswith("dp") and not line.endswith("does not fit"):
+            words = line.split()
+            rows.append(
+                {"name": " ".join(words[: -len(columns)])} | dict(zip(columns, words[-len(columns) :]))
+            )
+    return rows
+
+
 def _longest(out: str) -> int:
     return int(re.search(r"longest sequence on .*: ([\d,]+) tokens", out)[1].replace(",", ""))
+
+
+@functools.cache
+def _longest_on_gpus(model: str, gpus: int, gpu_bytes: int = GB80) -> tuple[int, Candidate | None]:
+    """The longest sequence of the layouts that keep the model state on the GPUs, and its candidate."""
+    shape = read_model(str(MODELS / model))
+    found = [
+        (max_seq_len(shape, layout, gpu_bytes), layout)
+        for layout in layouts(gpus, shape)
+        if not layout.cpu_offload
+    ]
+    tokens, layout = max(found, key=lambda pair: pair[0])
+    return tokens, candidate(shape, tokens, layout) if tokens else None
+
+
+@pytest.mark.parametrize(
+    ("model", "gpus", "memory", "target", "readme"),
+    [
+        ("llama3_8b.json", 1, "80GB", ("1M", 2**20), "| Llama-3.1-8B | 1 | {n} (short of 1M) | {host} |"),
+        ("llama3_8b.json", 1, "141GB", ("1.5M", 1_500_000), "| Llama-3.1-8B | 1 of 141 GB | {n} | {host} |"),
+        ("qwen3_30b_a3b.json", 8, "80GB", ("1M fits, 2M", 2**21), "| Qwen3-30B-A3B | 8 | {n} | {host} |"),
+        ("qwen3_5_35b_a3b.json", 8, "80GB", ("1M", 2**20), "| Qwen3.5-35B-A3B | 8 | {n} | {host} |"),
+        ("qwen3_5_35b_a3b.json", 2, "80GB", ("128K", 2**17), "| Qwen3.5-35B-A3B | 2 | {n} | {host} |"),
+        (
+            "llama3_8b.json",
+            8,
+            "80GB",
+            ("not worse than 5.55M", 5_549_056),
+            "| Llama-3-8B | 8 | {n} | {host} |",
+        ),
+    ],
+    ids=[
+        "llama3-8b-1x80",
+        "llama3-8b-1x141",
+        "qwen3-30b-a3b-8",
+        "qwen3.5-35b-a3b-8",
+        "qwen3.5-35b-a3b-2",
+        "llama3-8b-8",
+    ],
+)
+def test_the_gpus_users_own_table_is_the_plan_s(
+    model: str, gpus: int, memory: str, target: tuple[str, int], readme: str
+) -> None:
+    """docs/plan.md's "The GPUs users own" row (the longest sequence on the GPUs and on the host, its layout,
+    host memory, host-device copies and whether the target is met) and README's row, from the plan."""
+    out = _plan(model, "--gpus", str(gpus), "--gpu-memory", memory, "--max-seq")
+    longest, row = _longest(out), _rows(out)[0]
+    on_gpus, _ = _longest_on_gpus(model, gpus, int(memory.removesuffix("GB")) * 10**9)
+    # The Llama-3-8B target is that the state on the GPUs does not lose the 5.55M it had.
+    reached = on_gpus if target[0].startswith("not worse") else longest
+    verdict = f"{target[0]}: {'met' if reached >= target[1] else 'not met'}"
+    on_gpus_text = f"{on_gpus:,}" if on_gpus else "not even 1,024 tokens"
+    phrase = f"| {on_gpus_text} | {longest:,} | {row['name']} | {row['host']} | {row['h2d']} | {verdict} |"
+    assert phrase in _flat(PLAN_DOC), phrase
+    readme_row = readme.format(n=f"{longest:,}", host=f"{float(row['host']):.0f}")
+    assert readme_row in _flat(README), readme_row
 
 
 @pytest.mark.parametrize(
     ("model", "gpus", "phrases"),
     [
-        ("llama3_8b.json", 8, ["Llama-3-8B {m} tokens", "at most {m} tokens"]),
-        ("llama3_70b.json", 64, ["Llama-3-70B {m} on 64 H100", "at most {m} tokens (per GPU"]),
+        (
+            "llama3_8b.json",
+            8,
+            [
+                "Llama-3-8B {host} tokens on 8 H100 with the model state on the host",
+                "and {gpu} with it on the GPUs (169 GiB",
+                "at most {gpu} tokens with the state on the GPUs",
+                "{host} with it on the host.",
+            ],
+        ),
+        (
+            "llama3_70b.json",
+            64,
+            [
+                "Llama-3-70B {host} on 64 H100 with the model state on the host",
+                "and {gpu} with it on the GPUs.",
+                "at most {host} tokens with the state on the host",
+                "and {gpu} with it on the GPUs (per GPU",
+            ],
+        ),
     ],
     ids=["llama3-8b", "llama3-70b"],
 )
-def test_the_longest_sequences_stated_are_the_plan_s(
-    capsys: pytest.CaptureFixture, model: str, gpus: int, phrases: list[str]
-) -> None:
-    millions = f"{_longest(_plan(capsys, model, '--gpus', str(gpus), '--max-seq')) / 1e6:.2f}M"
-    stated = _flat(PLAN_DOC) + _flat(README)
+def test_the_longest_sequences_stated_are_the_plan_s(model: str, gpus: int, phrases: list[str]) -> None:
+    host = _longest(_plan(model, "--gpus", str(gpus), "--max-seq"))
+    gpu, _ = _longest_on_gpus(model, gpus)
     for phrase in phrases:
-        assert phrase.format(m=millions) in stated, phrase.format(m=millions)
+        stated = phrase.format(host=f"{host / 1e6:.2f}M", gpu=f"{gpu / 1e6:.2f}M")
+        assert stated in STATED, stated
 
 
-def test_the_70b_terms_stated_are_the_plan_s(capsys: pytest.CaptureFixture) -> None:
-    out = _plan(capsys, "llama3_70b.json", "--gpus", "64", "--max-seq")
-    row = out.strip().splitlines()[-1].split()
-    params, grads, optim, fsdp, saved, transient = row[-11:-5]
+def test_the_70b_terms_stated_are_the_plan_s() -> None:
+    _, on_gpus = _longest_on_gpus("llama3_70b.json", 64)
+    e = on_gpus.estimate
     terms = (
-        f"parameters {params} GiB, gradients {grads}, AdamW {optim}, FSDP's gathered root and units {fsdp}, "
-        f"saved {saved}, one checkpointed layer's recomputation {transient}"
+        f"parameters {e.parameters / GiB:.1f} GiB, gradients {e.gradients / GiB:.1f}, AdamW "
+        f"{e.optimizer / GiB:.1f}, FSDP's gathered root and units {e.fsdp_gathered / GiB:.1f}, saved "
+        f"{e.activations / GiB:.1f}, one checkpointed layer's recomputation {e.transient / GiB:.1f}"
     )
     assert terms in _flat(README), terms
+    row = _rows(_plan("llama3_70b.json", "--gpus", "64", "--max-seq"))[0]
+    assert "+cpu_offload" in row["name"] and row["largest"] == "recompute", row
+    terms = (
+        f"FSDP's gathered root and units {row['fsdp']}, saved {row['saved']}, the recomputation of one layer "
+        f"{row['transient']}, reserve {row['reserve']}: {row['peak']} GiB; "
+        f"{float(row['host']):.0f} GiB of host"
+    )
+    assert terms in _flat(PLAN_DOC), terms
 
 
-def test_the_best_peak_of_llama_3_8b_at_1m_on_8_gpus_is_the_plan_s(capsys: pytest.CaptureFixture) -> None:
-    out = _plan(capsys, "llama3_8b.json", "--gpus", "8", "--seq-len", "1M")
-    rows = [line.split() for line in out.splitlines() if line.startswith("dp")]
-    best = min(rows, key=lambda row: float(row[-3]))
-    peak, name = best[-3], " ".join(best[: len(best) - 11])
-    assert f"the best at {peak} GiB per GPU" in _flat(README), peak
-    assert f"plans to {peak} GiB per GPU at best (`{name}`" in _flat(PLAN_DOC), (peak, name)
+def test_the_best_peak_of_llama_3_8b_at_1m_on_8_gpus_is_the_plan_s() -> None:
+    out = _plan("llama3_8b.json", "--gpus", "8", "--seq-len", "1M")
+    rows = _rows(out)
+    on_gpus = min((r for r in rows if "+cpu_offload" not in r["name"]), key=lambda r: float(r["peak"]))
+    on_host = min((r for r in rows if "+cpu_offload" in r["name"]), key=lambda r: float(r["peak"]))
+    assert on_host["name"] == on_gpus["name"] + " +cpu_offload", (on_gpus, on_host)
+    fit = re.search(r"(\d+ of \d+) layouts fit", out)[1]
+    readme = (
+        f"fits 8 H100s in {fit} layouts (the best at {on_gpus['peak']} GiB per GPU with the model state on "
+        f"the GPUs, {on_host['peak']} with it on the host"
+    )
+    assert readme in _flat(README), readme
+    on_gpus_phrase = (
+        f"plans to {on_gpus['peak']} GiB per GPU at best with the model state on the GPUs "
+        f"(`{on_gpus['name']}`"
+    )
+    on_host_phrase = (
+        f"and to {on_host['peak']} GiB with it on the host ({float(on_host['host']):.0f} GiB of host "
+        f"memory per GPU, {float(on_host['h2d']):.0f} GiB copied per step)"
+    )
+    for phrase in (on_gpus_phrase, on_host_phrase):
+        assert phrase in _flat(PLAN_DOC), phrase
+
+
+def test_what_bounds_llama_3_8b_at_1m_on_one_gpu_is_the_plan_s() -> None:
+    """At 1M tokens nothing fits one 80 GB GPU: the smallest peak, its layout and its largest term."""
+    out = _plan("llama3_8b.json", "--gpus", "1", "--seq-len", "1M", "--all")
+    smallest = re.search(r"the smallest peak is ([\d.]+) GiB \((.*?)\)", out)
+    row = next(r for r in _rows(out.replace("  does not fit", "")) if r["name"] == smallest[2])
+    assert row["largest"] == "recompute", row
+    phrase = (
+        f"the smallest peak is {smallest[1]} GiB (`{smallest[2]}`): FSDP's gathered units {row['fsdp']}, "
+        "saved "
+        f"{row['saved']} (the final norm's bf16 input), reserve {row['reserve']}, and what bounds it, the "
+        f"recomputation of one checkpointed layer, {row['transient']} GiB"
+    )
+    assert phrase in _flat(PLAN_DOC), phrase
+
+
+def test_the_host_memory_example_is_the_plan_s() -> None:
+    out = _plan("llama3_8b.json", "--gpus", "1", "--max-seq", "--host-memory", "240GB")
+    row = _rows(out)[0]
+    phrase = (
+        f"plans {_longest(out):,} tokens (`{row['name']}`, {row['host']} GiB of host memory, "
+        f"{row['h2d']} GiB "
+        "copied per step)"
+    )
+    assert phrase in _flat(PLAN_DOC), phrase
+
+
+@pytest.mark.parametrize(
+    ("model", "gpus", "seq_len", "phrase"),
+    [
+        (
+            "qwen3_30b_a3b.json",
+            8,
+            "1M",
+            "Qwen3-30B-A3B at 1M tokens on 8 GPUs fits {fit} layouts, every one with the model state",
+        ),
+        (
+            "qwen3_5_35b_a3b.json",
+            8,
+            "1M",
+            "1M tokens fit {fit} layouts (the smallest peak {peak} GiB, `{name}`",
+        ),
+        (
+            "qwen3_5_35b_a3b.json",
+            2,
+            "128K",
+            "128K on 2 GPUs fit {fit} (the smallest peak {peak} GiB, `{name}`",
+        ),
+    ],
+    ids=["qwen3-30b-a3b-1m-8", "qwen3.5-35b-a3b-1m-8", "qwen3.5-35b-a3b-128k-2"],
+)
+def test_the_moe_models_at_their_targets_are_the_plan_s(
+    model: str, gpus: int, seq_len: str, phrase: str
+) -> None:
+    out = _plan(model, "--gpus", str(gpus), "--seq-len", seq_len)
+    rows = _rows(out)
+    assert all("+cpu_offload" in row["name"] for row in rows), rows
+    smallest = min(rows, key=lambda row: float(row["peak"]))
+    fit = re.search(r"(\d+ of \d+) layouts fit", out)[1]
+    stated = phrase.format(fit=fit, peak=smallest["peak"], name=smallest["name"])
+    assert stated in _flat(PLAN_DOC), stated
+
+
+def test_the_cheapest_qwen3_30b_a3b_layout_at_1m_on_8_gpus_is_the_plan_s() -> None:
+    first = _rows(_plan("qwen3_30b_a3b.json", "--gpus", "8", "--seq-len", "1M"))[0]
+    stated = (
+        f"`{first['name']}`, plans {first['peak']} GiB per GPU ({float(first['host']):.0f} GiB of host "
+        "memory, "
+        f"{float(first['h2d']):.0f} GiB copied per step"
+    )
+    assert stated in _flat(PLAN_DOC), stated
+
+
+def test_the_sample_output_is_the_plan_s() -> None:
+    """docs/plan.md's sample output is the command's, line for line."""
+    sample = re.search(r"```\n(transformers: 8\.03B.*?)```", PLAN_DOC, re.DOTALL)[1]
+    assert sample.strip() == _plan("llama3_8b.json", "--seq-len", "1M", "--gpus", "8").strip()
+
+
+def test_the_2tb_node_example_is_the_plan_s() -> None:
+    """An 8-GPU node of 2 TB (``--host-memory 250GB``): Llama-3-8B shorter than without the check,
+    Qwen3-30B-A3B as long."""
+    llama = _plan("llama3_8b.json", "--gpus", "8", "--max-seq", "--host-memory", "250GB")
+    qwen = _longest(_plan("qwen3_30b_a3b.json", "--gpus", "8", "--max-seq", "--host-memory", "250GB"))
+    assert qwen == _longest(_plan("qwen3_30b_a3b.json", "--gpus", "8", "--max-seq"))
+    assert _longest(llama) < _longest(_plan("llama3_8b.json", "--gpus", "8", "--max-seq"))
+    row = _rows(llama)[0]
+    stated = (
+        f"`--host-memory 250GB` plans {_longest(llama):,} tokens at {float(row['host']):.0f} GiB",
+        f"Llama-3-8B {_longest(llama):,} tokens and Qwen3-30B-A3B still {qwen:,}",
+    )
+    for phrase in stated:
+        assert phrase in _flat(PLAN_DOC), phrase
