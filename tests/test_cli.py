@@ -45,6 +45,7 @@ GPU = CONFIGS / "gpu_long_context.yaml"
 GPU_SINGLE = CONFIGS / "gpu_single.yaml"
 HF_CPU = CONFIGS / "hf_qwen3_tiny_cpu.yaml"
 HF_GPU = CONFIGS / "hf_llama_gpu.yaml"
+HF_ONE_GPU = CONFIGS / "hf_llama_1gpu.yaml"
 FSDP_VARIANTS = {CONFIGS / "cpu_long_range_fsdp.yaml": MAIN_JOB, CONFIGS / "gpu_long_context_fsdp.yaml": GPU}
 CONSOLE_SCRIPT = Path(sys.executable).with_name("lightning-cp")
 ERROR_PREFIX = "lightning-cp: error: "
@@ -300,6 +301,31 @@ def test_hf_gpu_config_is_a_packed_long_context_setup(cli):
     assert (trainer["accelerator"], trainer["devices"], trainer["precision"]) == ("gpu", 8, "bf16-mixed")
     assert trainer["strategy"]["init_args"]["cp"] in (4, 8)
     assert model["gradient_checkpointing"] and data["packed"] and data["seq_len"] >= 32768
+
+
+def test_the_one_gpu_config_is_the_layout_the_plan_picks_for_its_model_and_length(cli):
+    """``hf_llama_1gpu.yaml``: Llama-3.1-8B's shape (``examples/configs/models/llama3_8b.json``) with the
+    strategy's and the model's arguments of the first layout ``lightning-cp plan`` fits on one 80 GB GPU at
+    the config's sequence length."""
+    pytest.importorskip("transformers")
+    from lightning_cp.models import HFCausalLM
+    from lightning_cp.plan import ModelShape, plan
+
+    tree = yaml.safe_load(_print_config(cli, "--config", str(HF_ONE_GPU)))
+    trainer, model, data = tree["trainer"], tree["model"]["init_args"], tree["data"]["init_args"]
+    assert (trainer["accelerator"], trainer["devices"], trainer["precision"]) == ("gpu", 1, "bf16-mixed")
+    llama = json.loads((CONFIGS / "models" / "llama3_8b.json").read_text())
+    assert {**model["config"], "max_position_embeddings": None} == {**llama, "max_position_embeddings": None}
+    assert data["seq_len"] <= model["config"]["max_position_embeddings"] and data["batch_size"] == 1
+    shape = ModelShape.from_hf_config(model["config"])
+    first = next(c for c in plan(shape, data["seq_len"], 1) if c.fits(80 * 10**9))
+    arguments = first.arguments(shape)
+    strategy = trainer["strategy"]
+    assert strategy["class_path"] == "lightning_cp.MegatronCPFSDPStrategy"
+    assert strategy["init_args"] == {**strategy["init_args"], **arguments["strategy"]}
+    assert {key: model[key] for key in arguments["model"]} == arguments["model"]
+    MegatronCPFSDPStrategy(**strategy["init_args"])  # validates every argument
+    HFCausalLM(**model)  # validates the config dict
 
 
 def test_hf_cpu_config_is_dp2_cp2_on_four_processes(cli):
