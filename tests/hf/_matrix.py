@@ -11,19 +11,30 @@ CP. Rank ``i % cp`` of family ``i`` also runs the reference: ``transformers``' o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 
 from lightning_cp.hf import check_models
+from lightning_cp.memory import tiling
 from lightning_cp.models import HFCausalLM
 from lightning_cp.parallel import groups, shard_batch
 from lightning_cp.parallel.layout import set_current_layout
 from tests.hf._families import VOCAB, tiny_config, transformers
+from tests.hf.support_table import Outcome
 
 BATCH_SHAPE = (2, 19)  # two rows of an odd length: the CP split pads every row
+
+LOSS_RTOL = 1e-5
+# Per parameter, in norm: a gradient within 5e-5 of the reference's norm (fp32 round-off of sums over a
+# few dozen tokens is ~1e-6 .. 2e-5), or, for gradients that are zero up to round-off (a key bias, whose
+# softmax makes it irrelevant), within 1e-6 of the whole model's gradient norm. A 1% error fails either.
+GRAD_RTOL = 5e-5
+GRAD_FLOOR = 1e-6
 
 
 def batch() -> dict[str, torch.Tensor]:
@@ -31,26 +42,33 @@ def batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids}
 
 
-def run(cases: list[tuple[str, str, dict]]) -> dict[str, dict]:
-    """On every rank, for each ``(name, model_type, config fields)``: its outcome (see :func:`_case`)."""
+def run(cases: list[tuple[str, str, dict]], tiled: bool = False) -> dict[str, dict]:
+    """On every rank, for each ``(name, model_type, config fields)``: its outcome (see :func:`_case`).
+
+    ``tiled``: ``HFCausalLM(tiled=True)``, in tiles of 3 tokens (several per document of a rank's shard)."""
     layout = groups.initialize(tp=1, cp=dist.get_world_size())
     set_current_layout(layout)
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
+    tiles = mock.patch.object(tiling, "auto_tile_tokens", lambda tokens, dim: 3)
     try:
-        return {
-            name: _case(model_type, fields, reference=i % layout.cp == layout.cp_rank, layout=layout)
-            for i, (name, model_type, fields) in enumerate(cases)
-        }
+        with tiles if tiled else contextlib.nullcontext():
+            return {
+                name: _case(
+                    model_type, fields, reference=i % layout.cp == layout.cp_rank, layout=layout, tiled=tiled
+                )
+                for i, (name, model_type, fields) in enumerate(cases)
+            }
     finally:
         set_current_layout(None)
 
 
-def _case(model_type: str, fields: dict, *, reference: bool, layout) -> dict:
+def _case(model_type: str, fields: dict, *, reference: bool, layout, tiled: bool) -> dict:
     """``{"refused": message}``, or ``{"crash": message}``, or the step's ``{"loss", "grads"}`` summed over
-    CP and (on the reference rank) ``{"expected": {"loss", "grads"}}``."""
+    CP, the names of the tiled modules (``"tiled"``) and (on the reference rank) ``{"expected": {"loss",
+    "grads"}}``."""
     config = tiny_config(model_type, **fields)
-    module = HFCausalLM(config.to_dict())
+    module = HFCausalLM(config.to_dict(), tiled=tiled)
     try:
         torch.manual_seed(0)
         module.configure_model()
@@ -59,7 +77,8 @@ def _case(model_type: str, fields: dict, *, reference: bool, layout) -> dict:
         return {"refused": str(error)}
     except Exception as error:  # noqa: BLE001 - reported as the family's crash
         return {"crash": f"setup: {type(error).__name__}: {error}"}
-    out: dict = {}
+    tiled_modules = [n for n, m in module.model.named_modules() if getattr(m, "_lightning_cp_tiled", False)]
+    out: dict = {"tiled": tiled_modules}
     initial = copy.deepcopy(module.model.state_dict())
     try:
         module.train()
@@ -97,3 +116,27 @@ def _reference(config, state: dict) -> dict:
         "loss": loss.detach(),
         "grads": {n: _grad(p).reshape(-1) for n, p in model.named_parameters()},
     }
+
+
+def failure(name: str, ranks: list[dict], expected: Outcome) -> str | None:
+    """Why ``name``'s outcome on the CP ranks is not ``expected``, or ``None``."""
+    first = ranks[0]
+    if "crash" in first or any("crash" in r for r in ranks):
+        return f"crashed: {next(r['crash'] for r in ranks if 'crash' in r)}"
+    if "refused" in first:
+        if expected.exact:
+            return f"refused, expected exact: {first['refused']}"
+        if expected.reason.message not in first["refused"]:
+            return f"refused for another reason than {expected.reason.message!r}: {first['refused']}"
+        return None
+    if not expected.exact:
+        return f"accepted, expected refused ({expected.reason.message!r})"
+    reference = next(r["expected"] for r in ranks if "expected" in r)
+    if not torch.allclose(first["loss"], reference["loss"], rtol=LOSS_RTOL, atol=0.0):
+        return f"loss {first['loss'].item():.8f} != {reference['loss'].item():.8f}"
+    total = torch.cat(list(reference["grads"].values())).norm()
+    for key, want in reference["grads"].items():
+        error = (first["grads"][key] - want).norm()
+        if error > GRAD_RTOL * want.norm() + GRAD_FLOOR * total:
+            return f"gradient of {key}: error {error:.3e}, reference norm {want.norm():.3e}"
+    return None

@@ -10,17 +10,8 @@ family's default attention. The expected outcome of each family and real-config 
 
 from __future__ import annotations
 
-import torch
-
 from tests.hf import _matrix, support_table
 from tests.hf._families import families
-
-LOSS_RTOL = 1e-5
-# Per parameter, in norm: a gradient within 5e-5 of the reference's norm (fp32 round-off of sums over a
-# few dozen tokens is ~1e-6 .. 2e-5), or, for gradients that are zero up to round-off (a key bias, whose
-# softmax makes it irrelevant), within 1e-6 of the whole model's gradient norm. A 1% error fails either.
-GRAD_RTOL = 5e-5
-GRAD_FLOOR = 1e-6
 
 
 def _cases() -> list[tuple[str, str, dict]]:
@@ -32,30 +23,6 @@ def _cases() -> list[tuple[str, str, dict]]:
 def _expected(name: str) -> support_table.Outcome:
     variant = support_table.VARIANTS.get(name)
     return support_table.EXPECTED[name] if variant is None else variant.outcome
-
-
-def _failure(name: str, ranks: list[dict], expected: support_table.Outcome) -> str | None:
-    """Why ``name``'s outcome on the CP ranks is not ``expected``, or ``None``."""
-    first = ranks[0]
-    if "crash" in first or any("crash" in r for r in ranks):
-        return f"crashed: {next(r['crash'] for r in ranks if 'crash' in r)}"
-    if "refused" in first:
-        if expected.exact:
-            return f"refused, expected exact: {first['refused']}"
-        if expected.reason.message not in first["refused"]:
-            return f"refused for another reason than {expected.reason.message!r}: {first['refused']}"
-        return None
-    if not expected.exact:
-        return f"accepted, expected refused ({expected.reason.message!r})"
-    reference = next(r["expected"] for r in ranks if "expected" in r)
-    if not torch.allclose(first["loss"], reference["loss"], rtol=LOSS_RTOL, atol=0.0):
-        return f"loss {first['loss'].item():.8f} != {reference['loss'].item():.8f}"
-    total = torch.cat(list(reference["grads"].values())).norm()
-    for key, want in reference["grads"].items():
-        error = (first["grads"][key] - want).norm()
-        if error > GRAD_RTOL * want.norm() + GRAD_FLOOR * total:
-            return f"gradient of {key}: error {error:.3e}, reference norm {want.norm():.3e}"
-    return None
 
 
 def test_the_families_are_the_auto_mapping_less_the_rule_s_exclusions():
@@ -78,7 +45,7 @@ def test_every_family_trains_exactly_at_cp2_or_is_refused_with_its_reason(world2
     results = world2.run(_matrix.run, _cases())
     failures = []
     for name, _, _ in _cases():
-        failure = _failure(name, [rank[name] for rank in results], _expected(name))
+        failure = _matrix.failure(name, [rank[name] for rank in results], _expected(name))
         if failure is not None:
             failures.append(f"{name}: {failure}")
     assert not failures, "\n".join(failures)

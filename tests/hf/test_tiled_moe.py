@@ -17,6 +17,8 @@ from lightning_cp.data import LongRangeCopyDataset, collate_padded
 from lightning_cp.memory import tiling
 from lightning_cp.models import HFCausalLM
 from tests._trainer import cp_trainer
+from tests.hf import _matrix
+from tests.hf.support_table import Outcome
 
 transformers = pytest.importorskip("transformers")
 
@@ -108,3 +110,34 @@ def test_dp1_cp2_tiled_experts_train_as_the_untiled_unsharded_model(world2):
     for name, want in want_grads.items():
         torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-6, msg=name)
     assert float(want_grads["model.layers.0.mlp.gate.weight"].abs().max()) > 1e-3
+
+
+_FAMILIES = ["qwen3_moe", "qwen3_5_moe_text", "qwen3_next", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe"]
+"""transformers' mixture-of-experts blocks ``tile_experts`` knows (``tests/memory/test_tiling.py`` holds
+each at cp = 1)."""
+
+
+def test_each_family_s_tiled_experts_train_exactly_at_cp2(world2):
+    """The family matrix's step (``tests/hf/_matrix.py``: padded rows, the loss and every gradient against
+    ``transformers``' own unsharded, untiled model) with ``HFCausalLM(tiled=True)`` in tiles of 3 tokens, the
+    routers' load-balancing loss included where the family has one; every layer a mixture of experts."""
+    fields = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+    cases = [
+        (
+            name,
+            name,
+            {**fields, **({"first_k_dense_replace": 0} if name in ("deepseek_v3", "glm4_moe") else {})},
+        )
+        for name in _FAMILIES
+    ]
+    results = world2.run(_matrix.run, cases, tiled=True)
+    failures = {}
+    for name in _FAMILIES:
+        ranks = [rank[name] for rank in results]
+        failure = _matrix.failure(name, ranks, Outcome())
+        tiled = ranks[0].get("tiled", [])
+        if failure is None and not any(module.endswith(".experts") for module in tiled):
+            failure = f"no experts tiled: {tiled}"
+        if failure is not None:
+            failures[name] = failure
+    assert not failures, failures
