@@ -51,34 +51,6 @@ CONSOLE_SCRIPT = Path(sys.executable).with_name("lightning-cp")
 ERROR_PREFIX = "lightning-cp: error: "
 
 
-@pytest.fixture
-def cli(capfd, monkeypatch):
-    """``cli(*args)`` runs ``lightning-cp ARGS`` in this process: exit status, stdout, stderr (fd level).
-
-    Lightning's seeding writes ``PL_GLOBAL_SEED`` / ``PL_SEED_WORKERS`` into ``os.environ``; they are put
-    back afterwards so that processes started by later tests do not inherit them.
-    """
-    monkeypatch.setattr(sys, "argv", ["lightning-cp"])
-    saved = {name: os.environ.get(name) for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
-
-    def run(*args: str) -> tuple[int, str, str]:
-        capfd.readouterr()
-        try:
-            main(list(args))
-            status = 0
-        except SystemExit as exit_:
-            status = exit_.code or 0
-        out, err = capfd.readouterr()
-        return status, out, err
-
-    yield run
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
 def _run_console_script(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     # One intra-op thread per process: 2 or 4 training processes share the small CI machine's cores.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -496,10 +468,9 @@ def test_token_file_mistakes_are_one_line(case, cli, tmp_path):
     ],
     ids=["missing-token-file", "odd-seq-len"],
 )
-def test_console_script_data_error_is_one_line_on_stderr(args, expected):
+def test_a_data_error_is_one_line_before_any_rank_starts(args, expected, cli_before_launch):
     """Raised while the data module is built, before Lightning starts one process per device."""
-    result = _run_console_script("fit", *args)
-    assert expected in _check_one_line(result.returncode, result.stdout, result.stderr)
+    assert expected in _check_one_line(*cli_before_launch("fit", *args))
 
 
 def test_console_script_error_is_one_line_on_stderr():
@@ -754,11 +725,10 @@ def _late_mistake(case: str, tmp_path: Path) -> tuple[list[str], str]:
         "hf-heads-do-not-divide",
     ],
 )
-def test_late_mistakes_are_one_line_before_any_rank_starts(case, tmp_path):
-    """The 4-process configs: one line on stderr and exit 2 from the first process (no rank's log lines)."""
+def test_late_mistakes_are_one_line_before_any_rank_starts(case, tmp_path, cli_before_launch):
+    """The 4-process configs: one line on stderr and exit 2 from the first process (no rank started)."""
     args, expected = _late_mistake(case, tmp_path)
-    result = _run_console_script(*args, timeout=60)
-    assert expected in _check_one_line(result.returncode, result.stdout, result.stderr)
+    assert expected in _check_one_line(*cli_before_launch(*args))
 
 
 def test_example_configs_that_resume_save_their_last_checkpoint():

@@ -2,7 +2,7 @@
 
 Each mistake used to start every rank and end in one refusal per rank (or an ``IndexError`` in the
 embedding). The checks are called here on the classes the CLI builds (nothing is launched); two cases run
-through the installed console script, as a user types them: one line on stderr and exit status 2.
+through the command line, as a user types them: one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from lightning_cp import MegatronCPStrategy
 from lightning_cp.cli.launch_checks import check_before_launch
 from lightning_cp.data import LongRangeDataModule
 from lightning_cp.models import GPTConfig, GPTModule, HFCausalLM
-from tests.test_cli import HF_CPU, _check_one_line, _run_console_script
+from tests.test_cli import HF_CPU, _check_one_line
 
 transformers = pytest.importorskip("transformers")
 
@@ -132,7 +132,7 @@ def test_a_gpt_vocabulary_smaller_than_the_data_s_is_refused():
     assert message.endswith("Set the model's vocab_size to at least 65.")
 
 
-# --- through the console script: one line, status 2, no rank started ----------------------------------------
+# --- through the command line: one line, status 2, no rank started -------------------------------------------
 
 
 def _hf_yaml(tmp_path, model_config, strategy_args) -> str:
@@ -146,7 +146,7 @@ def _hf_yaml(tmp_path, model_config, strategy_args) -> str:
 
 
 @pytest.mark.parametrize("case", ["ulysses-heads", "pretrained-vocabulary"])
-def test_the_console_script_refuses_before_any_rank_starts(case, tmp_path):
+def test_the_command_refuses_before_any_rank_starts(case, tmp_path, cli_before_launch):
     config = yaml.safe_load(HF_CPU.read_text())["model"]["init_args"]["config"]
     if case == "ulysses-heads":  # 4 processes, cp = 4: the 6 query heads do not split
         path = _hf_yaml(
@@ -158,5 +158,4 @@ def test_the_console_script_refuses_before_any_rank_starts(case, tmp_path):
     else:  # the long-range task's 128 ids against a pretrained 61-token vocabulary
         path = _hf_yaml(tmp_path, _pretrained(tmp_path / "llama", VOCAB), {})
         expected = f"data.vocab_size=128 is larger than the model's vocab_size={VOCAB}"
-    result = _run_console_script("fit", "--config", path, timeout=120)
-    assert expected in _check_one_line(result.returncode, result.stdout, result.stderr)
+    assert expected in _check_one_line(*cli_before_launch("fit", "--config", path))
