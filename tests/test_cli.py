@@ -513,7 +513,8 @@ def test_fsdp_configs_are_their_ddp_configs_with_sharding(config, cli):
     assert base_strategy["class_path"] == "lightning_cp.MegatronCPStrategy"
     MegatronCPFSDPStrategy(**strategy["init_args"])  # validates cp / tp and the module lists
     # The sharding and what it names differ; every argument the two strategies share is the same.
-    for key in ("fsdp_wrap", "activation_checkpointing"):
+    assert strategy["init_args"]["cpu_offload"] is False  # FSDP's alone: the model state stays on the device
+    for key in ("fsdp_wrap", "activation_checkpointing", "cpu_offload"):
         strategy["init_args"].pop(key, None)
         base_strategy["init_args"].pop(key, None)
     base_strategy["class_path"] = strategy["class_path"]
