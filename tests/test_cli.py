@@ -569,7 +569,7 @@ def _sequence_nll(model: GPTModule, input_ids: torch.Tensor, loss_mask: torch.Te
     return nll[targets].sum().item(), int(targets.sum())
 
 
-def test_main_job_config_runs_with_summary_checkpoint_and_metrics(tmp_path, world2):
+def test_main_job_config_runs_with_summary_checkpoint_and_metrics(tmp_path, world2, cli_before_launch):
     loggers = [
         {
             "class_path": "lightning.pytorch.loggers.CSVLogger",
@@ -640,20 +640,21 @@ def test_main_job_config_runs_with_summary_checkpoint_and_metrics(tmp_path, worl
     assert (logprobs[~targets] == 0).all()
 
     # The checkpoint against another configuration: refused, every difference listed, before any rank starts.
-    result = _run_console_script(
-        "fit", *same_run, "--model.init_args.config.n_embd", "256", "--data.init_args.vocab_size", "256"
+    message = _check_one_line(
+        *cli_before_launch(
+            "fit", *same_run, "--model.init_args.config.n_embd", "256", "--data.init_args.vocab_size", "256"
+        )
     )
-    message = _check_one_line(result.returncode, result.stdout, result.stderr)
     assert message == (
         f"ckpt_path: '{checkpoint}' does not fit the configuration: model.init_args.config.n_embd: 128 in the "
         "checkpoint, 256 in the configuration; data.init_args.vocab_size: 512 in the checkpoint, 256 in the "
         "configuration. Set the configuration to the checkpoint's values, or --ckpt_path null for new weights."
     )
 
-    # Re-running the finished run: it says so, exits 0 and leaves no new version behind.
-    result = _run_console_script("fit", *same_run, "--trainer.max_steps", "4")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == (
+    # Re-running the finished run: it says so before any rank starts, exits 0 and leaves no new version behind.
+    status, out, err = cli_before_launch("fit", *same_run, "--trainer.max_steps", "4")
+    assert status == 0, err[-3000:]
+    assert out.strip() == (
         f"lightning-cp: {checkpoint} already reached trainer.max_steps=4 (step 4): nothing to train. Raise "
         "--trainer.max_steps to continue, or --ckpt_path null to start over."
     )
