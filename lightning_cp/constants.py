@@ -24,3 +24,16 @@ CU_SEQLENS_PADDED = "cu_seqlens_padded"
 """Packed batches after sharding: ``[n + 1]`` boundaries of the documents padded to a multiple of ``2 * cp``."""
 CP_SHARD = "cp_shard"
 """After sharding: the :class:`lightning_cp.parallel.CPShard` of the batch (what attention needs)."""
+
+ADVANTAGES = "advantages"
+"""Reinforcement learning: ``[B, S]`` float, the advantage of the completion a target token belongs to."""
+OLD_LOGPROBS = "old_logprobs"
+"""Reinforcement learning: ``[B, S]`` float, each target token's log-probability under the sampling policy."""
+REF_LOGPROBS = "ref_logprobs"
+"""Reinforcement learning: ``[B, S]`` float, each target token's log-probability under the reference model."""
+ROLLOUT_INDEX = "rollout_index"
+"""Reinforcement learning: ``[B, S]`` int64, the row of the rollout file every token comes from."""
+TARGET_KEYS = (ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS)
+"""Per-token values about a target token. Before sharding they sit on the token itself, like ``labels``;
+``shard_batch`` shifts them with the labels, so that after it the value at ``t`` belongs to the label at ``t``
+(0 where there is no target)."""

@@ -37,6 +37,7 @@ from lightning_cp.constants import (
     LABELS,
     LOSS_MASK,
     POSITION_IDS,
+    TARGET_KEYS,
 )
 from lightning_cp.parallel._key_selection import KeySelection, effective_window, select_keys
 from lightning_cp.parallel.attention_mode import AttentionMode
@@ -310,6 +311,18 @@ def _shift_targets(
     return next_labels, next_target
 
 
+def _shift_with_targets(key: str, value: Any, input_ids: Tensor, next_target: Tensor) -> Tensor:
+    """``value`` (about each token, like ``labels``) moved onto the position that predicts its token, 0 where
+    that position has no target."""
+    if not isinstance(value, Tensor) or value.shape != input_ids.shape or not value.is_floating_point():
+        shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise ValueError(
+            f"batch[{key!r}] must be a float tensor of input_ids' shape {tuple(input_ids.shape)} (one value "
+            f"per token, on the token it is about), got {shape}."
+        )
+    return torch.where(next_target, torch.roll(value, -1, dims=1), 0.0)
+
+
 def _gather_tokens(value: Tensor, src: Tensor, valid: Tensor, rows: int, fill: float) -> Tensor:
     """``[rows, T_local / rows, ...]``: the tokens ``src`` of ``value`` flattened over its first two dims,
     with ``fill`` where ``valid`` is False (padding)."""
@@ -339,7 +352,9 @@ def shard_batch(
         batch: ``input_ids`` ``[B, S]`` (padded) or ``[1, T]`` with ``cu_seqlens`` ``[n + 1]`` (packed).
             Optional ``labels`` (aligned with ``input_ids``, as in Hugging Face: *not* shifted; defaults to
             ``input_ids``), ``loss_mask`` (aligned with ``input_ids``: 1 where the token is a target) and
-            ``position_ids``, and ``input_mask`` (1 on real tokens, 0 on collate padding). Every other tensor
+            ``position_ids``, ``input_mask`` (1 on real tokens, 0 on collate padding), and the float values
+            about a target token of reinforcement learning (``advantages``, ``old_logprobs``, ``ref_logprobs``:
+            :data:`~lightning_cp.constants.TARGET_KEYS`, on the token they are about, as ``labels``). Every other tensor
             whose first two dims are those of ``input_ids`` is split the same way (padded with zeros);
             anything else passes through unchanged.
         cp_size: number of ranks in the context-parallel group.
@@ -360,7 +375,8 @@ def shard_batch(
         not a target), ``loss_mask`` (float32, 1 on targets), ``position_ids`` (position inside the
         sequence, int64; with ``cp_size > 1`` marked for :func:`sharded_under_cp`), ``input_mask`` (bool,
         False on padding, including the padding added here, so token counts need no knowledge of the
-        split), the other sequence tensors, ``cp_shard`` (the :class:`CPShard` the model's attention is
+        split), the target values shifted with the labels (the value at ``t`` belongs to the label at ``t``; 0
+        where there is none), the other sequence tensors, ``cp_shard`` (the :class:`CPShard` the model's attention is
         given), and for packed batches ``cu_seqlens`` (this rank's local boundaries, int32) and
         ``cu_seqlens_padded`` (boundaries of the padded full sequence, int32). An ``attention_mask`` is
         split as the other sequence tensors, and the shard records whether the whole batch's masks a token
@@ -414,6 +430,8 @@ def shard_batch(
     for key, value in batch.items():
         if key in _PACKED_KEYS or key in _DERIVED_KEYS:
             continue
+        if key in TARGET_KEYS:
+            value = _shift_with_targets(key, value, input_ids, target)
         if isinstance(value, Tensor) and value.shape[:2] == input_ids.shape:
             value = gather(value, pad_id if key == INPUT_IDS else 0)
         out[key] = value

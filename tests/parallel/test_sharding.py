@@ -148,6 +148,40 @@ def test_labels_given_are_shifted_and_ignore_index_respected():
     assert shard["loss_mask"].tolist() == [[0.0, 1.0, 1.0, 0.0]]
 
 
+@pytest.mark.parametrize("cp", [1, 2])
+def test_values_about_a_target_token_follow_its_label(cp):
+    """Packed rollouts (prompt, then completion): each advantage / log-prob sits with the label of its token."""
+    cu = torch.tensor([0, 5, 9])  # two documents: prompts of 2 and 1 tokens, completions of 3 and 3
+    input_ids = torch.tensor([[11, 12, 13, 14, 15, 21, 22, 23, 24]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 1]])
+    logp = -input_ids.float() / 100 * loss_mask  # each completion token's value names its token
+    advantage = torch.tensor([[0, 0, 2.0, 2.0, 2.0, 0, -1.0, -1.0, -1.0]])
+    batch = {"input_ids": input_ids, "loss_mask": loss_mask, "cu_seqlens": cu}
+    batch |= {"old_logprobs": logp, "ref_logprobs": 2 * logp, "advantages": advantage}
+    shards = [shard_batch(batch, cp, r) for r in range(cp)]
+    full = {
+        key: unshard([s[key] for s in shards], cu_seqlens=cu)
+        for key in ("labels", "old_logprobs", "advantages")
+    }
+    full["ref_logprobs"] = unshard([s["ref_logprobs"] for s in shards], cu_seqlens=cu)
+    assert full["labels"].tolist() == [[-100, 13, 14, 15, -100, 22, 23, 24, -100]]
+    has_target = full["labels"] != IGNORE_INDEX
+    assert torch.equal(full["old_logprobs"], torch.where(has_target, -full["labels"].float() / 100, 0.0))
+    assert torch.equal(full["ref_logprobs"], 2 * full["old_logprobs"])
+    assert full["advantages"].tolist() == [[0, 2.0, 2.0, 2.0, 0, -1.0, -1.0, -1.0, 0]]
+
+
+def test_a_target_value_that_is_not_one_float_per_token_is_refused():
+    batch = {
+        "input_ids": torch.zeros(1, 8, dtype=torch.long),
+        "advantages": torch.ones(1, 8, dtype=torch.long),
+    }
+    with pytest.raises(ValueError, match=r"batch\['advantages'\] must be a float tensor of input_ids' shape"):
+        shard_batch(batch, 1, 0)
+    with pytest.raises(ValueError, match="one value per token"):
+        shard_batch({"input_ids": batch["input_ids"], "old_logprobs": torch.ones(1, 7)}, 1, 0)
+
+
 @pytest.mark.parametrize(
     ("batch", "cp", "rank", "match"),
     [
