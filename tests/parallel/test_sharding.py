@@ -159,11 +159,8 @@ def test_values_about_a_target_token_follow_its_label(cp):
     batch = {"input_ids": input_ids, "loss_mask": loss_mask, "cu_seqlens": cu}
     batch |= {"old_logprobs": logp, "ref_logprobs": 2 * logp, "advantages": advantage}
     shards = [shard_batch(batch, cp, r) for r in range(cp)]
-    full = {
-        key: unshard([s[key] for s in shards], cu_seqlens=cu)
-        for key in ("labels", "old_logprobs", "advantages")
-    }
-    full["ref_logprobs"] = unshard([s["ref_logprobs"] for s in shards], cu_seqlens=cu)
+    keys = ("labels", "old_logprobs", "ref_logprobs", "advantages")
+    full = {key: unshard([s[key] for s in shards], cu_seqlens=cu) for key in keys}
     assert full["labels"].tolist() == [[-100, 13, 14, 15, -100, 22, 23, 24, -100]]
     has_target = full["labels"] != IGNORE_INDEX
     assert torch.equal(full["old_logprobs"], torch.where(has_target, -full["labels"].float() / 100, 0.0))
