@@ -4,7 +4,8 @@ Public API:
 
 - :class:`MegatronCPStrategy` (also ``strategy="megatron_cp"``): DP x CP (x TP) training with Megatron-core groups,
   gradients averaged by DDP; :class:`MegatronCPFSDPStrategy` (``strategy="megatron_cp_fsdp"``) shards with FSDP2.
-- :class:`CPLossMixin`: the CP-local fused LM loss for a ``LightningModule``, normalized over the global batch.
+- :class:`CPLossMixin`: the CP-local fused LM loss for a ``LightningModule``, normalized over the global batch,
+  and the policy losses of reinforcement learning (:class:`PolicyObjective`) from the same fused pass.
 - :class:`MemoryProfilerCallback`: CUDA memory snapshots with offline reports on chosen steps and ranks.
 - :mod:`lightning_cp.ops`: ``linear_cross_entropy``, ``cross_entropy``, ``token_logprobs``.
 - :mod:`lightning_cp.parallel`: ``shard_batch``, ``unshard``, ``context_parallel_attention``.
@@ -22,7 +23,7 @@ from lightning_cp.hf import registration as _hf_registration
 from lightning_cp.hf.export import export_hf
 from lightning_cp.hf.integration import TRANSFORMERS as _TRANSFORMERS
 from lightning_cp.hf.loading import load_pretrained
-from lightning_cp.loss import CPLossMixin
+from lightning_cp.loss import CPLossMixin, PolicyObjective
 from lightning_cp.strategies import MegatronCPFSDPStrategy, MegatronCPStrategy, register_integration
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "MegatronCPFSDPStrategy",
     "MegatronCPStrategy",
     "MemoryProfilerCallback",
+    "PolicyObjective",
     "export_hf",
     "load_pretrained",
 ]

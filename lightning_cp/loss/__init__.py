@@ -2,6 +2,8 @@
 
 - :class:`CPLossMixin` (:mod:`~lightning_cp.loss.mixin`): ``lm_loss`` / ``lm_loss_from_logits`` /
   ``lm_token_logprobs`` on this rank's tokens, through the fused head of :mod:`lightning_cp.ops`.
+- :class:`PolicyObjective` (:mod:`~lightning_cp.loss.policy`): the policy-gradient objectives of
+  reinforcement learning (PPO / GRPO / GSPO / Dr. GRPO) that ``CPLossMixin.policy_loss`` trains.
 - :class:`GlobalTokenObjective` (:mod:`~lightning_cp.loss.objective`): the one place the loss is
   normalized into the mean over the global batch's target tokens.
 - :mod:`~lightning_cp.loss.metrics`: torchmetrics aggregators over DP x CP (sums and counts), the same
@@ -10,9 +12,15 @@
 """
 
 from lightning_cp.loss.metrics import (
+    ClipFraction,
     InputTokenCount,
+    MeanCompletionLength,
+    MeanRatio,
     MeanTokenEntropy,
+    MeanTokenKL,
     MeanTokenLoss,
+    PolicyLoss,
+    PolicySurrogateLoss,
     SequencePerplexity,
     TargetTokenCount,
     TokenAccuracy,
@@ -22,13 +30,21 @@ from lightning_cp.loss.metrics import (
 )
 from lightning_cp.loss.mixin import CPLossMixin
 from lightning_cp.loss.objective import GlobalTokenObjective
+from lightning_cp.loss.policy import PolicyObjective
 
 __all__ = [
     "CPLossMixin",
+    "ClipFraction",
     "GlobalTokenObjective",
     "InputTokenCount",
+    "MeanCompletionLength",
+    "MeanRatio",
     "MeanTokenEntropy",
+    "MeanTokenKL",
     "MeanTokenLoss",
+    "PolicyLoss",
+    "PolicyObjective",
+    "PolicySurrogateLoss",
     "SequencePerplexity",
     "TargetTokenCount",
     "TokenAccuracy",

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric, MetricCollection
 
-from lightning_cp.constants import CP_SHARD, INPUT_MASK
+from lightning_cp.constants import CP_SHARD, INPUT_MASK, LABELS
 from lightning_cp.loss.metrics import (
     InputTokenCount,
     MeanTokenEntropy,
@@ -90,17 +90,17 @@ def lm_totals(stats: TokenStats, batch: Mapping[str, Tensor], layout: ParallelLa
         "valid_count": valid.sum(),
         "correct_count": stats.correct.sum(),
         "entropy_sum": stats.entropy.sum(),
-        "input_count": input_token_count(batch, stats),
+        "input_count": input_token_count(batch),
         "seq_nll_sum": per_sequence[:, 0],
         "seq_valid_count": per_sequence[:, 1],
     }
 
 
-def input_token_count(batch: Mapping[str, Tensor], stats: TokenStats) -> Tensor:
+def input_token_count(batch: Mapping[str, Tensor]) -> Tensor:
     """This rank's non-padding input tokens (every token when the batch has no ``input_mask``)."""
-    return batch[INPUT_MASK].sum() if INPUT_MASK in batch else torch.tensor(stats.valid.numel())
+    return batch[INPUT_MASK].sum() if INPUT_MASK in batch else torch.tensor(batch[LABELS].numel())
 
 
-def as_collection(metrics: Mapping[str, Metric], stage: str) -> MetricCollection:
-    """``metrics`` as one collection logged under ``{stage}/``."""
-    return MetricCollection(dict(metrics), prefix=f"{stage}/")
+def as_collection(metrics: Mapping[str, Metric], prefix: str) -> MetricCollection:
+    """``metrics`` as one collection logged under ``prefix`` (``"train/"``, ``"val/rl/"``, ...)."""
+    return MetricCollection(dict(metrics), prefix=prefix)

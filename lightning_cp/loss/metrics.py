@@ -14,6 +14,10 @@ Token-level metrics, fed with sums over this rank's local tokens, reduced over D
 - :class:`InputTokenCount`: ``update(input_count)``, non-padding input tokens seen.
 - :class:`TargetTokenCount`: ``update(valid_count)``, valid target tokens seen.
 - :class:`TokensPerSecond`: ``update(input_count, seconds)``, global input tokens per wall second.
+- Of a policy objective (:mod:`lightning_cp.loss.policy`): :class:`PolicyLoss` and
+  :class:`PolicySurrogateLoss` (``update(objective_sum | surrogate_sum, objective_normalizer)``, as trained),
+  :class:`ClipFraction`, :class:`MeanRatio`, :class:`MeanTokenKL` (``update(clipped_count | ratio_sum |
+  kl_sum, valid_count)``) and :class:`MeanCompletionLength` (``update(valid_count, sequence_count)``).
 
 Sequence-level metric, fed with per-sequence totals already combined over CP (see
 :func:`sequence_totals`), reduced over DP only by default:
@@ -64,9 +68,15 @@ SequenceStatistic = Literal["mean", "min", "max", "count"]
 _SEQUENCE_STATISTICS: tuple[str, ...] = ("mean", "min", "max", "count")
 
 __all__ = [
+    "ClipFraction",
     "InputTokenCount",
+    "MeanCompletionLength",
+    "MeanRatio",
     "MeanTokenEntropy",
+    "MeanTokenKL",
     "MeanTokenLoss",
+    "PolicyLoss",
+    "PolicySurrogateLoss",
     "SequencePerplexity",
     "TargetTokenCount",
     "TokenAccuracy",
@@ -228,7 +238,16 @@ class _Totals(_GroupResolvingMetric):
             self._add_scalar_state(name, 0.0, reduce_fx)
 
 
-class MeanTokenLoss(_Totals):
+class _Ratio(_Totals):
+    """A :class:`_Totals` whose value is its first total over its second (0.0 while the second is 0)."""
+
+    @override
+    def compute(self) -> Tensor:
+        numerator, denominator = self.totals
+        return _safe_ratio(getattr(self, numerator), getattr(self, denominator))
+
+
+class MeanTokenLoss(_Ratio):
     """Mean negative log-likelihood per valid target token of the global batch.
 
     ``update(loss_sum, valid_count)``: this rank's NLL sum over its valid targets and their number.
@@ -238,10 +257,6 @@ class MeanTokenLoss(_Totals):
 
     totals: ClassVar[dict[str, str]] = {"loss_sum": "sum", "valid_count": "sum"}
     higher_is_better: ClassVar[bool] = False
-
-    @override
-    def compute(self) -> Tensor:
-        return _safe_ratio(self.loss_sum, self.valid_count)
 
 
 class TokenPerplexity(MeanTokenLoss):
@@ -255,7 +270,7 @@ class TokenPerplexity(MeanTokenLoss):
         return super().compute().exp()
 
 
-class TokenAccuracy(_Totals):
+class TokenAccuracy(_Ratio):
     """Fraction of valid target tokens whose arg-max prediction is the target.
 
     ``update(correct_count, valid_count)``; 0.0 before any target.
@@ -264,12 +279,8 @@ class TokenAccuracy(_Totals):
     totals: ClassVar[dict[str, str]] = {"correct_count": "sum", "valid_count": "sum"}
     higher_is_better: ClassVar[bool] = True
 
-    @override
-    def compute(self) -> Tensor:
-        return _safe_ratio(self.correct_count, self.valid_count)
 
-
-class MeanTokenEntropy(_Totals):
+class MeanTokenEntropy(_Ratio):
     """Mean entropy (nats) of the predicted next-token distribution over valid target tokens.
 
     ``update(entropy_sum, valid_count)``; 0.0 before any target.
@@ -277,9 +288,48 @@ class MeanTokenEntropy(_Totals):
 
     totals: ClassVar[dict[str, str]] = {"entropy_sum": "sum", "valid_count": "sum"}
 
-    @override
-    def compute(self) -> Tensor:
-        return _safe_ratio(self.entropy_sum, self.valid_count)
+
+class PolicyLoss(_Ratio):
+    """A policy objective of the global batch as it is trained (:mod:`lightning_cp.loss.policy`): its
+    numerator over its normalizer (targets or sequences), ``update(objective_sum, objective_normalizer)``."""
+
+    totals: ClassVar[dict[str, str]] = {"objective_sum": "sum", "objective_normalizer": "sum"}
+    higher_is_better: ClassVar[bool] = False
+
+
+class PolicySurrogateLoss(_Ratio):
+    """The clipped-surrogate part of :class:`PolicyLoss`, aggregated alike: ``update(surrogate_sum,
+    objective_normalizer)``."""
+
+    totals: ClassVar[dict[str, str]] = {"surrogate_sum": "sum", "objective_normalizer": "sum"}
+    higher_is_better: ClassVar[bool] = False
+
+
+class ClipFraction(_Ratio):
+    """Share of the target tokens whose clipped term the policy objective takes (their gradient is zero):
+    ``update(clipped_count, valid_count)``."""
+
+    totals: ClassVar[dict[str, str]] = {"clipped_count": "sum", "valid_count": "sum"}
+
+
+class MeanRatio(_Ratio):
+    """Mean importance ratio ``pi / pi_old`` over the target tokens: ``update(ratio_sum, valid_count)``."""
+
+    totals: ClassVar[dict[str, str]] = {"ratio_sum": "sum", "valid_count": "sum"}
+
+
+class MeanTokenKL(_Ratio):
+    """Mean per-token KL estimate to the reference model over the target tokens: ``update(kl_sum, valid_count)``."""
+
+    totals: ClassVar[dict[str, str]] = {"kl_sum": "sum", "valid_count": "sum"}
+    higher_is_better: ClassVar[bool] = False
+
+
+class MeanCompletionLength(_Ratio):
+    """Mean number of target tokens per sequence that has any: ``update(valid_count, sequence_count)``, with
+    each sequence counted by one rank of its CP group."""
+
+    totals: ClassVar[dict[str, str]] = {"valid_count": "sum", "sequence_count": "sum"}
 
 
 class InputTokenCount(_Totals):

@@ -4,11 +4,13 @@ The mixin joins three pieces, each in its own module: the fused loss of this ran
 (:mod:`lightning_cp.ops`), its normalization into the global token mean
 (:class:`~lightning_cp.loss.objective.GlobalTokenObjective`), and the metrics fed from the same pass over the
 vocabulary (:mod:`lightning_cp.loss.lm_metrics`, configurable with :meth:`CPLossMixin.configure_lm_metrics`).
+The policy losses of reinforcement learning (:mod:`lightning_cp.loss.policy`) go through the same three.
 Groups come from :func:`lightning_cp.parallel.current_layout` (the running strategy's layout).
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -22,12 +24,14 @@ from lightning_cp.constants import LABELS
 from lightning_cp.loss.lm_metrics import as_collection, default_lm_metrics, input_token_count, lm_totals
 from lightning_cp.loss.metrics import TokensPerSecond
 from lightning_cp.loss.objective import GlobalTokenObjective
+from lightning_cp.loss.policy import PolicyObjective, default_policy_metrics, policy_terms
 from lightning_cp.ops import (
     OutputHead,
     TokenStats,
     cross_entropy_with_stats,
     linear_cross_entropy_with_stats,
     token_logprobs,
+    token_logprobs_with_entropy,
 )
 from lightning_cp.parallel.layout import ParallelLayout, current_layout
 
@@ -60,12 +64,13 @@ class CPLossMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # Built with the module (not on first use): Lightning maps logged metric objects to attributes once.
-        self._cp_metrics = nn.ModuleDict(
-            {
-                f"{stage}_metrics": as_collection(self.configure_lm_metrics(stage), stage)
-                for stage in ("train", "val", "test")
-            }
-        )
+        self._cp_metrics = nn.ModuleDict()
+        for stage in ("train", "val", "test"):
+            self._cp_metrics[f"{stage}_metrics"] = as_collection(
+                self.configure_lm_metrics(stage), f"{stage}/"
+            )
+            policy_metrics = as_collection(self.configure_policy_metrics(stage), f"{stage}/rl/")
+            self._cp_metrics[f"{stage}_policy_metrics"] = policy_metrics
         if self.log_tokens_per_sec:
             self._cp_metrics["throughput"] = TokensPerSecond(dist_sync_on_step=True)
         self._cp_objective = GlobalTokenObjective()
@@ -80,6 +85,13 @@ class CPLossMixin:
         (``dist_sync_on_step=True``), since their step values are logged.
         """
         return default_lm_metrics(stage)
+
+    def configure_policy_metrics(self, stage: str) -> Mapping[str, Metric]:
+        """The metrics :meth:`policy_loss` logs under ``{stage}/rl/``, by name (default:
+        :func:`~lightning_cp.loss.policy.default_policy_metrics`); each ``update`` receives the keyword totals it
+        names from :class:`~lightning_cp.loss.policy.PolicyTerms` (a metric whose inputs a batch lacks, ``kl``
+        without ``ref_logprobs``, is skipped). Called once per stage from ``__init__``."""
+        return default_policy_metrics(stage)
 
     def lm_loss(
         self, hidden: Tensor, head: Tensor | OutputHead, batch: Mapping[str, Tensor], **loss_kwargs: Any
@@ -138,12 +150,65 @@ class CPLossMixin:
         )
         return self._cp_loss(loss_sum, stats, batch, layout)
 
+    def policy_loss(
+        self,
+        hidden: Tensor,
+        head: Tensor | OutputHead,
+        batch: Mapping[str, Tensor],
+        objective: PolicyObjective,
+        **loss_kwargs: Any,
+    ) -> Tensor:
+        """A policy-gradient objective (PPO / GRPO / GSPO / Dr. GRPO) on this rank's rollout tokens, normalized
+        for the global batch of the optimizer step (:mod:`lightning_cp.loss.policy` has the formulas).
+
+        The per-token log-probabilities and entropies come from the fused head at ``objective.temperature``
+        (no ``[tokens, vocab]`` logits). Logged under ``{stage}/rl/``: see :meth:`configure_policy_metrics`.
+
+        Args:
+            hidden: ``[B, S_local, H]`` final hidden states of this rank's tokens.
+            head: as in :meth:`lm_loss`.
+            batch: the sharded rollout batch: ``labels`` (the completion tokens; ``-100`` elsewhere),
+                ``advantages``, optional ``old_logprobs`` and ``ref_logprobs``, each ``[B, S_local]`` and
+                shifted with the labels by ``shard_batch`` (:class:`~lightning_cp.data.RolloutDataModule`
+                makes such batches), and ``cp_shard``.
+            objective: the objective (clip bounds, ratio level, KL and entropy terms, aggregation, temperature).
+            **loss_kwargs: ``chunk_size`` / ``impl`` of :func:`lightning_cp.ops.token_logprobs`.
+
+        Returns:
+            In training, the loss to back-propagate (``W * local_sum / Z``, :mod:`lightning_cp.loss.objective`
+            with the aggregation's normalizer ``Z``); in evaluation, the objective of the global batch.
+
+        Communication: one all-reduce of ``2 * n`` float64 values over the CP group (the ``n`` sequences'
+        sums), one of two scalars over DP x CP, the metric synchronization; the head's as in :meth:`lm_loss`.
+
+        Raises:
+            ValueError: a batch without ``advantages`` / ``cp_shard``, or without ``ref_logprobs`` while
+                ``objective.kl_coef > 0``; the head errors of :meth:`lm_loss`.
+        """
+        layout = current_layout()
+        hidden, weight, labels, head_kwargs = _head_inputs(hidden, head, batch, layout, loss_kwargs)
+        logprobs, entropy = token_logprobs_with_entropy(
+            hidden, weight, labels, temperature=objective.temperature, **head_kwargs, **loss_kwargs
+        )
+        terms = policy_terms(logprobs, entropy, batch, objective, layout)
+        normalizer, global_sum = GlobalTokenObjective.totals(terms.normalizer, terms.loss_sum, layout)
+        self._log_policy_metrics(terms.totals, batch)
+        if not self._cp_is_training():
+            return global_sum / torch.where(normalizer > 0, normalizer, 1.0)
+        return self._cp_objective.training_loss(terms.loss_sum, normalizer, layout)
+
     def lm_token_logprobs(
-        self, hidden: Tensor, head: Tensor | OutputHead, batch: Mapping[str, Tensor]
+        self,
+        hidden: Tensor,
+        head: Tensor | OutputHead,
+        batch: Mapping[str, Tensor],
+        *,
+        temperature: float = 1.0,
     ) -> dict[str, Tensor]:
         """Log-probability of every next token of this rank's shard, for ``predict_step``.
 
-        Args: as :meth:`lm_loss` (an ``OutputHead`` or a bare weight; replicated, vocab-parallel or a ``DTensor``).
+        Args: as :meth:`lm_loss` (an ``OutputHead`` or a bare weight; replicated, vocab-parallel or a ``DTensor``);
+            ``temperature``: that of the distribution (a sampler's, for the old / reference log-probs of RL).
 
         Returns:
             ``{"logprobs": [B, S_local], "labels": [B, S_local]}`` (0 and ``-100`` where there is no target),
@@ -153,7 +218,7 @@ class CPLossMixin:
         ``DTensor`` weight's all-gather.
         """
         hidden, weight, labels, head_kwargs = _head_inputs(hidden, head, batch, current_layout(), {})
-        logprobs = token_logprobs(hidden, weight, labels, **head_kwargs)
+        logprobs = token_logprobs(hidden, weight, labels, temperature=temperature, **head_kwargs)
         return {"logprobs": logprobs.view_as(batch[LABELS]), "labels": batch[LABELS]}
 
     def global_aux_loss(self, value: Tensor) -> Tensor:
@@ -210,7 +275,25 @@ class CPLossMixin:
             for name, metric in metrics.items():
                 self.log(name, metric, on_step=training, on_epoch=True, prog_bar=name.endswith("/loss"))
         if training and self.log_tokens_per_sec:
-            self._log_throughput(input_token_count(batch, stats))
+            self._log_throughput(input_token_count(batch))
+
+    def _log_policy_metrics(self, totals: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> None:
+        stage = self._cp_stage()
+        if stage is None:
+            return
+        training = stage == "train"
+        for name, metric in self._cp_metrics[f"{stage}_policy_metrics"].items(keep_base=False):
+            wanted = [key for key in inspect.signature(metric.update).parameters if key != "self"]
+            if not set(wanted) <= set(totals):
+                continue
+            values = {key: totals[key] for key in wanted}
+            if training:
+                metric(**values)
+            else:
+                metric.update(**values)
+            self.log(name, metric, on_step=training, on_epoch=True, prog_bar=name.endswith("/loss"))
+        if training and self.log_tokens_per_sec:
+            self._log_throughput(input_token_count(batch))
 
     def _log_throughput(self, inputs: Tensor) -> None:
         now = time.perf_counter()

@@ -55,9 +55,10 @@ class GlobalTokenObjective:
         return count, global_sum
 
     def training_loss(self, loss_sum: Tensor, count: Tensor, layout: ParallelLayout) -> Tensor:
-        """``W * local_sum / N_1`` for this micro-batch (``N_1``: the first micro-batch's count of the step)."""
+        """``W * local_sum / N_1`` for this micro-batch (``N_1``: the first micro-batch's count of the step; any
+        positive normalizer works as a count, e.g. a policy objective's number of sequences)."""
         if self._reference_count is None:
-            self._reference_count = count.clamp(min=1)
+            self._reference_count = torch.where(count > 0, count, 1.0)  # a normalizer may be fractional
             self._step_count = torch.zeros_like(count)
         self._step_count += count
         self._count = count
@@ -80,7 +81,7 @@ class GlobalTokenObjective:
         self._reference_count = self._step_count = self._count = None
         if reference is None or accumulate == 1:
             return
-        factor = accumulate * reference / step_count.clamp(min=1)
+        factor = accumulate * reference / torch.where(step_count > 0, step_count, 1.0)
         for param in parameters:
             if param.grad is not None:
                 param.grad.mul_(factor.to(param.grad.dtype))

@@ -15,7 +15,7 @@ from lightning_cp.hf.causal_lm import decoder, output_head
 from lightning_cp.hf.loading import causal_lm_config, check_causal_lm_config, load_pretrained
 from lightning_cp.hf.registration import UnsupportedAttentionClasses
 from lightning_cp.hf.router_loss import load_balancing_loss
-from lightning_cp.loss import CPLossMixin
+from lightning_cp.loss import CPLossMixin, PolicyObjective
 from lightning_cp.memory import has_experts, tile_experts, tile_mlps, tile_norms
 from lightning_cp.parallel.layout import current_layout
 
@@ -61,6 +61,10 @@ class HFCausalLM(CPLossMixin, LightningModule):
         router_aux_loss_coef: weight of the mixture-of-experts load-balancing loss; ``None`` follows the
             model as ``transformers`` does (its ``router_aux_loss_coef`` when the config sets
             ``output_router_logits``, else none), ``0`` turns it off.
+        objective: ``None``: the language-modeling loss; a :class:`~lightning_cp.PolicyObjective`: the steps
+            train (and evaluate) that reinforcement-learning objective on rollout batches
+            (:meth:`~lightning_cp.CPLossMixin.policy_loss`, :class:`~lightning_cp.data.RolloutDataModule`), and
+            ``predict`` gives the log-probs at its sampling temperature.
 
     Raises:
         ImportError: ``transformers`` is not installed (``pip install 'lightning-cp[hf]'``).
@@ -83,6 +87,7 @@ class HFCausalLM(CPLossMixin, LightningModule):
         warmup_steps: int = 0,
         chunk_size: int | None = None,
         router_aux_loss_coef: float | None = None,
+        objective: PolicyObjective | None = None,
     ) -> None:
         if importlib.util.find_spec("transformers") is None:
             raise ImportError("HFCausalLM needs transformers: pip install 'lightning-cp[hf]'.")
@@ -135,13 +140,24 @@ class HFCausalLM(CPLossMixin, LightningModule):
         return self._decode(batch, router_logits=False).last_hidden_state
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        """The loss of this rank's shard (:meth:`~lightning_cp.CPLossMixin.lm_loss`), plus the router
+        """The loss of this rank's shard (:meth:`~lightning_cp.CPLossMixin.lm_loss`, or
+        :meth:`~lightning_cp.CPLossMixin.policy_loss` with an ``objective``), plus the router
         load-balancing loss of the global batch for a mixture-of-experts model; also the val / test step."""
         coefficient = self._router_aux_loss_coef()
         out = self._decode(batch, router_logits=bool(coefficient))
-        loss = self.lm_loss(
-            out.last_hidden_state, output_head(self.model), batch, chunk_size=self.hparams.chunk_size
-        )
+        objective = self.hparams.objective
+        if objective is None:
+            loss = self.lm_loss(
+                out.last_hidden_state, output_head(self.model), batch, chunk_size=self.hparams.chunk_size
+            )
+        else:
+            loss = self.policy_loss(
+                out.last_hidden_state,
+                output_head(self.model),
+                batch,
+                objective,
+                chunk_size=self.hparams.chunk_size,
+            )
         if coefficient:
             aux = load_balancing_loss(
                 out.router_logits,
@@ -157,8 +173,10 @@ class HFCausalLM(CPLossMixin, LightningModule):
     test_step = training_step
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        """Log-probability of every next token of this rank's shard (0 where there is no target)."""
-        return self.lm_token_logprobs(self(batch), output_head(self.model), batch)
+        """Log-probability of every next token of this rank's shard (0 where there is no target), at the
+        ``objective``'s temperature when there is one."""
+        temperature = 1.0 if self.hparams.objective is None else self.hparams.objective.temperature
+        return self.lm_token_logprobs(self(batch), output_head(self.model), batch, temperature=temperature)
 
     def _decode(self, batch: dict[str, Any], *, router_logits: bool) -> Any:
         extra = {"output_router_logits": True} if router_logits else {}

@@ -1,0 +1,261 @@
+"""CPLossMixin.policy_loss: every objective, at every DP x CP layout, padded or packed, with gradient
+accumulation, equals the single-process reference of materialized logits (tests/loss/_policy_reference.py)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from lightning.pytorch.trainer.states import RunningStage
+
+from lightning_cp import CPLossMixin, PolicyObjective
+from lightning_cp.data import collate_packed, collate_padded
+from lightning_cp.parallel import groups, shard_batch
+from lightning_cp.parallel.layout import set_current_layout
+from tests.loss._policy_reference import Rollout, completion_logprobs, objective_of_step
+
+VOCAB, HIDDEN = 24, 8
+MICRO_BATCHES, SLOTS = 2, 4  # a step: 2 micro-batches x 4 data-parallel slots (dp ranks take slots evenly)
+
+OBJECTIVES = {
+    # GRPO with DAPO's clip-higher, k3 KL and an entropy bonus, sampled at temperature 0.7.
+    "grpo": PolicyObjective(clip_high=0.28, kl_coef=0.1, entropy_coef=0.01, temperature=0.7),
+    # GSPO: the sequence's ratio, one term per sequence; tight clips as GSPO uses (scaled to this noise).
+    "gspo": PolicyObjective(
+        clip_low=0.05,
+        clip_high=0.08,
+        ratio="sequence",
+        aggregation="seq-mean-token-mean",
+        kl_coef=0.05,
+        kl_estimator="k1",
+    ),
+    # Dr. GRPO: sums over each completion, over sequences x the largest completion length.
+    "dr-grpo": PolicyObjective(
+        aggregation="seq-mean-token-sum",
+        token_normalizer=12,
+        kl_coef=0.02,
+        kl_estimator="k2",
+        entropy_coef=0.02,
+    ),
+    # The sequence ratio under a token mean (GSPO-token), at temperature 1.3, no KL term but its metric.
+    "gspo-token-mean": PolicyObjective(ratio="sequence", temperature=1.3),
+    # Per-sequence token means with the token ratio, on-policy (no old log-probs: every ratio is 1).
+    "on-policy-seq-mean": PolicyObjective(aggregation="seq-mean-token-mean", entropy_coef=0.05),
+}
+ON_POLICY = {"on-policy-seq-mean"}
+
+
+class _Policy(CPLossMixin, LightningModule):
+    log_tokens_per_sec = False
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.embed = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g))
+        self.head = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g) * 0.5)
+        self.logged: dict = {}
+
+    def log(self, name, value, **kwargs):
+        self.logged[name] = value
+
+
+def _rollouts(on_policy: bool) -> list[list[list[Rollout]]]:
+    """``[micro-batch][slot]`` lists of rollouts: prompts of 1-5 tokens, completions of 1-9 (one of 1 token),
+    advantages of both signs, old log-probs the initial policy's (temperature 1) plus noise, reference
+    log-probs the policy's minus noise."""
+    g = torch.Generator().manual_seed(2)
+    module = _Policy()
+    out = []
+    for a in range(MICRO_BATCHES):
+        slots = []
+        for s in range(SLOTS):
+            rollouts = []
+            for k in range(2):
+                prompt_len = int(torch.randint(1, 6, (), generator=g))
+                completion_len = 1 if (a, s, k) == (0, 1, 0) else int(torch.randint(2, 10, (), generator=g))
+                ids = torch.randint(0, VOCAB, (prompt_len + completion_len,), generator=g).tolist()
+                rollout = Rollout(ids[:prompt_len], ids[prompt_len:], float(torch.randn((), generator=g)))
+                with torch.no_grad():
+                    logp, _ = completion_logprobs(
+                        module.embed[torch.tensor(ids)] @ module.head.T, rollout, 1.0
+                    )
+                noise = 0.3 * torch.randn(completion_len, generator=g)
+                rollout.old = None if on_policy else (logp + noise).tolist()
+                rollout.ref = (logp - noise.abs()).tolist()
+                rollouts.append(rollout)
+            slots.append(rollouts)
+        out.append(slots)
+    return out
+
+
+def _samples(rollouts: list[Rollout]) -> list[dict[str, torch.Tensor]]:
+    """The rollouts as samples of the batch contract: every value on the token it is about."""
+    samples = []
+    for r in rollouts:
+        prompt = [0.0] * len(r.prompt)
+        sample = {
+            "input_ids": torch.tensor(r.ids),
+            "loss_mask": torch.tensor(prompt + [1.0] * len(r.completion)),
+            "advantages": torch.tensor(prompt + [r.advantage] * len(r.completion)),
+            "ref_logprobs": torch.tensor(prompt + r.ref),
+        }
+        if r.old is not None:
+            sample["old_logprobs"] = torch.tensor(prompt + r.old)
+        samples.append(sample)
+    return samples
+
+
+def _reference(name: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    objective = OBJECTIVES[name]
+    module = _Policy()
+    rollouts = [r for slots in _rollouts(name in ON_POLICY) for slot in slots for r in slot]
+    logits = [module.embed[torch.tensor(r.ids)] @ module.head.T for r in rollouts]
+    loss, metrics = objective_of_step(rollouts, logits, objective)
+    loss.backward()
+    return metrics, module.embed.grad, module.head.grad
+
+
+def _sharded(cp: int, packed: bool, names: list[str]) -> dict:
+    """Each objective's step on this rank: its micro-batches sharded, the loss divided by the accumulation as
+    Lightning does, the mixin's rescale, DDP's mean over DP x CP; the logged metrics' values of the step."""
+    layout = groups.initialize(tp=1, cp=cp)
+    set_current_layout(layout)
+    out = {}
+    for name in names:
+        module = _Policy()
+        module._trainer = SimpleNamespace(training=True, state=SimpleNamespace(stage=RunningStage.TRAINING))
+        per_rank = SLOTS // layout.dp
+        for slots in _rollouts(name in ON_POLICY):
+            mine = [
+                r for slot in slots[layout.dp_rank * per_rank : (layout.dp_rank + 1) * per_rank] for r in slot
+            ]
+            samples = _samples(mine)
+            batch = shard_batch(
+                collate_packed(samples) if packed else collate_padded(samples),
+                cp,
+                layout.cp_rank,
+                cp_group=layout.cp_group,
+            )
+            loss = module.policy_loss(module.embed[batch["input_ids"]], module.head, batch, OBJECTIVES[name])
+            (loss / MICRO_BATCHES).backward()
+        module._cp_objective.rescale_gradients(module.parameters(), MICRO_BATCHES)
+        for param in (module.embed, module.head):
+            dist.all_reduce(param.grad, group=layout.loss_group)
+            param.grad /= layout.dp * cp
+        metrics = {
+            key.removeprefix("train/rl/"): value.compute().item() for key, value in module.logged.items()
+        }
+        out[name] = (metrics, module.embed.grad, module.head.grad)
+    set_current_layout(None)
+    groups.destroy()
+    return out
+
+
+def _assert_matches(got: dict, name: str, reference: tuple) -> None:
+    metrics, embed_grad, head_grad = got[name]
+    ref_metrics, ref_embed, ref_head = reference
+    assert metrics.keys() == ref_metrics.keys(), name
+    for key, value in ref_metrics.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-7), f"{name}: {key}"
+    torch.testing.assert_close(embed_grad, ref_embed, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(head_grad, ref_head, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    return {name: _reference(name) for name in OBJECTIVES}
+
+
+def test_the_cases_reach_every_branch(references):
+    """Clipping both taken and not, ratios away from 1 (but for the on-policy case), a KL that is not 0."""
+    for name, (metrics, _, _) in references.items():
+        if name in ON_POLICY:
+            assert metrics["ratio_mean"] == pytest.approx(1.0) and metrics["clip_fraction"] == 0.0
+            continue
+        assert 0.1 < metrics["clip_fraction"] < 0.9, name
+        assert abs(metrics["ratio_mean"] - 1) > 1e-3 and metrics["kl"] > 1e-3, name
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("cp", [2, 4], ids=["dp2-cp2", "dp1-cp4"])
+def test_every_objective_is_exact_on_four_ranks(world4, references, cp, packed):
+    for got in world4.run(_sharded, cp, packed, list(OBJECTIVES)):
+        for name in OBJECTIVES:
+            _assert_matches(got, name, references[name])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_every_objective_is_exact_at_dp1_cp2(world2, references, packed):
+    for got in world2.run(_sharded, 2, packed, list(OBJECTIVES)):
+        for name in OBJECTIVES:
+            _assert_matches(got, name, references[name])
+
+
+def test_the_loss_outside_training_is_the_global_objective(world2, references):
+    """Evaluation (no trainer, no gradient): every rank returns the whole batch's objective."""
+    assert math.isfinite(references["grpo"][0]["loss"])
+    for losses in world2.run(_evaluation_losses):
+        for name, loss in losses.items():
+            assert loss == pytest.approx(_single_batch_reference(name), rel=1e-5), name
+
+
+def _single_batch_reference(name: str) -> float:
+    module = _Policy()
+    rollouts = [r for slot in _rollouts(name in ON_POLICY)[0] for r in slot]
+    logits = [module.embed[torch.tensor(r.ids)] @ module.head.T for r in rollouts]
+    return objective_of_step(rollouts, logits, OBJECTIVES[name])[0].item()
+
+
+def _evaluation_losses() -> dict:
+    layout = groups.initialize(tp=1, cp=2)
+    set_current_layout(layout)
+    out = {}
+    for name, objective in OBJECTIVES.items():
+        module = _Policy()
+        batch = collate_packed(_samples([r for slot in _rollouts(name in ON_POLICY)[0] for r in slot]))
+        batch = shard_batch(batch, 2, layout.cp_rank, cp_group=layout.cp_group)
+        with torch.no_grad():
+            out[name] = module.policy_loss(
+                module.embed[batch["input_ids"]], module.head, batch, objective
+            ).item()
+    set_current_layout(None)
+    groups.destroy()
+    return out
+
+
+def test_a_kl_term_without_reference_log_probs_and_a_batch_without_advantages_are_refused():
+    module = _Policy()
+    samples = _samples([r for slot in _rollouts(False)[0] for r in slot])
+    for sample in samples:
+        del sample["ref_logprobs"]
+    batch = shard_batch(collate_packed(samples), 1, 0)
+    hidden = module.embed[batch["input_ids"]]
+    with pytest.raises(ValueError, match=r"kl_coef=0.1\) needs the reference model's log-probs"):
+        module.policy_loss(hidden, module.head, batch, OBJECTIVES["grpo"])
+    del batch["advantages"]
+    with pytest.raises(ValueError, match="needs a sharded rollout batch with 'advantages'"):
+        module.policy_loss(hidden, module.head, batch, PolicyObjective())
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"clip_low": 1.0}, r"clip_low=1.0\) must be in \[0, 1\)"),
+        ({"clip_high": -0.1}, "clip_high=-0.1"),
+        ({"ratio": "document"}, "ratio='document'"),
+        ({"kl_estimator": "k4"}, "kl_estimator='k4'"),
+        ({"aggregation": "mean"}, "aggregation='mean'"),
+        ({"kl_coef": float("nan")}, "kl_coef=nan"),
+        ({"entropy_coef": -1.0}, "entropy_coef=-1.0"),
+        ({"token_normalizer": 0.0}, "token_normalizer=0.0"),
+        ({"token_normalizer": 4096.0}, "only applies to aggregation='seq-mean-token-sum'"),
+        ({"temperature": 0.0}, "temperature=0.0"),
+    ],
+)
+def test_an_objective_that_makes_no_sense_is_refused(options, match):
+    with pytest.raises(ValueError, match=match):
+        PolicyObjective(**options)
