@@ -1,0 +1,158 @@
+"""``HFCausalLM(objective=...)`` under ``MegatronCPStrategy``: one accumulated policy step of a tiny Qwen3 and
+of a tiny Qwen3.5 text model (Gated DeltaNet beside attention) equals the unsharded ``transformers`` model's,
+gradients and logged metrics, against the single-process reference of tests/loss/_policy_reference.py."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch import seed_everything
+from torch.utils.data import DataLoader
+
+from lightning_cp import MegatronCPStrategy, PolicyObjective
+from lightning_cp.data import collate_packed, collate_padded
+from lightning_cp.models import HFCausalLM
+from tests._trainer import cp_trainer
+from tests.hf._models import CONFIGS
+from tests.hf.test_hybrid import HYBRIDS
+from tests.loss._policy_reference import Rollout, completion_logprobs, objective_of_step
+
+transformers = pytest.importorskip("transformers")
+
+MICRO_BATCHES, SLOTS = 2, 2  # a step: 2 micro-batches x 2 data-parallel slots
+CASES = {
+    "qwen3": (
+        CONFIGS["qwen3"],
+        PolicyObjective(clip_high=0.28, kl_coef=0.1, entropy_coef=0.01, temperature=0.7),
+    ),
+    "qwen3_5_text": (
+        {**HYBRIDS["qwen3_5_text"], "initializer_range": 0.2},
+        PolicyObjective(clip_low=0.05, ratio="sequence", aggregation="seq-mean-token-mean", kl_coef=0.05),
+    ),
+}
+
+
+def _model(config: dict, state: dict | None = None):
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def _rollouts(name: str, state: dict) -> list[list[list[Rollout]]]:
+    """``[micro-batch][slot]`` rollouts (completions of 1 to 11 tokens) with old log-probs of the initial
+    model at the objective's temperature plus noise, and reference log-probs below them."""
+    config, objective = CASES[name]
+    model = _model(config, state)
+    g = torch.Generator().manual_seed(5)
+    vocab = config["vocab_size"]
+    out = []
+    for a in range(MICRO_BATCHES):
+        slots = []
+        for s in range(SLOTS):
+            rollouts = []
+            for k in range(2):
+                prompt_len = int(torch.randint(1, 6, (), generator=g))
+                completion_len = 1 if (a, s, k) == (1, 0, 1) else int(torch.randint(3, 12, (), generator=g))
+                ids = torch.randint(3, vocab, (prompt_len + completion_len,), generator=g).tolist()
+                rollout = Rollout(ids[:prompt_len], ids[prompt_len:], float(torch.randn((), generator=g)))
+                with torch.no_grad():
+                    logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+                    logp, _ = completion_logprobs(logits, rollout, objective.temperature)
+                noise = 0.3 * torch.randn(completion_len, generator=g)
+                rollout.old, rollout.ref = (logp + noise).tolist(), (logp - noise.abs()).tolist()
+                rollouts.append(rollout)
+            slots.append(rollouts)
+        out.append(slots)
+    return out
+
+
+def _batch(rollouts: list[Rollout], packed: bool) -> dict[str, torch.Tensor]:
+    samples = []
+    for r in rollouts:
+        prompt = [0.0] * len(r.prompt)
+        samples.append(
+            {
+                "input_ids": torch.tensor(r.ids),
+                "loss_mask": torch.tensor(prompt + [1.0] * len(r.completion)),
+                "advantages": torch.tensor(prompt + [r.advantage] * len(r.completion)),
+                "old_logprobs": torch.tensor(prompt + r.old),
+                "ref_logprobs": torch.tensor(prompt + r.ref),
+            }
+        )
+    return collate_packed(samples) if packed else collate_padded(samples)
+
+
+def _fit(cp: int, packed: bool) -> dict:
+    """Each case's step through the Trainer at (dp, cp) = (world / cp, cp), 2 micro-batches accumulated: its
+    gradients and epoch metrics; rank 0 adds the reference of the same initial weights and rollouts."""
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    dp = dist.get_world_size() // cp
+    results = {}
+    for name, (config, objective) in CASES.items():
+        module = HFCausalLM(config, lr=1e-3, objective=objective)
+        seed_everything(0)
+        module.configure_model()
+        initial = copy.deepcopy(module.model.state_dict())
+        steps = _rollouts(name, initial)
+        # Lightning's sampler gives DP rank r the items r, r + dp, ...: one batch per (micro-batch, rank).
+        per_rank = SLOTS // dp
+        batches = [
+            _batch([r for slot in slots[rank * per_rank : (rank + 1) * per_rank] for r in slot], packed)
+            for slots in steps
+            for rank in range(dp)
+        ]
+        loader = DataLoader(batches, batch_size=None, shuffle=False)
+        trainer = cp_trainer(
+            cp, max_steps=1, accumulate_grad_batches=MICRO_BATCHES, strategy=MegatronCPStrategy(cp=cp)
+        )
+        trainer.fit(module, loader)
+        metrics = {
+            key.removeprefix("train/rl/").removesuffix("_epoch"): value.item()
+            for key, value in trainer.callback_metrics.items()
+            if key.startswith("train/rl/") and key.endswith("_epoch")
+        }
+        grads = {n: p.grad.clone() for n, p in module.model.named_parameters() if p.grad is not None}
+        results[name] = {"metrics": metrics, "grads": grads}
+        if dist.get_rank() == 0:
+            results[name]["expected"] = _reference(name, initial, steps)
+    return results
+
+
+def _reference(name: str, state: dict, steps: list) -> dict:
+    config, objective = CASES[name]
+    model = _model(config, state)
+    rollouts = [r for slots in steps for slot in slots for r in slot]
+    logits = [model(input_ids=torch.tensor([r.ids]), use_cache=False).logits[0] for r in rollouts]
+    loss, metrics = objective_of_step(rollouts, logits, objective)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {"metrics": metrics, "grads": grads}
+
+
+def _check(results: dict) -> None:
+    for name, got in results.items():
+        want = got["expected"]
+        assert got["metrics"].keys() == want["metrics"].keys(), name
+        # The objective (~0.02) is a sum of terms of both signs: absolute round-off ~2e-7, a 1% error 2e-4.
+        for key, value in want["metrics"].items():
+            assert got["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), f"{name}: {key}"
+        assert got["grads"].keys() == want["grads"].keys(), name
+        for key, expected in want["grads"].items():
+            error = (got["grads"][key] - expected).norm()
+            assert error <= 2e-5 * expected.norm() + 1e-12, (
+                f"{name} {key}: {error:.3e} of {expected.norm():.3e}"
+            )
+
+
+def test_dp2_cp2_packed_steps_equal_the_unsharded_models(world4):
+    _check(world4.run(_fit, 2, True)[0])
+
+
+def test_dp1_cp2_padded_steps_equal_the_unsharded_models(world2):
+    _check(world2.run(_fit, 2, False)[0])
