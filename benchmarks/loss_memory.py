@@ -14,7 +14,7 @@ and ``weight.grad``. The cases differ only in how they get there, which is what 
 ``cce``                cut-cross-entropy ``linear_cross_entropy`` (Apple's CCE; CUDA only)
 ``ours_*``             ``lightning_cp.ops``: fused head + loss (``ours_lce``: the backend ``impl="auto"``
                        picks, Triton on CUDA; or torch / Triton forced), loss from logits,
-                       per-token log-probabilities
+                       per-token log-probabilities, and with the entropy of reinforcement learning
 =====================  ======================================================================
 
 Each case runs in a fresh worker process (``_harness``), which measures per repetition (``_probes``) the
@@ -363,6 +363,19 @@ def _build_ours_logprobs(p: _Problem) -> Callable[[], Tensor]:
     return step
 
 
+def _build_ours_logprobs_entropy(p: _Problem) -> Callable[[], Tensor]:
+    from lightning_cp.ops import token_logprobs_with_entropy
+
+    def step() -> Tensor:
+        logprobs, entropy = token_logprobs_with_entropy(
+            p.hidden, p.weight, p.labels, ignore_index=IGNORE_INDEX, chunk_size=p.chunk_size
+        )
+        # The entropy goes through the backward with a weight of 0: the memory of an entropy bonus, plain's loss.
+        return _valid_mean(-logprobs, p.labels) + 0.0 * entropy.sum()
+
+    return step
+
+
 def _needs_torch_lce(device: torch.device) -> str | None:
     return None if hasattr(F, "linear_cross_entropy") else f"needs torch>=2.13 (have {torch.__version__})"
 
@@ -473,6 +486,14 @@ _CASES: tuple[_LossCase, ...] = (
         "ours_logprobs",
         "lightning_cp.ops.token_logprobs, loss = -mean logprob",
         _build_ours_logprobs,
+        lambda s: 3 * s.chunk32 + s.weight32,
+        needs=(_needs_ours,),
+        chunk_ref=True,
+    ),
+    _LossCase(
+        "ours_logprobs_entropy",
+        "lightning_cp.ops.token_logprobs_with_entropy (an RL policy loss's pass), entropy back-propagated",
+        _build_ours_logprobs_entropy,
         lambda s: 3 * s.chunk32 + s.weight32,
         needs=(_needs_ours,),
         chunk_ref=True,

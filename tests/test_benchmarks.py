@@ -250,7 +250,7 @@ def test_every_case_that_runs_on_cpu_computes_the_mean_cross_entropy_and_its_gra
             checked.append(case.name)
 
     assert {"plain", "cp_allgather", "chunked_cat", "torch_lce[rows]", "megatron_vocab_ce"} <= set(checked)
-    assert {"ours_lce_torch", "ours_ce", "ours_logprobs"} <= set(checked)
+    assert {"ours_lce_torch", "ours_ce", "ours_logprobs", "ours_logprobs_entropy"} <= set(checked)
 
 
 @pytest.mark.parametrize("name", ["liger_flce", "cce"])
