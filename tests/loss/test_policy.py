@@ -259,3 +259,41 @@ def test_a_kl_term_without_reference_log_probs_and_a_batch_without_advantages_ar
 def test_an_objective_that_makes_no_sense_is_refused(options, match):
     with pytest.raises(ValueError, match=match):
         PolicyObjective(**options)
+
+
+def _collectives() -> dict:
+    """The all-reduces (and their elements) of lm_loss and of policy_loss on the same packed batch at cp = 2."""
+    layout = groups.initialize(tp=1, cp=2)
+    set_current_layout(layout)
+    module = _Policy()
+    rollouts = [r for slot in _rollouts(False)[0] for r in slot]
+    batch = shard_batch(collate_packed(_samples(rollouts)), 2, layout.cp_rank, cp_group=layout.cp_group)
+    hidden = module.embed[batch["input_ids"]]
+    calls = {}
+    all_reduce = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls[name].append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        for name, loss in (
+            ("lm", lambda: module.lm_loss(hidden, module.head, batch)),
+            ("policy", lambda: module.policy_loss(hidden, module.head, batch, OBJECTIVES["gspo"])),
+        ):
+            calls[name] = []
+            loss()
+    finally:
+        dist.all_reduce = all_reduce
+        set_current_layout(None)
+        groups.destroy()
+    return {"calls": calls, "sequences": len(rollouts)}
+
+
+def test_the_policy_step_communicates_the_lm_step_s_scalars_and_two_numbers_per_sequence(world2):
+    """Under CP the policy loss adds one all-reduce of 2 numbers per sequence (over the CP group) to the LM
+    loss's two scalars over DP x CP (the head's own collectives aside: none here)."""
+    for got in world2.run(_collectives):
+        assert got["calls"]["lm"] == [2]
+        assert sorted(got["calls"]["policy"]) == [2, 2 * got["sequences"]]
