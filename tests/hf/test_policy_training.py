@@ -19,7 +19,7 @@ from lightning_cp.models import HFCausalLM
 from tests._trainer import cp_trainer
 from tests.hf._models import CONFIGS
 from tests.hf.test_hybrid import HYBRIDS
-from tests.loss._policy_reference import Rollout, completion_logprobs, objective_of_step
+from tests.loss._policy_reference import Rollout, draw_rollouts, objective_of_step, samples
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,47 +44,21 @@ def _model(config: dict, state: dict | None = None):
 
 
 def _rollouts(name: str, state: dict) -> list[list[list[Rollout]]]:
-    """``[micro-batch][slot]`` rollouts (completions of 1 to 11 tokens) with old log-probs of the initial
-    model at the objective's temperature plus noise, and reference log-probs below them."""
+    """The step's rollouts, their old log-probs the initial model's at the objective's temperature plus noise."""
     config, objective = CASES[name]
     model = _model(config, state)
-    g = torch.Generator().manual_seed(5)
-    vocab = config["vocab_size"]
-    out = []
-    for a in range(MICRO_BATCHES):
-        slots = []
-        for s in range(SLOTS):
-            rollouts = []
-            for k in range(2):
-                prompt_len = int(torch.randint(1, 6, (), generator=g))
-                completion_len = 1 if (a, s, k) == (1, 0, 1) else int(torch.randint(3, 12, (), generator=g))
-                ids = torch.randint(3, vocab, (prompt_len + completion_len,), generator=g).tolist()
-                rollout = Rollout(ids[:prompt_len], ids[prompt_len:], float(torch.randn((), generator=g)))
-                with torch.no_grad():
-                    logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
-                    logp, _ = completion_logprobs(logits, rollout, objective.temperature)
-                noise = 0.3 * torch.randn(completion_len, generator=g)
-                rollout.old, rollout.ref = (logp + noise).tolist(), (logp - noise.abs()).tolist()
-                rollouts.append(rollout)
-            slots.append(rollouts)
-        out.append(slots)
-    return out
+    return draw_rollouts(
+        lambda ids: model(input_ids=torch.tensor([ids]), use_cache=False).logits[0],
+        range(3, config["vocab_size"]),
+        MICRO_BATCHES,
+        SLOTS,
+        temperature=objective.temperature,
+        seed=5,
+    )
 
 
 def _batch(rollouts: list[Rollout], packed: bool) -> dict[str, torch.Tensor]:
-    samples = []
-    for r in rollouts:
-        prompt = [0.0] * len(r.prompt)
-        samples.append(
-            {
-                "input_ids": torch.tensor(r.ids),
-                "loss_mask": torch.tensor(prompt + [1.0] * len(r.completion)),
-                "advantages": torch.tensor(prompt + [r.advantage] * len(r.completion)),
-                "old_logprobs": torch.tensor(prompt + r.old),
-                "ref_logprobs": torch.tensor(prompt + r.ref),
-            }
-        )
-    return collate_packed(samples) if packed else collate_padded(samples)
+    return (collate_packed if packed else collate_padded)(samples(rollouts))
 
 
 def _fit(cp: int, packed: bool) -> dict:

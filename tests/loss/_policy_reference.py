@@ -6,6 +6,7 @@ package's CP-local :meth:`CPLossMixin.policy_loss` against. Nothing of ``lightni
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,60 @@ class Rollout:
     @property
     def ids(self) -> list[int]:
         return self.prompt + self.completion
+
+
+def draw_rollouts(
+    logits_of: Callable[[list[int]], Tensor],
+    vocab: range,
+    micro_batches: int,
+    slots: int,
+    *,
+    temperature: float = 1.0,
+    on_policy: bool = False,
+    seed: int = 2,
+) -> list[list[list[Rollout]]]:
+    """``[micro-batch][slot]`` lists of two rollouts each: prompts of 1-5 tokens of ``vocab``, completions of
+    2-11 (the first slot's second rollout of the last micro-batch: 1 token), advantages of both signs, old
+    log-probs (``None`` when ``on_policy``) the policy's at ``temperature`` (``logits_of(ids)``: ``[L, V]``)
+    plus noise, reference log-probs the policy's minus noise."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for a in range(micro_batches):
+        out.append([])
+        for s in range(slots):
+            out[-1].append([])
+            for k in range(2):
+                prompt_len = int(torch.randint(1, 6, (), generator=g))
+                single = (a, s, k) == (micro_batches - 1, 0, 1)
+                completion_len = 1 if single else int(torch.randint(2, 12, (), generator=g))
+                ids = torch.randint(
+                    vocab.start, vocab.stop, (prompt_len + completion_len,), generator=g
+                ).tolist()
+                rollout = Rollout(ids[:prompt_len], ids[prompt_len:], float(torch.randn((), generator=g)))
+                with torch.no_grad():
+                    logp, _ = completion_logprobs(logits_of(ids), rollout, temperature)
+                noise = 0.3 * torch.randn(completion_len, generator=g)
+                rollout.old = None if on_policy else (logp + noise).tolist()
+                rollout.ref = (logp - noise.abs()).tolist()
+                out[-1][-1].append(rollout)
+    return out
+
+
+def samples(rollouts: list[Rollout]) -> list[dict[str, Tensor]]:
+    """The rollouts as samples of the batch contract: every value on the token it is about."""
+    out = []
+    for r in rollouts:
+        prompt = [0.0] * len(r.prompt)
+        sample = {
+            "input_ids": torch.tensor(r.ids),
+            "loss_mask": torch.tensor(prompt + [1.0] * len(r.completion)),
+            "advantages": torch.tensor(prompt + [r.advantage] * len(r.completion)),
+            "ref_logprobs": torch.tensor(prompt + r.ref),
+        }
+        if r.old is not None:
+            sample["old_logprobs"] = torch.tensor(prompt + r.old)
+        out.append(sample)
+    return out
 
 
 def completion_logprobs(logits: Tensor, rollout: Rollout, temperature: float) -> tuple[Tensor, Tensor]:

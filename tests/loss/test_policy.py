@@ -16,7 +16,7 @@ from lightning_cp import CPLossMixin, PolicyObjective
 from lightning_cp.data import collate_packed, collate_padded
 from lightning_cp.parallel import groups, shard_batch
 from lightning_cp.parallel.layout import set_current_layout
-from tests.loss._policy_reference import Rollout, completion_logprobs, objective_of_step
+from tests.loss._policy_reference import Rollout, draw_rollouts, objective_of_step, samples
 
 VOCAB, HIDDEN = 24, 8
 MICRO_BATCHES, SLOTS = 2, 4  # a step: 2 micro-batches x 4 data-parallel slots (dp ranks take slots evenly)
@@ -64,49 +64,15 @@ class _Policy(CPLossMixin, LightningModule):
 
 
 def _rollouts(on_policy: bool) -> list[list[list[Rollout]]]:
-    """``[micro-batch][slot]`` lists of rollouts: prompts of 1-5 tokens, completions of 1-9 (one of 1 token),
-    advantages of both signs, old log-probs the initial policy's (temperature 1) plus noise, reference
-    log-probs the policy's minus noise."""
-    g = torch.Generator().manual_seed(2)
+    """The step's rollouts, their old log-probs the initial policy's (temperature 1) plus noise."""
     module = _Policy()
-    out = []
-    for a in range(MICRO_BATCHES):
-        slots = []
-        for s in range(SLOTS):
-            rollouts = []
-            for k in range(2):
-                prompt_len = int(torch.randint(1, 6, (), generator=g))
-                completion_len = 1 if (a, s, k) == (0, 1, 0) else int(torch.randint(2, 10, (), generator=g))
-                ids = torch.randint(0, VOCAB, (prompt_len + completion_len,), generator=g).tolist()
-                rollout = Rollout(ids[:prompt_len], ids[prompt_len:], float(torch.randn((), generator=g)))
-                with torch.no_grad():
-                    logp, _ = completion_logprobs(
-                        module.embed[torch.tensor(ids)] @ module.head.T, rollout, 1.0
-                    )
-                noise = 0.3 * torch.randn(completion_len, generator=g)
-                rollout.old = None if on_policy else (logp + noise).tolist()
-                rollout.ref = (logp - noise.abs()).tolist()
-                rollouts.append(rollout)
-            slots.append(rollouts)
-        out.append(slots)
-    return out
-
-
-def _samples(rollouts: list[Rollout]) -> list[dict[str, torch.Tensor]]:
-    """The rollouts as samples of the batch contract: every value on the token it is about."""
-    samples = []
-    for r in rollouts:
-        prompt = [0.0] * len(r.prompt)
-        sample = {
-            "input_ids": torch.tensor(r.ids),
-            "loss_mask": torch.tensor(prompt + [1.0] * len(r.completion)),
-            "advantages": torch.tensor(prompt + [r.advantage] * len(r.completion)),
-            "ref_logprobs": torch.tensor(prompt + r.ref),
-        }
-        if r.old is not None:
-            sample["old_logprobs"] = torch.tensor(prompt + r.old)
-        samples.append(sample)
-    return samples
+    return draw_rollouts(
+        lambda ids: module.embed[torch.tensor(ids)] @ module.head.T,
+        range(VOCAB),
+        MICRO_BATCHES,
+        SLOTS,
+        on_policy=on_policy,
+    )
 
 
 def _reference(name: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -133,9 +99,9 @@ def _sharded(cp: int, packed: bool, names: list[str]) -> dict:
             mine = [
                 r for slot in slots[layout.dp_rank * per_rank : (layout.dp_rank + 1) * per_rank] for r in slot
             ]
-            samples = _samples(mine)
+            mine_samples = samples(mine)
             batch = shard_batch(
-                collate_packed(samples) if packed else collate_padded(samples),
+                collate_packed(mine_samples) if packed else collate_padded(mine_samples),
                 cp,
                 layout.cp_rank,
                 cp_group=layout.cp_group,
@@ -216,7 +182,7 @@ def _evaluation_losses() -> dict:
     out = {}
     for name, objective in OBJECTIVES.items():
         module = _Policy()
-        batch = collate_packed(_samples([r for slot in _rollouts(name in ON_POLICY)[0] for r in slot]))
+        batch = collate_packed(samples([r for slot in _rollouts(name in ON_POLICY)[0] for r in slot]))
         batch = shard_batch(batch, 2, layout.cp_rank, cp_group=layout.cp_group)
         with torch.no_grad():
             out[name] = module.policy_loss(
@@ -229,10 +195,10 @@ def _evaluation_losses() -> dict:
 
 def test_a_kl_term_without_reference_log_probs_and_a_batch_without_advantages_are_refused():
     module = _Policy()
-    samples = _samples([r for slot in _rollouts(False)[0] for r in slot])
-    for sample in samples:
+    unreferenced = samples([r for slot in _rollouts(False)[0] for r in slot])
+    for sample in unreferenced:
         del sample["ref_logprobs"]
-    batch = shard_batch(collate_packed(samples), 1, 0)
+    batch = shard_batch(collate_packed(unreferenced), 1, 0)
     hidden = module.embed[batch["input_ids"]]
     with pytest.raises(ValueError, match=r"kl_coef=0.1\) needs the reference model's log-probs"):
         module.policy_loss(hidden, module.head, batch, OBJECTIVES["grpo"])
@@ -267,7 +233,7 @@ def _collectives() -> dict:
     set_current_layout(layout)
     module = _Policy()
     rollouts = [r for slot in _rollouts(False)[0] for r in slot]
-    batch = shard_batch(collate_packed(_samples(rollouts)), 2, layout.cp_rank, cp_group=layout.cp_group)
+    batch = shard_batch(collate_packed(samples(rollouts)), 2, layout.cp_rank, cp_group=layout.cp_group)
     hidden = module.embed[batch["input_ids"]]
     calls = {}
     all_reduce = dist.all_reduce
