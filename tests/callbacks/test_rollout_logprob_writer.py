@@ -1,15 +1,18 @@
-"""``RolloutLogprobWriter``: ``predict`` on a rollout file at cp = 2 (packed) and at dp = 2 (padded) writes every
-completion token's log-probability, equal to ``log_softmax`` of the full sequence's logits on one process, and
+"""``RolloutLogprobWriter``: ``predict`` on a rollout file at cp = 2 (packed, through ``lightning-cp predict``) and
+at dp = 2 (padded) writes every completion token's log-probability, equal to ``log_softmax`` of the full sequence's logits on one process, and
 ``RolloutDataModule(ref_logprobs=...)`` puts each one back on its token."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_cp.callbacks import RolloutLogprobWriter
+from lightning_cp.cli.lightning_cli import main
 from lightning_cp.constants import LOSS_MASK, REF_LOGPROBS
 from lightning_cp.data import RolloutDataModule
 from lightning_cp.models import HFCausalLM
@@ -49,16 +52,36 @@ def _predict(model_dir: str, path: str, out: str, cp: int, packed: bool, cache_d
     trainer.predict(HFCausalLM(model_dir), datamodule=data, return_predictions=False)
 
 
-@pytest.mark.parametrize(("cp", "packed"), [(2, True), (1, False)])
+def _predict_command(model_dir: str, path: str, out: str, cp: int, packed: bool, cache_dir: str) -> None:
+    """Every rank: the same through ``lightning-cp predict``, which picks the writer for a RolloutDataModule
+    (writing under ``default_root_dir``, the parent of ``out``, without a logger)."""
+    strategy = {"class_path": "lightning_cp.MegatronCPStrategy", "init_args": {"cp": cp}}
+    data = {"path": path, "seq_len": SEQ_LEN, "packed": packed, "batch_size": 2, "cache_dir": cache_dir}
+    main(
+        [
+            "predict",
+            "--model", json.dumps({"class_path": "lightning_cp.models.HFCausalLM", "init_args": {"config": model_dir}}),
+            "--data", json.dumps({"class_path": "lightning_cp.data.RolloutDataModule", "init_args": data}),
+            "--trainer.accelerator", "cpu",
+            "--trainer.devices", str(dist.get_world_size()),
+            "--trainer.strategy", json.dumps(strategy),
+            "--trainer.logger", "false",
+            "--trainer.default_root_dir", str(Path(out).parent),
+            "--trainer.enable_progress_bar", "false",
+        ]
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("cp", "packed", "run"), [(2, True, _predict_command), (1, False, _predict)])
 def test_predicted_logprobs_are_the_full_sequence_s_and_read_back_on_their_tokens(
-    world2, tmp_path, cp, packed
+    world2, tmp_path, cp, packed, run
 ):
     model_dir = save_pretrained("llama", tmp_path / "model", dtype=torch.float32)
     records = _rollouts()
     path = tmp_path / "rollouts.jsonl"
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     out, cache = tmp_path / "predictions", tmp_path / "cache"
-    world2.run(_predict, str(model_dir), str(path), str(out), cp, packed, str(cache))
+    world2.run(run, str(model_dir), str(path), str(out), cp, packed, str(cache))
 
     parts = sorted(out.glob("logprobs.dp*.jsonl"))
     assert [part.name for part in parts] == [f"logprobs.dp{r}.jsonl" for r in range(2 // cp)]
