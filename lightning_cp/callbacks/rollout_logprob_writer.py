@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -19,10 +19,10 @@ from lightning_cp.parallel.layout import current_layout
 
 
 class RolloutLogprobWriter(BasePredictionWriter):
-    """Collects ``predict_step`` outputs ``{"logprobs": [B, S_local], "labels": [B, S_local]}`` of batches that
+    """Takes ``predict_step`` outputs ``{"logprobs": [B, S_local], "labels": [B, S_local]}`` of batches that
     carry ``rollout_index`` (:class:`~lightning_cp.data.RolloutDataModule`'s) and writes
-    ``<output_dir>/logprobs.dp<r>.jsonl`` per data-parallel rank ``r``, one line per rollout it predicted, in
-    rollout order::
+    ``<output_dir>/logprobs.dp<r>.jsonl`` per data-parallel rank ``r``, one line per rollout it predicted, as
+    they are predicted (nothing is held beyond a batch; the file gets its name when predict ends)::
 
         {"rollout": i, "tokens": [...], "logprobs": [...]}
 
@@ -46,11 +46,14 @@ class RolloutLogprobWriter(BasePredictionWriter):
     def __init__(self, output_dir: str | Path) -> None:
         super().__init__(write_interval="batch")
         self.output_dir = Path(output_dir)
-        self._rollouts: dict[int, dict[str, Any]] = {}
+        self._file: TextIO | None = None
 
     @override
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._rollouts = {}
+        layout = current_layout()
+        if layout.cp_rank == 0 and layout.tp_rank == 0:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self._partial(layout.dp_rank), "w")  # noqa: SIM115 (open until predict ends)
 
     @override
     def write_on_batch_end(
@@ -73,28 +76,38 @@ class RolloutLogprobWriter(BasePredictionWriter):
         columns = (batch[INPUT_IDS], prediction["labels"], batch[ROLLOUT_INDEX], batch[INPUT_MASK].long())
         ints = _reassemble(torch.stack(columns, dim=-1), batch, layout.cp_group).cpu()
         logprobs = _reassemble(prediction["logprobs"], batch, layout.cp_group).cpu()
+        if self._file is None:
+            return
         tokens, labels, rollout, real = ints.unbind(-1)
         real = real.bool()
         for index in rollout[real].unique().tolist():
             mine = real & (rollout == index)
-            self._rollouts[index] = {
+            entry = {
                 "rollout": index,
                 "tokens": tokens[mine].tolist(),
                 "logprobs": logprobs[mine & (labels != IGNORE_INDEX)].float().tolist(),
             }
+            self._file.write(json.dumps(entry) + "\n")
 
     @override
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        layout = current_layout()
-        if layout.cp_rank == 0 and layout.tp_rank == 0:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            path = self.path(layout.dp_rank)
-            partial = path.with_name(path.name + ".partial")
-            with open(partial, "w") as f:
-                f.writelines(json.dumps(self._rollouts[index]) + "\n" for index in sorted(self._rollouts))
-            os.replace(partial, path)  # a reader never sees half a part
-        self._rollouts = {}
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            dp_rank = current_layout().dp_rank
+            os.replace(self._partial(dp_rank), self.path(dp_rank))  # a reader never sees half a part
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """Close the part, left as ``.partial`` (which a reader does not read)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def path(self, dp_rank: int) -> Path:
         """The file of data-parallel rank ``dp_rank``."""
         return self.output_dir / f"logprobs.dp{dp_rank}.jsonl"
+
+    def _partial(self, dp_rank: int) -> Path:
+        """Where the part is written until predict ends."""
+        return self.path(dp_rank).with_name(self.path(dp_rank).name + ".partial")
