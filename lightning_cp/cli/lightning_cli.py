@@ -37,11 +37,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 import lightning_cp  # noqa: F401  (registers strategy="megatron_cp")
-from lightning_cp.callbacks import TokenLogprobWriter
+from lightning_cp.callbacks import RolloutLogprobWriter, TokenLogprobWriter
 from lightning_cp.cli import checkpoints
 from lightning_cp.cli.launch_checks import check_before_launch
 from lightning_cp.cli.parse_errors import ConfigurationError, one_line
 from lightning_cp.cli.rank_failures import ReportingLauncher, handle_failure
+from lightning_cp.data import RolloutDataModule
 from lightning_cp.strategies.preemption import PREEMPTED_EXIT_STATUS, PreemptionCheckpoint
 
 _EXIT_STATUS = 2
@@ -219,16 +220,23 @@ class CPLightningCLI(LightningCLI):
         self._print_evaluation("test")
 
     def predict(self, **kwargs: Any) -> None:
-        """``trainer.predict``, writing the per-token log-probabilities (:class:`TokenLogprobWriter`) under the
-        first logger's directory unless the trainer already has a prediction writer."""
+        """``trainer.predict``, writing the per-token log-probabilities under the first logger's directory unless
+        the trainer already has a prediction writer: per rollout (:class:`RolloutLogprobWriter`, the layout
+        ``RolloutDataModule(old_logprobs=..., ref_logprobs=...)`` reads) for a :class:`RolloutDataModule`, else
+        per batch (:class:`TokenLogprobWriter`)."""
         trainer = self.trainer
         if not any(isinstance(callback, BasePredictionWriter) for callback in trainer.callbacks):
             root = trainer.loggers[0].log_dir if trainer.loggers else None
-            trainer.callbacks.append(
-                TokenLogprobWriter(Path(root or trainer.default_root_dir) / "predictions")
+            writer = (
+                RolloutLogprobWriter if isinstance(self.datamodule, RolloutDataModule) else TokenLogprobWriter
             )
+            trainer.callbacks.append(writer(Path(root or trainer.default_root_dir) / "predictions"))
         trainer.predict(**{**kwargs, "return_predictions": False})
-        writers = [callback for callback in trainer.callbacks if isinstance(callback, TokenLogprobWriter)]
+        writers = [
+            callback
+            for callback in trainer.callbacks
+            if isinstance(callback, (TokenLogprobWriter, RolloutLogprobWriter))
+        ]
         self._print_evaluation("predict")
         if trainer.is_global_zero and writers:
             print(f"  {'output:':<12}{writers[0].output_dir}  (per-token log-probabilities)", flush=True)

@@ -10,12 +10,18 @@
   tokenized once with a local ``transformers`` tokenizer (``datasets`` caches them), packed into rows of
   ``seq_len`` tokens best-fit decreasing (:func:`pack_documents`); for chat only the assistant's tokens are
   targets.
+- :class:`RolloutDataModule`: reinforcement-learning rollouts (prompt + sampled completion, as token ids or chat
+  text, with a reward or an advantage and optional old / reference log-probs) as batches with completion-only
+  targets and per-token ``advantages``, ``old_logprobs``, ``ref_logprobs`` and ``rollout_index``, GRPO's
+  group-normalized advantages computed over the whole file first; the log-probs ``lightning-cp predict``
+  writes for a rollout file are read back by ``old_logprobs`` / ``ref_logprobs``.
 - :class:`ResumableDataLoader`: a ``DataLoader`` whose position in the epoch is checkpointed, for exact
   mid-epoch resumption.
 - :func:`collate_padded` (``[B, S]``) and :func:`collate_packed` (``[1, T]`` + ``cu_seqlens``).
 
 Samples and batches are un-shifted: ``loss_mask[t] == 1`` marks token ``t`` as a target, and the
-strategy's ``shard_batch`` makes the next-token labels and the CP split. Nothing here imports
+strategy's ``shard_batch`` makes the next-token labels and the CP split (shifting ``advantages`` and the
+log-probs with them: after it, the value at ``t`` is about the label at ``t``, token ``t + 1``). Nothing here imports
 Megatron-core, so DataLoader workers stay light.
 """
 
@@ -24,6 +30,7 @@ from lightning_cp.data.datamodule import LongRangeDataModule, TokenFileDataModul
 from lightning_cp.data.megatron_indexed import MegatronIndexedDataset
 from lightning_cp.data.packing import Piece, pack_documents
 from lightning_cp.data.resumable import ResumableDataLoader
+from lightning_cp.data.rollouts import RolloutDataModule
 from lightning_cp.data.synthetic import LongRangeCopyDataset
 from lightning_cp.data.text import PackedRows, PackingSummary, TextDataModule
 from lightning_cp.data.token_file import TokenFileDataset, write_token_file
@@ -36,6 +43,7 @@ __all__ = [
     "PackingSummary",
     "Piece",
     "ResumableDataLoader",
+    "RolloutDataModule",
     "TextDataModule",
     "TokenFileDataModule",
     "TokenFileDataset",

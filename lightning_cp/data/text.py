@@ -18,7 +18,6 @@ next-token labels per sequence).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -45,6 +44,7 @@ from lightning_cp.data.text_files import (
 from lightning_cp.data.tokenization import (
     RecordError,
     TextFormat,
+    cache_fingerprint,
     chat_targets,
     load_tokenizer,
     stop_tokens,
@@ -52,16 +52,6 @@ from lightning_cp.data.tokenization import (
     tokenize_texts,
 )
 
-_TOKENIZER_FILE_PREFIXES = (
-    "tokenizer",
-    "special_tokens_map",
-    "added_tokens",
-    "vocab",
-    "merges",
-    "chat_template",
-    "generation_config",
-)
-"""Files of a tokenizer directory whose content is part of the cache fingerprint."""
 _CACHE_VERSION = "2"
 """Bumped when the tokenized columns change meaning, so older caches are not read."""
 
@@ -383,21 +373,10 @@ class TextDataModule(_CPDataModule):
         return documents
 
     def _fingerprint(self, source: str) -> str:
-        """The cache key of a tokenized file: its ``datasets`` fingerprint, the tokenizer files' content (the
-        generation config's stop tokens included), the format, column and template variables, the
-        ``transformers`` release and the cache version (the same on every rank)."""
-        import transformers
-
+        """The cache key of a tokenized file: its ``datasets`` fingerprint, the format, column and template
+        variables, the cache version and the tokenizer (:func:`~lightning_cp.data.tokenization.cache_fingerprint`)."""
         options = json.dumps(self.chat_template_kwargs, sort_keys=True, default=repr)
-        digest = hashlib.sha256(
-            f"{source}|{self.format}|{self.column}|{options}|{transformers.__version__}".encode()
-        )
-        digest.update(_CACHE_VERSION.encode())
-        for name in sorted(os.listdir(self.tokenizer)):
-            if name.startswith(_TOKENIZER_FILE_PREFIXES):
-                with open(os.path.join(self.tokenizer, name), "rb") as f:
-                    digest.update(name.encode() + f.read())
-        return digest.hexdigest()[:32]
+        return cache_fingerprint(self.tokenizer, source, self.format, self.column, options, _CACHE_VERSION)
 
 
 _CHAT_TARGETS = {

@@ -1,4 +1,5 @@
-"""The files ``TextDataModule`` reads: checked where it is built, read with ``datasets``, records located.
+"""The files ``TextDataModule`` and ``RolloutDataModule`` read: checked where they are built, read with
+``datasets``, records located.
 
 ``datasets`` reports a JSON file's mistakes without the file or the line (an empty file raises a bare
 ``StopIteration``, a byte that is not UTF-8 a ``UnicodeDecodeError`` of its own buffer, a line that is not
@@ -33,7 +34,7 @@ def check_file(name: str, file: str) -> None:
     extension = os.path.splitext(file)[1]
     if extension not in BUILDERS:
         raise ValueError(
-            f"{name}={file!r} has the extension {extension!r}; TextDataModule reads {', '.join(BUILDERS)} files."
+            f"{name}={file!r} has the extension {extension!r}; pass a {', '.join(BUILDERS)} file."
         )
 
 
@@ -46,11 +47,9 @@ def check_first_record(name: str, file: str, column: str, chat: bool) -> None:
         ValueError: the file is empty, its first non-blank line is not UTF-8 or not a JSON object, or that
             record lacks ``column`` or holds something else; naming the file, the line and the fix.
     """
-    if BUILDERS[os.path.splitext(file)[1]] != "json" or _first_byte(file) == b"[":
-        return
-    first = next(_json_records(name, file), None)
+    first = first_json_record(name, file)
     if first is None:
-        raise _empty(name, file)
+        return
     location, record = first
     if record.get(column) is None:
         keys = sorted(key for key, value in record.items() if value is not None)
@@ -65,6 +64,21 @@ def check_first_record(name: str, file: str, column: str, chat: bool) -> None:
             raise ValueError(not_a_document(record[column]))
     except ValueError as error:
         raise ValueError(f"{name}={file!r} {location}: {error}") from None
+
+
+def first_json_record(name: str, file: str) -> tuple[str, dict[str, Any]] | None:
+    """``(location, record)`` of the first record of a JSON-lines ``file`` (the argument ``name``), read alone;
+    ``None`` for a ``.parquet`` / ``.arrow`` file or a ``.json`` array, whose first record is not cheap to read.
+
+    Raises:
+        ValueError: the file is empty, or its first non-blank line is not UTF-8 or not a JSON object.
+    """
+    if BUILDERS[os.path.splitext(file)[1]] != "json" or _first_byte(file) == b"[":
+        return None
+    first = next(_json_records(name, file), None)
+    if first is None:
+        raise _empty(name, file)
+    return first
 
 
 def load_records(name: str, file: str, cache_dir: str | None) -> Any:
@@ -183,7 +197,4 @@ def _first_byte(file: str) -> bytes:
 
 
 def _empty(name: str, file: str) -> ValueError:
-    return ValueError(
-        f"{name}={file!r} holds no record (it is empty); pass a file with at least one document or "
-        "conversation."
-    )
+    return ValueError(f"{name}={file!r} holds no record (it is empty); pass a file with at least one record.")

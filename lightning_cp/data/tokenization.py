@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -34,6 +35,17 @@ ChatTargets = Literal["generation", "turns"]
   template renders its prefixes as prefixes of it, else a sample per turn (a template that rewrites
   earlier turns: Qwen3's, gpt-oss's, GLM-4-MoE's).
 """
+
+_TOKENIZER_FILE_PREFIXES = (
+    "tokenizer",
+    "special_tokens_map",
+    "added_tokens",
+    "vocab",
+    "merges",
+    "chat_template",
+    "generation_config",
+)
+"""Files of a tokenizer directory whose content is part of the cache fingerprint."""
 
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 """How ``transformers`` recognizes a template that can mark the assistant's tokens."""
@@ -112,6 +124,23 @@ def stop_tokens(tokenizer: Any, path: str) -> frozenset[int]:
             raise ValueError(f"{config!r} has eos_token_id={eos!r}; it must be a token id or a list of them.")
         stops.update(ids)
     return frozenset(stops)
+
+
+def cache_fingerprint(tokenizer: str | None, *parts: str) -> str:
+    """The key under which ``datasets`` caches a file's tokenized rows: ``parts`` (the file's ``datasets``
+    fingerprint, the options, the cache version of the module), and, for a tokenizer directory
+    ``tokenizer``, the ``transformers`` release and the content of the tokenizer's files (the generation
+    config's stop tokens included). The same on every rank."""
+    digest = hashlib.sha256("|".join(parts).encode())
+    if tokenizer is not None:
+        import transformers
+
+        digest.update(f"|{transformers.__version__}".encode())
+        for name in sorted(os.listdir(tokenizer)):
+            if name.startswith(_TOKENIZER_FILE_PREFIXES):
+                with open(os.path.join(tokenizer, name), "rb") as f:
+                    digest.update(name.encode() + f.read())
+    return digest.hexdigest()[:32]
 
 
 class RecordError(ValueError):
