@@ -189,6 +189,34 @@ def test_print_config_is_complete_and_reads_back_identically(config, cli, tmp_pa
     assert _print_config(cli, "--config", str(saved)) == printed
 
 
+@pytest.mark.parametrize("given", ["file", "inline", "flags"])
+def test_a_named_model_and_data_get_their_own_defaults_not_the_default_classes(given, cli, tmp_path):
+    """HFCausalLM's lr is 3e-4 and RolloutDataModule packs, whatever GPTModule (lr 3e-3) and the long-range
+    data (padded) default to; a command that names neither still gets those two."""
+    parts = {
+        "model": {"class_path": "lightning_cp.models.HFCausalLM", "init_args": {"config": "runs/tiny"}},
+        "data": {
+            "class_path": "lightning_cp.data.RolloutDataModule",
+            "init_args": {"path": "rollouts.jsonl"},
+        },
+    }
+    if given == "flags":
+        args = ["--model", "lightning_cp.models.HFCausalLM", "--model.config", "runs/tiny"]
+        args += ["--data=lightning_cp.data.RolloutDataModule", "--data.path", "rollouts.jsonl"]
+    elif given == "file":
+        config = tmp_path / "config.yaml"
+        config.write_text(yaml.safe_dump(parts))
+        args = ["--config", str(config)]
+    else:
+        args = [f"--config={yaml.safe_dump(parts, default_flow_style=True)}"]
+    tree = yaml.safe_load(_print_config(cli, *args))
+    assert tree["model"]["init_args"]["lr"] == 3e-4 and tree["data"]["init_args"]["packed"] is True
+    bare = yaml.safe_load(_print_config(cli))
+    assert bare["model"]["class_path"] == "lightning_cp.models.GPTModule"
+    assert bare["model"]["init_args"]["lr"] == 3e-3
+    assert bare["data"]["class_path"] == "lightning_cp.data.LongRangeDataModule"
+
+
 @pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
 def test_other_subcommands_take_the_same_config(subcommand, cli):
     status, out, err = cli(subcommand, "--config", str(MAIN_JOB), "--print_config")

@@ -19,6 +19,7 @@ named once, with how it died, instead of every other rank's collective traceback
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
 from jsonargparse import set_parsing_settings
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
@@ -50,7 +52,18 @@ _EXIT_STATUS = 2
 
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
-_SUMMARY_METRICS = ("train/loss_epoch", "val/loss", "val/accuracy")
+_DEFAULT_CLASSES = {"model": "lightning_cp.models.GPTModule", "data": "lightning_cp.data.LongRangeDataModule"}
+"""The model and data of a command that names none (the long-range task)."""
+
+_SUMMARY_METRICS = (
+    "train/loss_epoch",
+    "val/loss",
+    "val/accuracy",
+    *(
+        f"train/rl/{name}_epoch"
+        for name in ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_mean", "completion_length")
+    ),
+)
 """Logged values printed after ``fit``, when present."""
 
 
@@ -88,12 +101,19 @@ class CPLightningCLI(LightningCLI):
     (``fit``, ``validate``, ...) are not touched.
     """
 
+    def __init__(self, *args: Any, args_given: ArgsType = None, **kwargs: Any) -> None:
+        self._given = sys.argv[1:] if args_given is None else list(args_given)
+        super().__init__(*args, args=args_given, **kwargs)
+
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # Only for a part the command does not name: jsonargparse keeps the default class's values of the
+        # arguments another class shares (GPTModule's lr=3e-3 would become HFCausalLM's, for one).
         parser.set_defaults(
             {
-                "model": {"class_path": "lightning_cp.models.GPTModule"},
-                "data": {"class_path": "lightning_cp.data.LongRangeDataModule"},
+                part: {"class_path": class_path}
+                for part, class_path in _DEFAULT_CLASSES.items()
+                if not _names_part(self._given, part)
             }
         )
 
@@ -285,6 +305,24 @@ class CPLightningCLI(LightningCLI):
         print("\n".join(lines), flush=True)
 
 
+def _names_part(args: list[str], part: str) -> bool:
+    """Whether the command line ``args`` gives ``part`` (``"model"`` / ``"data"``): an argument ``--part...``,
+    or a ``--config`` file (or inline YAML) with a ``part`` key."""
+    configs = [value for flag, value in itertools.pairwise(args) if flag == "--config"]
+    configs += [arg.removeprefix("--config=") for arg in args if arg.startswith("--config=")]
+    if any(arg == f"--{part}" or arg.startswith((f"--{part}.", f"--{part}=")) for arg in args):
+        return True
+    for config in configs:
+        path = Path(config)
+        try:
+            tree = yaml.safe_load(path.read_text() if path.is_file() else config)
+        except (OSError, yaml.YAMLError):
+            continue  # not readable here: the parser reports it
+        if isinstance(tree, dict) and part in tree:
+            return True
+    return False
+
+
 def _resume_checkpoint(trainer: Trainer) -> str | None:
     """The newest checkpoint of this run: the preemption one, else the ModelCheckpoint's last or best."""
     for callback in trainer.callbacks:
@@ -319,7 +357,7 @@ def main(args: list[str] | None = None) -> None:
             seed_everything_default=0,
             save_config_kwargs={"overwrite": True},
             parser_kwargs={**strict, **{name: dict(strict) for name in _SUBCOMMANDS}},
-            args=args,
+            args_given=args,
         )
     except (ArgumentError, ConfigurationError) as error:
         if os.environ.get("JSONARGPARSE_DEBUG"):
