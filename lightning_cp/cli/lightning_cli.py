@@ -295,13 +295,12 @@ class CPLightningCLI(LightningCLI):
         if resume_from and outcome != "finished":
             lines.append(f"  {'resume:':<12}the same command with --ckpt_path {resume_from}")
         metrics = trainer.callback_metrics
-        for name in _SUMMARY_METRICS:
-            if name in metrics:
-                value = metrics[name].item()
-                extra = (
-                    f"  (perplexity {math.exp(value):.2f})" if name.endswith("loss") and value < 50 else ""
-                )
-                lines.append(f"  {name + ':':<18}{value:.4f}{extra}")
+        shown = [name for name in _SUMMARY_METRICS if name in metrics]
+        width = max([18, *(len(name) + 2 for name in shown)])
+        for name in shown:
+            value = metrics[name].item()
+            extra = f"  (perplexity {math.exp(value):.2f})" if name.endswith("/loss") and value < 50 else ""
+            lines.append(f"  {name + ':':<{width}}{value:.4f}{extra}")
         print("\n".join(lines), flush=True)
 
 

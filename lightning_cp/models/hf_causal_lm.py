@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -94,6 +95,8 @@ class HFCausalLM(CPLossMixin, LightningModule):
         check_causal_lm_config(config)
         super().__init__()
         self.save_hyperparameters()
+        # Under LightningCLI (and from a checkpoint's hyperparameters) the objective is its fields' dict.
+        self.objective = PolicyObjective(**objective) if isinstance(objective, Mapping) else objective
         self.model: torch.nn.Module | None = None
 
     def configure_model(self) -> None:
@@ -145,7 +148,7 @@ class HFCausalLM(CPLossMixin, LightningModule):
         load-balancing loss of the global batch for a mixture-of-experts model; also the val / test step."""
         coefficient = self._router_aux_loss_coef()
         out = self._decode(batch, router_logits=bool(coefficient))
-        objective = self.hparams.objective
+        objective = self.objective
         if objective is None:
             loss = self.lm_loss(
                 out.last_hidden_state, output_head(self.model), batch, chunk_size=self.hparams.chunk_size
@@ -175,7 +178,7 @@ class HFCausalLM(CPLossMixin, LightningModule):
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         """Log-probability of every next token of this rank's shard (0 where there is no target), at the
         ``objective``'s temperature when there is one."""
-        temperature = 1.0 if self.hparams.objective is None else self.hparams.objective.temperature
+        temperature = 1.0 if self.objective is None else self.objective.temperature
         return self.lm_token_logprobs(self(batch), output_head(self.model), batch, temperature=temperature)
 
     def _decode(self, batch: dict[str, Any], *, router_logits: bool) -> Any:
