@@ -151,10 +151,10 @@ def _run_in(cwd: Path, *command: str, env: dict[str, str] | None = None) -> subp
     return result
 
 
-def _readme_blocks(language: str) -> list[str]:
-    """The ``language`` code blocks of the README's journey section."""
+def _readme_blocks(language: str, heading: str = JOURNEY) -> list[str]:
+    """The ``language`` code blocks of the README's section ``heading`` (the journey's by default)."""
     text = (REPO / "README.md").read_text()
-    section = text[text.index(JOURNEY) :]
+    section = text[text.index(heading) :]
     section = section[: section.index("\n## ", 1)]
     return re.findall(rf"```{language}\n(.*?)```", section, flags=re.DOTALL)
 
@@ -270,3 +270,64 @@ def test_sft_chat_configs_parse_and_validate(config, journey_dir):
         assert (trainer["accelerator"], trainer["devices"], trainer["precision"]) == ("gpu", 8, "bf16-mixed")
         assert data["seq_len"] == 131072 and model["gradient_checkpointing"]
         assert data["seq_len"] // cp <= 32768  # tokens per GPU
+
+
+RL = "## Reinforcement learning: GRPO on rollouts"
+
+
+def _lightning_cp_in_ranks(directory: Path, commands: list[list[str]]) -> list[str]:
+    """``lightning-cp ARGS`` of each command on this pool rank, in ``directory``: what each printed (the pool's
+    ranks are the run's: Lightning starts no process)."""
+    from lightning_cp.cli import main
+
+    outputs = []
+    here = Path.cwd()
+    os.chdir(directory)
+    try:
+        for args in commands:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                main(args)
+            outputs.append(out.getvalue())
+    finally:
+        os.chdir(here)
+    return outputs
+
+
+def test_the_rl_recipe_runs_in_its_commands(journey_dir, monkeypatch, world2):
+    """The README's RL commands after the model of the fine-tuning journey: rollouts written and rewarded, the
+    reference's log-probs predicted, the policy trained (the two ``lightning-cp`` commands on the shared ranks
+    of the test pool); the printed metrics are the policy's."""
+    commands = [line.split() for line in _readme_blocks("bash", RL)[0].strip().splitlines()]
+    assert [c[:2] for c in commands[1:]] == [
+        ["python", "examples/make_rollouts.py"],
+        ["lightning-cp", "predict"],
+        ["lightning-cp", "fit"],
+    ]
+    monkeypatch.chdir(journey_dir)
+    written = _run("make_rollouts.py", *commands[1][2:])
+    assert "wrote 64 rollouts (16 prompts x 4)" in written
+    rewards = {json.loads(line)["reward"] for line in (journey_dir / "runs/tiny/rollouts.jsonl").open()}
+    assert len(rewards) > 1  # GRPO's advantages are not all 0
+    runs = []
+    for command in commands[2:]:
+        args = command[1:]
+        args[args.index("--config") + 1] = str(EXAMPLES / "configs" / "grpo_tiny_cpu.yaml")
+        runs.append([*args, "--trainer.enable_progress_bar", "false"])
+    predicted, trained = world2.run(_lightning_cp_in_ranks, journey_dir, runs)[0]
+    assert "output:     runs/grpo-ref/predictions" in predicted
+    assert sorted(p.name for p in (journey_dir / "runs/grpo-ref/predictions").iterdir()) == [
+        "logprobs.dp0.jsonl"
+    ]
+    summary = trained[trained.index("lightning-cp: training finished after 12 steps") :]
+    values = dict(re.findall(r"train/rl/(\w+)_epoch:\s+(\S+)", summary))
+    assert set(values) == {
+        "loss",
+        "pg_loss",
+        "kl",
+        "entropy",
+        "clip_fraction",
+        "ratio_mean",
+        "completion_length",
+    }
+    assert 0 < float(values["clip_fraction"]) < 1 and float(values["kl"]) > 0
