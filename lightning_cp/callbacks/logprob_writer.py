@@ -54,7 +54,7 @@ class TokenLogprobWriter(BasePredictionWriter):
     ) -> None:
         layout = current_layout()
         full = {
-            name: _reassemble(prediction[name], batch, layout.cp_group).cpu()
+            name: reassemble(prediction[name], batch, layout.cp_group).cpu()
             for name in ("logprobs", "labels")
         }
         self._batches.append({"batch_idx": batch_idx, **full})
@@ -72,8 +72,9 @@ class TokenLogprobWriter(BasePredictionWriter):
         return self.output_dir / f"logprobs.dp{dp_rank}.pt"
 
 
-def _reassemble(local: Tensor, batch: dict[str, Any], cp_group: dist.ProcessGroup | None) -> Tensor:
-    """``[B, S_local]`` of this CP rank -> ``[B, S]`` of the sharded (padded) sequences."""
+def reassemble(local: Tensor, batch: dict[str, Any], cp_group: dist.ProcessGroup | None) -> Tensor:
+    """``[B, S_local, ...]`` of this CP rank -> ``[B, S, ...]`` of the sharded (padded) sequences, on every CP
+    rank. Communication: one all-gather over ``cp_group`` (none when it is ``None``)."""
     if cp_group is None:
         return local
     shards = [torch.empty_like(local) for _ in range(dist.get_world_size(cp_group))]

@@ -13,7 +13,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 from typing_extensions import override
 
-from lightning_cp.callbacks.logprob_writer import _reassemble
+from lightning_cp.callbacks.logprob_writer import reassemble
 from lightning_cp.constants import IGNORE_INDEX, INPUT_IDS, INPUT_MASK, ROLLOUT_INDEX
 from lightning_cp.parallel.layout import current_layout
 
@@ -74,8 +74,8 @@ class RolloutLogprobWriter(BasePredictionWriter):
             )
         layout = current_layout()
         columns = (batch[INPUT_IDS], prediction["labels"], batch[ROLLOUT_INDEX], batch[INPUT_MASK].long())
-        ints = _reassemble(torch.stack(columns, dim=-1), batch, layout.cp_group).cpu()
-        logprobs = _reassemble(prediction["logprobs"], batch, layout.cp_group).cpu()
+        ints = reassemble(torch.stack(columns, dim=-1), batch, layout.cp_group).cpu()
+        logprobs = reassemble(prediction["logprobs"], batch, layout.cp_group).cpu()
         if self._file is None:
             return
         tokens, labels, rollout, real = ints.unbind(-1)
