@@ -1,5 +1,6 @@
 """CPLossMixin.policy_loss: every objective, at every DP x CP layout, padded or packed, with gradient
-accumulation, equals the single-process reference of materialized logits (tests/loss/_policy_reference.py)."""
+accumulation, on a tiny GPT (CP attention included), equals the single-process reference of materialized
+logits (tests/loss/_policy_reference.py): loss metrics and every parameter's gradient."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from lightning.pytorch.trainer.states import RunningStage
 
 from lightning_cp import CPLossMixin, PolicyObjective
 from lightning_cp.data import collate_packed, collate_padded
+from lightning_cp.models import GPT, GPTConfig
 from lightning_cp.parallel import groups, shard_batch
 from lightning_cp.parallel.layout import set_current_layout
 from tests.loss._policy_reference import Rollout, draw_rollouts, objective_of_step, samples
 
-VOCAB, HIDDEN = 24, 8
+VOCAB, HIDDEN = 24, 16
 MICRO_BATCHES, SLOTS = 2, 4  # a step: 2 micro-batches x 4 data-parallel slots (dp ranks take slots evenly)
 
 OBJECTIVES = {
@@ -42,7 +44,7 @@ OBJECTIVES = {
         entropy_coef=0.02,
     ),
     # The sequence ratio under a token mean (GSPO-token), at temperature 1.3, no KL term but its metric.
-    "gspo-token-mean": PolicyObjective(ratio="sequence", temperature=1.3),
+    "gspo-token-mean": PolicyObjective(ratio="sequence", clip_low=0.03, temperature=1.3),
     # Per-sequence token means with the token ratio, on-policy (no old log-probs: every ratio is 1).
     "on-policy-seq-mean": PolicyObjective(aggregation="seq-mean-token-mean", entropy_coef=0.05),
 }
@@ -54,20 +56,32 @@ class _Policy(CPLossMixin, LightningModule):
 
     def __init__(self):
         super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.embed = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g))
-        self.head = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g) * 0.5)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.gpt = GPT(GPTConfig(vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=HIDDEN))
+        self.head = self.gpt.lm_head_weight
         self.logged: dict = {}
 
     def log(self, name, value, **kwargs):
         self.logged[name] = value
+
+    def hidden(self, batch):
+        """``[B, S_local, H]`` of a sharded batch: CP attention over the shard's group."""
+        return self.gpt(batch["input_ids"], batch["position_ids"], cp_shard=batch["cp_shard"])
+
+    def logits(self, ids):
+        """``[L, V]`` logits of one whole sequence, on one process."""
+        return self.gpt(torch.tensor([ids]), torch.arange(len(ids))[None])[0] @ self.head.T
+
+    def grads(self):
+        return {name: param.grad.clone() for name, param in self.named_parameters()}
 
 
 def _rollouts(on_policy: bool) -> list[list[list[Rollout]]]:
     """The step's rollouts, their old log-probs the initial policy's (temperature 1) plus noise."""
     module = _Policy()
     return draw_rollouts(
-        lambda ids: module.embed[torch.tensor(ids)] @ module.head.T,
+        module.logits,
         range(VOCAB),
         MICRO_BATCHES,
         SLOTS,
@@ -79,10 +93,9 @@ def _reference(name: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
     objective = OBJECTIVES[name]
     module = _Policy()
     rollouts = [r for slots in _rollouts(name in ON_POLICY) for slot in slots for r in slot]
-    logits = [module.embed[torch.tensor(r.ids)] @ module.head.T for r in rollouts]
-    loss, metrics = objective_of_step(rollouts, logits, objective)
+    loss, metrics = objective_of_step(rollouts, [module.logits(r.ids) for r in rollouts], objective)
     loss.backward()
-    return metrics, module.embed.grad, module.head.grad
+    return metrics, module.grads()
 
 
 def _sharded(cp: int, packed: bool, names: list[str]) -> dict:
@@ -106,29 +119,33 @@ def _sharded(cp: int, packed: bool, names: list[str]) -> dict:
                 layout.cp_rank,
                 cp_group=layout.cp_group,
             )
-            loss = module.policy_loss(module.embed[batch["input_ids"]], module.head, batch, OBJECTIVES[name])
+            loss = module.policy_loss(module.hidden(batch), module.head, batch, OBJECTIVES[name])
             (loss / MICRO_BATCHES).backward()
         module._cp_objective.rescale_gradients(module.parameters(), MICRO_BATCHES)
-        for param in (module.embed, module.head):
+        for param in module.parameters():
             dist.all_reduce(param.grad, group=layout.loss_group)
             param.grad /= layout.dp * cp
         metrics = {
             key.removeprefix("train/rl/"): value.compute().item() for key, value in module.logged.items()
         }
-        out[name] = (metrics, module.embed.grad, module.head.grad)
+        out[name] = (metrics, module.grads())
     set_current_layout(None)
     groups.destroy()
     return out
 
 
 def _assert_matches(got: dict, name: str, reference: tuple) -> None:
-    metrics, embed_grad, head_grad = got[name]
-    ref_metrics, ref_embed, ref_head = reference
+    metrics, grads = got[name]
+    ref_metrics, ref_grads = reference
     assert metrics.keys() == ref_metrics.keys(), name
     for key, value in ref_metrics.items():
-        assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-7), f"{name}: {key}"
-    torch.testing.assert_close(embed_grad, ref_embed, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
-    torch.testing.assert_close(head_grad, ref_head, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-8), f"{name}: {key}"
+    assert grads.keys() == ref_grads.keys()
+    for key, expected in ref_grads.items():
+        where = f"{name} {key}"
+        torch.testing.assert_close(
+            grads[key], expected, rtol=1e-5, atol=1e-7, msg=lambda m, w=where: f"{w}: {m}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +155,7 @@ def references() -> dict:
 
 def test_the_cases_reach_every_branch(references):
     """Clipping both taken and not, ratios away from 1 (but for the on-policy case), a KL that is not 0."""
-    for name, (metrics, _, _) in references.items():
+    for name, (metrics, _) in references.items():
         if name in ON_POLICY:
             assert metrics["ratio_mean"] == pytest.approx(1.0) and metrics["clip_fraction"] == 0.0
             continue
@@ -172,8 +189,7 @@ def test_the_loss_outside_training_is_the_global_objective(world2, references):
 def _single_batch_reference(name: str) -> float:
     module = _Policy()
     rollouts = [r for slot in _rollouts(name in ON_POLICY)[0] for r in slot]
-    logits = [module.embed[torch.tensor(r.ids)] @ module.head.T for r in rollouts]
-    return objective_of_step(rollouts, logits, OBJECTIVES[name])[0].item()
+    return objective_of_step(rollouts, [module.logits(r.ids) for r in rollouts], OBJECTIVES[name])[0].item()
 
 
 def _evaluation_losses() -> dict:
@@ -185,9 +201,7 @@ def _evaluation_losses() -> dict:
         batch = collate_packed(samples([r for slot in _rollouts(name in ON_POLICY)[0] for r in slot]))
         batch = shard_batch(batch, 2, layout.cp_rank, cp_group=layout.cp_group)
         with torch.no_grad():
-            out[name] = module.policy_loss(
-                module.embed[batch["input_ids"]], module.head, batch, objective
-            ).item()
+            out[name] = module.policy_loss(module.hidden(batch), module.head, batch, objective).item()
     set_current_layout(None)
     groups.destroy()
     return out
@@ -199,7 +213,7 @@ def test_a_kl_term_without_reference_log_probs_and_a_batch_without_advantages_ar
     for sample in unreferenced:
         del sample["ref_logprobs"]
     batch = shard_batch(collate_packed(unreferenced), 1, 0)
-    hidden = module.embed[batch["input_ids"]]
+    hidden = module.hidden(batch)
     with pytest.raises(ValueError, match=r"kl_coef=0.1\) needs the reference model's log-probs"):
         module.policy_loss(hidden, module.head, batch, OBJECTIVES["grpo"])
     del batch["advantages"]
@@ -234,7 +248,7 @@ def _collectives() -> dict:
     module = _Policy()
     rollouts = [r for slot in _rollouts(False)[0] for r in slot]
     batch = shard_batch(collate_packed(samples(rollouts)), 2, layout.cp_rank, cp_group=layout.cp_group)
-    hidden = module.embed[batch["input_ids"]]
+    hidden = module.hidden(batch)
     calls = {}
     all_reduce = dist.all_reduce
 
