@@ -24,10 +24,10 @@ from. The reference model's ``ref_logp`` come from the same function under ``tor
 The script first checks the fused values and gradients against ``log_softmax`` of materialized logits,
 then takes a few optimizer steps on the same rollouts (PPO-style epochs), printing the loss terms.
 
-Under :class:`~lightning_cp.MegatronCPStrategy`, inside a ``LightningModule`` step, ``hidden`` holds this
-CP rank's tokens and ``batch["labels"]`` is already shifted; the token mean then needs the global
-number of completion tokens (one all-reduce over ``current_layout().loss_group``, DP x CP), as
-:class:`~lightning_cp.CPLossMixin` does for the LM loss.
+This is the op underneath, on one process. To train under :class:`~lightning_cp.MegatronCPStrategy`, use
+``CPLossMixin.policy_loss(hidden, head, batch, PolicyObjective(...))`` (or ``HFCausalLM(objective=...)``) on
+rollout batches of :class:`~lightning_cp.data.RolloutDataModule`: it takes the per-sequence and global sums
+over the right groups, so the objective is the same at any DP x CP (the README's "Reinforcement learning").
 """
 
 from __future__ import annotations
