@@ -230,21 +230,18 @@ def test_the_fine_tuning_journey_runs_in_three_commands(journey_dir, tmp_path):
     )  # the export holds the trained weights
 
 
-def _print_config(config: Path) -> dict:
-    return yaml.safe_load(
-        _run_in(REPO, CONSOLE_SCRIPT, "fit", "--config", str(config), "--print_config").stdout
-    )
-
-
 @pytest.mark.parametrize("config", [SFT_CPU, SFT_GPU], ids=lambda p: p.stem)
-def test_sft_chat_configs_parse_and_validate(config, journey_dir):
-    """Parsed by the CLI, then every argument built as the run builds it, with the tiny model's files in
-    place of the data and tokenizer paths (the GPU config's 8B directory is not here)."""
+def test_sft_chat_configs_parse_and_validate(config, journey_dir, cli):
+    """Parsed by the CLI (in this process: ``--print_config`` builds nothing), then every argument built as
+    the run builds it, with the tiny model's files in place of the data and tokenizer paths (the GPU
+    config's 8B directory is not here)."""
     from lightning_cp import MegatronCPFSDPStrategy
     from lightning_cp.data import TextDataModule
     from lightning_cp.hf import ExportHFOnFitEnd
 
-    tree = _print_config(config)
+    status, printed, err = cli("fit", "--config", str(config), "--print_config")
+    assert status == 0, err[-3000:]
+    tree = yaml.safe_load(printed)
     trainer, model, data = tree["trainer"], tree["model"]["init_args"], tree["data"]["init_args"]
     strategy = trainer["strategy"]
     assert strategy["class_path"] == "lightning_cp.MegatronCPFSDPStrategy"
