@@ -6,6 +6,7 @@ pool per world size, and each case sends a module-level function to every rank w
 
 Every rank initializes the default gloo group once. After each case the worker destroys Megatron's
 model-parallel groups, so cases can use different (tp, cp) layouts over the same world.
+:func:`captured` runs a command on every rank with each rank's output captured (``pool.run(captured, ...)``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import sys
+import tempfile
 import traceback
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.multiprocessing as mp
 
@@ -64,6 +68,47 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
         finally:
             groups.destroy()
     dist.destroy_process_group()
+
+
+class Captured(NamedTuple):
+    """What :func:`captured` saw of one rank's call."""
+
+    status: int
+    """``SystemExit``'s status, 0 when the call returned."""
+    out: str
+    err: str
+
+
+def captured(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Captured:
+    """``fn(*args, **kwargs)`` on this rank, with file descriptors 1 and 2 written to files, as a process of
+    its own would write them: ``pool.run(captured, main, [...])`` runs a command on every rank of a pool
+    (the ranks Lightning's launcher would start) and returns each rank's :class:`Captured`.
+
+    Warnings are shown once per place, as Python's defaults do (the pool ignores them otherwise). Any
+    exception other than ``SystemExit`` propagates (the pool reports it with the rank's traceback).
+    """
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        saved = [os.dup(1), os.dup(2)]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        status = 0
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("default")
+                fn(*args, **kwargs)
+        except SystemExit as exit_:
+            status = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+        out.seek(0)
+        err.seek(0)
+        return Captured(status, out.read(), err.read())
 
 
 class WorkerPool:

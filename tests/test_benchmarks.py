@@ -1,7 +1,9 @@
 """The benchmark scripts of ``benchmarks/`` and their shared modules (harness, probes, report), on CPU.
 
 The scripts import their siblings by name (``from _probes import ...``), as ``python benchmarks/x.py``
-puts ``benchmarks/`` first on ``sys.path``; the ``bench`` fixture imports them the same way.
+puts ``benchmarks/`` first on ``sys.path``; the ``bench`` fixture imports them the same way. A script's
+``main`` runs in the test's process (:func:`_main`): none starts a process group there, each measures in
+workers or ranks of its own, and a second start of torch and Lightning per run is saved.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -42,21 +45,32 @@ def bench() -> types.SimpleNamespace:
             "hf_llama",
             "fsdp_step",
             "gpu_report",
+            "activation_memory",
+            "load_memory",
         )
         yield types.SimpleNamespace(**{name: importlib.import_module(name) for name in names})
 
 
-def _run_script(name: str, *args: str) -> subprocess.CompletedProcess:
-    """``python benchmarks/<name> ARGS`` as a user runs it, the package importable, one thread per process."""
+def _worker_env() -> dict[str, str]:
+    """The environment of a script's workers and ranks: the package importable, one thread per process."""
     pythonpath = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return subprocess.run(
-        [sys.executable, str(BENCHMARKS / name), *args],
-        env={**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    return {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def run_main(bench, monkeypatch):
+    """``run_main(script, *args)``: ``python benchmarks/<script>.py ARGS``, the script's ``main`` reading
+    ``sys.argv`` in this process (what it returns); its workers and ranks start as the script starts them,
+    in :func:`_worker_env`."""
+    for name, value in _worker_env().items():
+        monkeypatch.setenv(name, value)
+
+    def run(script: str, *args: str) -> Any:
+        module = getattr(bench, script)
+        monkeypatch.setattr(sys, "argv", [module.__file__, *args])
+        return module.main()
+
+    return run
 
 
 # --------------------------------------------------------------------------------------------------
@@ -271,14 +285,14 @@ def test_cuda_peers_get_hidden_weight_and_labels_in_their_apis_order(bench, monk
     )
 
 
-def test_quick_run_of_loss_memory_measures_each_case_with_plains_loss(bench, tmp_path):
+def test_quick_run_of_loss_memory_measures_each_case_with_plains_loss(bench, run_main, tmp_path, capsys):
     """``loss_memory.py --quick`` as a user runs it, on a few cases: the table has their rows, every
     measured loss is the cross-entropy of the problem, and the probes see plain's [N, V] logits."""
     cases = ["plain", "cce", "ours_lce_torch"]  # in the order of loss_memory._CASES
     measured = ["plain", "ours_lce_torch"]
     report = tmp_path / "loss_memory.json"
-    result = _run_script(
-        "loss_memory.py",
+    run_main(
+        "loss_memory",
         "--quick",
         "--device",
         "cpu",
@@ -289,9 +303,8 @@ def test_quick_run_of_loss_memory_measures_each_case_with_plains_loss(bench, tmp
         "--cases",
         *cases,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
 
-    lines = result.stdout.splitlines()
+    lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("case "))
     table = lines[header + 2 : lines.index("", header)]
     rows = {line.split()[0]: line for line in table}
@@ -449,10 +462,10 @@ def test_flash_peers_get_the_pieces_of_the_gathered_keys_in_their_apis_order(ben
     torch.testing.assert_close(out[valid], full[problem.tokens[valid]], rtol=1e-9, atol=1e-9)
 
 
-def test_the_ideal_is_measured_once_per_layout_and_length_and_shared_by_every_cp(tmp_path):
+def test_the_ideal_is_measured_once_per_layout_and_length_and_shared_by_every_cp(run_main, tmp_path):
     report = tmp_path / "attention.json"
-    result = _run_script(
-        "attention.py",
+    run_main(
+        "attention",
         "--device",
         "cpu",
         "--tokens",
@@ -471,7 +484,6 @@ def test_the_ideal_is_measured_once_per_layout_and_length_and_shared_by_every_cp
         "--json",
         str(report),
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(report.read_text())["results"]
     assert [(r["shape"], r["cp"]) for r in rows] == [("padded T=256 cp=2", 2), ("padded T=256 cp=4", 4)]
     assert rows[0]["times_ms"] == rows[1]["times_ms"]
@@ -513,10 +525,11 @@ def _summary_table(text: str) -> dict[str, tuple[str, str]]:
     return {row[0]: (row[1], row[3]) for row in rows}
 
 
-def test_gpu_report_on_the_cpu_runs_the_doctor_and_says_why_every_other_section_is_skipped(bench, tmp_path):
+def test_gpu_report_on_the_cpu_runs_the_doctor_and_says_why_every_other_section_is_skipped(
+    bench, run_main, tmp_path
+):
     output = tmp_path / "report.md"
-    result = _run_script("gpu_report.py", "--device", "cpu", "--budget", "900", "--output", str(output))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert run_main("gpu_report", "--device", "cpu", "--budget", "900", "--output", str(output)) == 0
     text = output.read_text()
     assert text.startswith("# lightning-cp GPU report") and f"- torch: {torch.__version__}" in text
     table = _summary_table(text)
@@ -530,13 +543,13 @@ def test_gpu_report_on_the_cpu_runs_the_doctor_and_says_why_every_other_section_
         assert f"## {name}: SKIP" in text
 
 
-def test_a_section_over_its_limit_is_stopped_and_the_report_is_written_all_the_same(tmp_path):
+def test_a_section_over_its_limit_is_stopped_and_the_report_is_written_all_the_same(run_main, tmp_path):
     output = tmp_path / "report.md"
     sections = ("doctor", "main-job")
-    result = _run_script(
-        "gpu_report.py", "--device", "cpu", "--budget", "3", "--sections", *sections, "--output", str(output)
+    status = run_main(
+        "gpu_report", "--device", "cpu", "--budget", "3", "--sections", *sections, "--output", str(output)
     )
-    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert status == 1
     text = output.read_text()
     table = _summary_table(text)
 
@@ -632,14 +645,12 @@ def test_the_sections_read_the_verdicts_of_pytest_the_doctor_and_the_main_job(be
     )
 
 
-def test_load_memory_reports_both_methods_for_a_tiny_model():
+def test_load_memory_reports_both_methods_for_a_tiny_model(run_main, capsys):
     """The script runs end to end (2 spawned ranks per method) and prints one Markdown row per method; the
     figures themselves are the benchmark's, not asserted here."""
-    result = _run_script(
-        "load_memory.py", "--hidden", "64", "--layers", "2", "--vocab", "512", "--world", "2"
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    run_main("load_memory", "--hidden", "64", "--layers", "2", "--vocab", "512", "--world", "2")
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     assert [row.split("|")[1].strip() for row in rows[1:]] == ["from_pretrained", "load_pretrained + FSDP"]
 
 
@@ -647,12 +658,11 @@ def test_load_memory_reports_both_methods_for_a_tiny_model():
 # activation_memory.py
 
 
-def test_activation_memory_quick_keeps_the_loss_and_moves_the_checkpointed_inputs(tmp_path):
+def test_activation_memory_quick_keeps_the_loss_and_moves_the_checkpointed_inputs(run_main, tmp_path):
     """The GPT rows of ``--quick``: every case has plain's loss and gradient norm; checkpointing keeps far less
     than plain; offload moves the layer inputs (T x d fp32 per layer, plus the RoPE tables) off the device."""
     report = tmp_path / "activation_memory.json"
-    result = _run_script("activation_memory.py", "--quick", "--models", "gpt", "--json", str(report))
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_main("activation_memory", "--quick", "--models", "gpt", "--json", str(report))
     rows = {row["case"]: row for row in json.loads(report.read_text())["results"]}
     assert list(rows) == ["plain", "checkpointing", "checkpointing+offload", "+tiled"]
     assert all(row["status"] == "ok" and row["same"] == "yes" for row in rows.values())
@@ -674,8 +684,7 @@ def test_hybrid_quick_measures_every_case_and_cp1_computes_the_unsharded_loss(tm
     hold their share of the tokens, and ``cp1`` (the package's attention and adapted Gated DeltaNet, no exchange)
     has the loss of ``transformers``' own model on the same weights; cp2 / cp4 see zeros for their peers, so their
     losses are only finite."""
-    pythonpath = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **_worker_env()}
     runs = []
     for cases in (("unsharded", "cp1"), ("cp2", "cp4")):
         report = tmp_path / f"hybrid_{'_'.join(cases)}.json"

@@ -1,10 +1,11 @@
 """The ``lightning-cp`` command: help, complete configs, one-line errors, and real runs of the example configs.
 
-Parsing cases call :func:`lightning_cp.cli.main` in this process (no trainer runs here). Training runs go
-through the installed console script in a subprocess, as a user types them (Lightning starts the other CPU
-processes itself); ``validate`` runs in the shared 2-process gloo pool. The losses a run prints and logs
-are checked against a plain-PyTorch evaluation (``F.cross_entropy`` on full logits) of the checkpoint it
-wrote.
+Parsing cases call :func:`lightning_cp.cli.main` in this process (no trainer runs here). Training runs call
+it on every rank of the shared gloo pools (:func:`_fit_on`), as on the ranks Lightning's launcher starts,
+with each rank's output captured; the launch by the installed console script has its own tests (here,
+``tests/cli/test_rank_failures.py``, ``tests/test_preemption.py``, the fine-tuning journey). The losses a run
+prints and logs are checked against a plain-PyTorch evaluation (``F.cross_entropy`` on full logits) of the
+checkpoint it wrote.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from lightning_cp.callbacks.memory.schedule import parse_steps
 from lightning_cp.cli import main
 from lightning_cp.data import LongRangeDataModule, TokenFileDataset, write_token_file
 from lightning_cp.models import GPTConfig, GPTModule
+from tests._dist import WorkerPool, captured
 from tests.data._megatron import write_megatron_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -597,7 +599,19 @@ def _sequence_nll(model: GPTModule, input_ids: torch.Tensor, loss_mask: torch.Te
     return nll[targets].sum().item(), int(targets.sum())
 
 
-def test_main_job_config_runs_with_summary_checkpoint_and_metrics(tmp_path, world2, cli_before_launch):
+def _fit_on(pool: WorkerPool, *args: str) -> tuple[str, str]:
+    """``lightning-cp fit ARGS`` on every rank of ``pool``, as on the ranks Lightning's launcher starts (the
+    launch itself has the console script's tests): rank 0's stdout, where the summary is, and every rank's
+    stderr. It must succeed."""
+    ranks = pool.run(captured, main, ["fit", *args])
+    stderr = "".join(rank.err for rank in ranks)
+    assert [rank.status for rank in ranks] == [0] * pool.world_size, stderr[-3000:]
+    return ranks[0].out, stderr
+
+
+def test_main_job_config_runs_with_summary_checkpoint_and_metrics(
+    tmp_path, world2, world4, cli_before_launch
+):
     loggers = [
         {
             "class_path": "lightning.pytorch.loggers.CSVLogger",
@@ -608,8 +622,8 @@ def test_main_job_config_runs_with_summary_checkpoint_and_metrics(tmp_path, worl
             "init_args": {"save_dir": str(tmp_path), "name": "tensorboard"},
         },
     ]
-    result = _run_console_script(
-        "fit",
+    stdout, _ = _fit_on(
+        world4,
         "--config",
         str(MAIN_JOB),
         "--trainer.max_steps",
@@ -623,8 +637,7 @@ def test_main_job_config_runs_with_summary_checkpoint_and_metrics(tmp_path, worl
         "--trainer.enable_progress_bar",
         "false",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = _summary(result.stdout)
+    summary = _summary(stdout)
     assert summary["logs"] == [
         str(tmp_path / "csv" / "version_0"),
         str(tmp_path / "tensorboard" / "version_0"),
@@ -689,8 +702,8 @@ def test_main_job_config_runs_with_summary_checkpoint_and_metrics(tmp_path, worl
     assert sorted(p.name for p in (tmp_path / "csv").iterdir()) == ["version_0", "version_1", "version_2"]
 
     # Continuing it on dp=1 x cp=2: one step more, from the checkpoint, and the halved global batch is named.
-    result = _run_console_script(
-        "fit",
+    stdout, stderr = _fit_on(
+        world2,
         *same_run,
         "--trainer.max_steps",
         "5",
@@ -702,9 +715,8 @@ def test_main_job_config_runs_with_summary_checkpoint_and_metrics(tmp_path, worl
         "1",
         *quiet,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert _summary(result.stdout)["weights"] == str(checkpoint)
-    warnings = [line for line in result.stderr.splitlines() if "the global batch changes" in line]
+    assert _summary(stdout)["weights"] == str(checkpoint)
+    warnings = [line for line in stderr.splitlines() if "the global batch changes" in line]
     assert len(warnings) == 1 and warnings[0].endswith(
         "the global batch changes from 16 to 8 samples per optimizer step (dp x batch_size x "
         "accumulate_grad_batches). To keep it, set trainer.accumulate_grad_batches=2."
@@ -774,14 +786,14 @@ def test_example_configs_that_resume_save_their_last_checkpoint():
         assert saves_last, f"{config.name}: ckpt_path: last but no ModelCheckpoint with save_last: true"
 
 
-def test_packed_token_file_config_runs(tmp_path, monkeypatch, capsys):
+def test_packed_token_file_config_runs(tmp_path, monkeypatch, capsys, world2):
     tokens = tmp_path / "tokens.bin"
     script = str(REPO / "examples" / "make_token_file.py")  # as `python <script> ...`, in this process
     monkeypatch.setattr(sys, "argv", [script, str(tokens), "--num-docs", "100", "--max-len", "120"])
     runpy.run_path(script, run_name="__main__")
     assert "wrote 100 documents" in capsys.readouterr().out
-    result = _run_console_script(
-        "fit",
+    stdout, _ = _fit_on(
+        world2,
         "--config",
         str(PACKED),
         "--data.init_args.path",
@@ -797,8 +809,7 @@ def test_packed_token_file_config_runs(tmp_path, monkeypatch, capsys):
         "--trainer.enable_progress_bar",
         "false",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = _summary(result.stdout)
+    summary = _summary(stdout)
     assert summary["logs"] == [str(tmp_path / "csv" / "version_0")]
     rows = _csv_rows(tmp_path / "csv" / "version_0")
     assert [int(row["step"]) for row in rows if row.get("train/loss_step")] == [0, 1, 2]
@@ -822,10 +833,10 @@ def test_packed_token_file_config_runs(tmp_path, monkeypatch, capsys):
     )  # 3 steps: near chance
 
 
-def test_cpu_fsdp_config_runs_and_writes_a_sharded_checkpoint(tmp_path):
+def test_cpu_fsdp_config_runs_and_writes_a_sharded_checkpoint(tmp_path, world4):
     logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path)}}
-    result = _run_console_script(
-        "fit",
+    stdout, _ = _fit_on(
+        world4,
         "--config",
         str(CONFIGS / "cpu_long_range_fsdp.yaml"),
         "--trainer.max_steps",
@@ -839,6 +850,5 @@ def test_cpu_fsdp_config_runs_and_writes_a_sharded_checkpoint(tmp_path):
         "--trainer.enable_progress_bar",
         "false",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    checkpoint = Path(_summary(result.stdout)["checkpoint"])
+    checkpoint = Path(_summary(stdout)["checkpoint"])
     assert checkpoint.is_dir() and len(list(checkpoint.glob("*.distcp"))) == 4  # one shard per rank

@@ -2,8 +2,8 @@
 
 The scripts that neither train through a strategy nor import what the test process has not run in it as
 ``__main__`` with their command line (:func:`_run`), which saves a second start of torch and Lightning per
-run; the others in a process of their own (:func:`_run_apart`). The configs in ``examples/configs`` are run
-by ``tests/test_cli.py``.
+run; one that trains through a strategy starts a process group, which would outlive it here, and runs on the
+shared one-rank gloo pool instead. The configs in ``examples/configs`` are run by ``tests/test_cli.py``.
 """
 
 from __future__ import annotations
@@ -24,24 +24,10 @@ import torch
 import yaml
 
 from lightning_cp.data import TokenFileDataset
+from tests._dist import captured
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NUMBER = r"([-+]?\d+\.\d+(?:e[-+]\d+)?)"
-
-
-def _run_apart(script: str) -> str:
-    """``python examples/<script>`` in a process of its own (a script that trains with a strategy starts a
-    process group, which would outlive it here): what it printed."""
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / script)],
-        check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
 
 
 def _run(script: str, *args: str) -> str:
@@ -98,8 +84,13 @@ def test_make_token_file_rejects_impossible_lengths(tmp_path, capsys):
     assert not (tmp_path / "x.bin").exists()
 
 
-def test_convert_to_cp_loss_mixin_gives_the_same_losses():
-    out = _run_apart("convert_to_cp_loss_mixin.py")
+def test_convert_to_cp_loss_mixin_gives_the_same_losses(world1):
+    # A rank of its own, as a single-device run's: the strategy finds the pool's process group already up.
+    (result,) = world1.run(
+        captured, runpy.run_path, str(EXAMPLES / "convert_to_cp_loss_mixin.py"), run_name="__main__"
+    )
+    assert result.status == 0, result.err[-3000:]
+    out = result.out
     rows = [
         tuple(map(float, m)) for m in re.findall(rf"^\s+\d+\s+{NUMBER}\s+{NUMBER}$", out, flags=re.MULTILINE)
     ]
@@ -230,21 +221,18 @@ def test_the_fine_tuning_journey_runs_in_three_commands(journey_dir, tmp_path):
     )  # the export holds the trained weights
 
 
-def _print_config(config: Path) -> dict:
-    return yaml.safe_load(
-        _run_in(REPO, CONSOLE_SCRIPT, "fit", "--config", str(config), "--print_config").stdout
-    )
-
-
 @pytest.mark.parametrize("config", [SFT_CPU, SFT_GPU], ids=lambda p: p.stem)
-def test_sft_chat_configs_parse_and_validate(config, journey_dir):
-    """Parsed by the CLI, then every argument built as the run builds it, with the tiny model's files in
-    place of the data and tokenizer paths (the GPU config's 8B directory is not here)."""
+def test_sft_chat_configs_parse_and_validate(config, journey_dir, cli):
+    """Parsed by the CLI (in this process: ``--print_config`` builds nothing), then every argument built as
+    the run builds it, with the tiny model's files in place of the data and tokenizer paths (the GPU
+    config's 8B directory is not here)."""
     from lightning_cp import MegatronCPFSDPStrategy
     from lightning_cp.data import TextDataModule
     from lightning_cp.hf import ExportHFOnFitEnd
 
-    tree = _print_config(config)
+    status, printed, err = cli("fit", "--config", str(config), "--print_config")
+    assert status == 0, err[-3000:]
+    tree = yaml.safe_load(printed)
     trainer, model, data = tree["trainer"], tree["model"]["init_args"], tree["data"]["init_args"]
     strategy = trainer["strategy"]
     assert strategy["class_path"] == "lightning_cp.MegatronCPFSDPStrategy"

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 # A meta-path spy records the module that asks for each watched top-level package. torchmetrics (imported
 # by Lightning) imports matplotlib itself whenever it is installed, so Lightning is imported first and the
 # watched modules are then dropped from sys.modules: any later import of them reaches the spy.
@@ -25,18 +27,26 @@ sys.meta_path.insert(0, Spy())
 """
 
 
-def _importers(statement: str) -> list[list[str]]:
-    code = _SPY + statement + "\nprint(importers)"
+_DATA = "from lightning_cp.data import collate_packed, LongRangeDataModule"
+_PACKAGE = "import lightning_cp, lightning_cp.loss.metrics, lightning_cp.models"
+
+
+@pytest.fixture(scope="module")
+def importers() -> dict[str, list[list[str]]]:
+    """The watched imports of a fresh interpreter after ``_DATA``, then after ``_PACKAGE`` too (one process
+    for both: ``_DATA`` first, as a DataLoader worker imports it alone; the second list holds the first)."""
+    code = f"{_SPY}{_DATA}\nprint(importers)\n{_PACKAGE}\nprint(importers)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    return eval(out.strip().splitlines()[-1])
+    data, package = out.strip().splitlines()[-2:]
+    return {"data": eval(data), "package": eval(package)}
 
 
-def test_import_lightning_cp_imports_neither_megatron_nor_matplotlib():
-    importers = _importers("import lightning_cp, lightning_cp.loss.metrics, lightning_cp.models")
-    assert not [name for name, _ in importers if name == "megatron"], importers
-    assert not [who for name, who in importers if who.startswith("lightning_cp")], importers
+def test_import_lightning_cp_imports_neither_megatron_nor_matplotlib(importers):
+    found = importers["package"]
+    assert not [name for name, _ in found if name == "megatron"], found
+    assert not [who for name, who in found if who.startswith("lightning_cp")], found
 
 
-def test_dataloader_workers_do_not_import_megatron():
-    importers = _importers("from lightning_cp.data import collate_packed, LongRangeDataModule")
-    assert not [name for name, _ in importers if name == "megatron"], importers
+def test_dataloader_workers_do_not_import_megatron(importers):
+    found = importers["data"]
+    assert not [name for name, _ in found if name == "megatron"], found
