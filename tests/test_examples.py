@@ -16,13 +16,16 @@ import re
 import runpy
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import yaml
 
+from lightning_cp.cli import main
 from lightning_cp.data import TokenFileDataset
 from tests._dist import captured
 
@@ -263,29 +266,20 @@ def test_sft_chat_configs_parse_and_validate(config, journey_dir, cli):
 RL = "## Reinforcement learning: GRPO on rollouts"
 
 
-def _lightning_cp_in_ranks(directory: Path, commands: list[list[str]]) -> list[str]:
-    """``lightning-cp ARGS`` of each command on this pool rank, in ``directory``: what each printed (the pool's
-    ranks are the run's: Lightning starts no process)."""
-    from lightning_cp.cli import main
-
-    outputs = []
+def _in_directory(directory: Path, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with ``directory`` as the working directory (a pool rank's is the test session's)."""
     here = Path.cwd()
     os.chdir(directory)
     try:
-        for args in commands:
-            out = io.StringIO()
-            with contextlib.redirect_stdout(out):
-                main(args)
-            outputs.append(out.getvalue())
+        return fn(*args)
     finally:
         os.chdir(here)
-    return outputs
 
 
 def test_the_rl_recipe_runs_in_its_commands(journey_dir, monkeypatch, world2):
     """The README's RL commands after the model of the fine-tuning journey: rollouts written and rewarded, the
-    reference's log-probs predicted, the policy trained (the two ``lightning-cp`` commands on the shared ranks
-    of the test pool); the printed metrics are the policy's."""
+    reference's log-probs predicted, the policy trained (the two ``lightning-cp`` commands on the ranks of the
+    shared pool, as on the ranks Lightning's launcher starts); the printed metrics are the policy's."""
     commands = [line.split() for line in _readme_blocks("bash", RL)[0].strip().splitlines()]
     assert [c[:2] for c in commands[1:]] == [
         ["python", "examples/make_rollouts.py"],
@@ -297,12 +291,15 @@ def test_the_rl_recipe_runs_in_its_commands(journey_dir, monkeypatch, world2):
     assert "wrote 64 rollouts (16 prompts x 4)" in written
     rewards = {json.loads(line)["reward"] for line in (journey_dir / "runs/tiny/rollouts.jsonl").open()}
     assert len(rewards) > 1  # GRPO's advantages are not all 0
-    runs = []
+    printed = []
     for command in commands[2:]:
         args = command[1:]
         args[args.index("--config") + 1] = str(EXAMPLES / "configs" / "grpo_tiny_cpu.yaml")
-        runs.append([*args, "--trainer.enable_progress_bar", "false"])
-    predicted, trained = world2.run(_lightning_cp_in_ranks, journey_dir, runs)[0]
+        args += ["--trainer.enable_progress_bar", "false"]
+        ranks = world2.run(_in_directory, journey_dir, captured, main, args)
+        assert [rank.status for rank in ranks] == [0, 0], "".join(rank.err for rank in ranks)[-3000:]
+        printed.append(ranks[0].out)
+    predicted, trained = printed
     assert "output:     runs/grpo-ref/predictions" in predicted
     assert sorted(p.name for p in (journey_dir / "runs/grpo-ref/predictions").iterdir()) == [
         "logprobs.dp0.jsonl"
