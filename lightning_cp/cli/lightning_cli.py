@@ -305,19 +305,22 @@ class CPLightningCLI(LightningCLI):
 
 
 def _names_part(args: list[str], part: str) -> bool:
-    """Whether the command line ``args`` gives ``part`` (``"model"`` / ``"data"``): an argument ``--part...``,
-    or a ``--config`` file (or inline YAML) with a ``part`` key."""
+    """Whether the command line ``args`` names the class of ``part`` (``"model"`` / ``"data"``): ``--part
+    CLASS``, ``--part.class_path CLASS``, or a ``--config`` file (or inline YAML) whose ``part`` has a
+    ``class_path`` (an argument of the class alone, ``--model.init_args.lr``, names none)."""
+    flags = (f"--{part}", f"--{part}.class_path")
+    if any(arg in flags or arg.startswith(tuple(f"{flag}=" for flag in flags)) for arg in args):
+        return True
     configs = [value for flag, value in itertools.pairwise(args) if flag == "--config"]
     configs += [arg.removeprefix("--config=") for arg in args if arg.startswith("--config=")]
-    if any(arg == f"--{part}" or arg.startswith((f"--{part}.", f"--{part}=")) for arg in args):
-        return True
     for config in configs:
         path = Path(config)
         try:
             tree = yaml.safe_load(path.read_text() if path.is_file() else config)
         except (OSError, yaml.YAMLError):
             continue  # not readable here: the parser reports it
-        if isinstance(tree, dict) and part in tree:
+        named = tree.get(part) if isinstance(tree, dict) else None
+        if isinstance(named, str) or (isinstance(named, dict) and "class_path" in named):
             return True
     return False
 
