@@ -112,7 +112,9 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text("".join(json.dumps(record) + "\n" for record in records))
     mean_reward = sum(r["reward"] for r in records) / len(records)
-    print(f"wrote {len(records)} rollouts ({args.prompts} prompts x {args.group}) to {args.output}, mean reward {mean_reward:.3f}")
+    print(
+        f"wrote {len(records)} rollouts ({args.prompts} prompts x {args.group}) to {args.output}, mean reward {mean_reward:.3f}"
+    )
 
 
 if __name__ == "__main__":

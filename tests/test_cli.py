@@ -213,7 +213,8 @@ def test_a_named_model_and_data_get_their_own_defaults_not_the_default_classes(g
         args = [f"--config={yaml.safe_dump(parts, default_flow_style=True)}"]
     tree = yaml.safe_load(_print_config(cli, *args))
     assert tree["model"]["init_args"]["lr"] == 3e-4 and tree["data"]["init_args"]["packed"] is True
-    bare = yaml.safe_load(_print_config(cli, "--model.init_args.weight_decay", "0.1"))  # an argument, no class
+    # An argument of the model alone names no class: the default class takes it.
+    bare = yaml.safe_load(_print_config(cli, "--model.init_args.weight_decay", "0.1"))
     assert bare["model"]["class_path"] == "lightning_cp.models.GPTModule"
     assert bare["model"]["init_args"]["lr"] == 3e-3 and bare["model"]["init_args"]["weight_decay"] == 0.1
     assert bare["data"]["class_path"] == "lightning_cp.data.LongRangeDataModule"
