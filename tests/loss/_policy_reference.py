@@ -96,7 +96,8 @@ def objective_of_step(
 ) -> tuple[Tensor, dict[str, float]]:
     """The objective of one optimizer step's global batch (every rollout of every rank and micro-batch)
     and its metrics, as the module docstring of ``lightning_cp.loss.policy`` defines them."""
-    low, high = 1 - objective.clip_low, 1 + (objective.clip_high or objective.clip_low)
+    high_clip = objective.clip_low if objective.clip_high is None else objective.clip_high  # 0.0 is a bound
+    low, high = 1 - objective.clip_low, 1 + high_clip
     numerator = torch.zeros(())
     surrogate_numerator = torch.zeros(())
     clipped = ratios = kls = entropies = tokens = 0.0
