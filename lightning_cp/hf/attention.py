@@ -41,6 +41,11 @@ from lightning_cp.parallel.sharding import CPShard, sharded_under_cp
 ATTN_IMPLEMENTATION = "lightning_cp"
 """The name to give ``transformers``: ``from_pretrained(..., attn_implementation="lightning_cp")``."""
 
+SELECTION_OF = "_lightning_cp_selection_of"
+"""The attribute an adapted sparse-attention indexer (:mod:`lightning_cp.hf.indexers`) sets on the keys it
+selected: the :class:`~lightning_cp.parallel.CPShard` they are rows of. The attention takes ``indices`` only
+with it."""
+
 # Variants transformers' SDPA function cannot compute (it raises on softcap and ignores the sinks s_aux):
 # without cp_shard they run the model's own eager attention, as transformers runs such models.
 _NOT_IN_SDPA = ("softcap", "s_aux")
@@ -72,8 +77,9 @@ class DeferredMask:
     ``ValueError`` that says so, and a tensor attribute an ``AttributeError`` with the same message.
     """
 
-    def __init__(self, arguments: dict[str, Any]) -> None:
+    def __init__(self, arguments: dict[str, Any], index: Any = None) -> None:
         self.arguments = arguments
+        self.index = index
         self.verified_positions: Tensor | None = None
         self.verified_no_padding = False
         self._masks: dict[str, Tensor | None] = {}
@@ -88,7 +94,7 @@ class DeferredMask:
         if "sdpa" not in self._masks:
             from transformers.masking_utils import sdpa_mask
 
-            self._masks["sdpa"] = sdpa_mask(**self.arguments)
+            self._masks["sdpa"] = self._indexed(sdpa_mask(**self.arguments))
         return self._masks["sdpa"]
 
     def build_additive(self) -> Tensor:
@@ -97,8 +103,11 @@ class DeferredMask:
             from transformers.masking_utils import eager_mask
 
             arguments = {k: v for k, v in self.arguments.items() if k != "allow_is_causal_skip"}
-            self._masks["eager"] = eager_mask(**arguments)
+            self._masks["eager"] = self._indexed(eager_mask(**arguments))
         return self._masks["eager"]
+
+    def _indexed(self, mask: Tensor | None) -> Tensor | None:
+        return mask if mask is None or self.index is None else mask[self.index]
 
     def _misuse(self, use: str) -> str:
         model_type = getattr(self.arguments.get("config"), "model_type", "this model")
@@ -113,8 +122,12 @@ class DeferredMask:
         # An AttributeError still, so that getattr(mask, name, default) keeps its meaning.
         raise AttributeError(name if name.startswith("__") else self._misuse(f".{name}"))
 
-    def __getitem__(self, index: Any) -> Any:
-        raise ValueError(self._misuse("indexing"))
+    def __getitem__(self, index: Any) -> DeferredMask:
+        """The mask of ``mask[index]``, deferred alike (a sparse-attention layer hands its indexer
+        ``mask[:, 0, :, :]``); any use of it as a tensor still raises."""
+        if self.index is not None:
+            raise ValueError(self._misuse("indexing twice"))
+        return DeferredMask(self.arguments, index)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -185,8 +198,11 @@ def hf_context_parallel_attention(
             mask, tensors that are not the shard's, or ``position_ids`` that are not the batch's.
     """
     cp_shard = kwargs.pop(CP_SHARD, None)
+    indices = kwargs.pop("indices", None)
     if cp_shard is None:
-        return _sdpa(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+        return _sdpa(
+            module, query, key, value, _with_selection(attention_mask, indices), scaling, dropout, kwargs
+        )
     _check_supported(module, query, key, dropout, kwargs)
     _check_mask(attention_mask, cp_shard)
     _check_tokens(cp_shard, query)
@@ -200,8 +216,38 @@ def hf_context_parallel_attention(
         window=kwargs.get("sliding_window"),
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
+        selected=None if indices is None else _selected(module, indices, cp_shard),
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _selected(module: nn.Module, indices: Tensor, cp_shard: CPShard) -> Tensor:
+    """``indices`` ``[B, S_local, n]`` as ``[B * S_local, n]`` selected rows, if an adapted indexer selected them
+    for ``cp_shard`` (:data:`SELECTION_OF`)."""
+    if getattr(indices, SELECTION_OF, None) is not cp_shard:
+        raise ValueError(
+            f"{type(module).__name__} passed sparse-attention indices that lightning_cp's context-parallel "
+            "indexer did not select for this batch's shard: its indexer would have scored this rank's keys "
+            "only. This model's sparse attention cannot be trained with lightning_cp's CP (see "
+            "lightning_cp.hf.indexers for the families it supports)."
+        )
+    return indices.flatten(0, 1)
+
+
+def _with_selection(attention_mask: DeferredMask | Tensor | None, indices: Tensor | None) -> Tensor | None:
+    """Without ``cp_shard``: the model's dense mask with every key its indexer did not select for a query
+    masked, as ``transformers``' eager path folds ``indices`` into the mask (additive, 0 / the dtype's min)."""
+    if indices is None:
+        return attention_mask
+    mask = attention_mask.build_additive() if isinstance(attention_mask, DeferredMask) else attention_mask
+    if mask is None or mask.dtype == torch.bool:
+        raise ValueError(
+            "sparse-attention indices without cp_shard need the model's additive attention mask; call the model "
+            "with cp_shard=batch['cp_shard'], or build it with attn_implementation='eager'."
+        )
+    unselected = torch.ones(mask.shape[0], *mask.shape[2:], dtype=torch.bool, device=mask.device)
+    unselected = unselected.scatter(-1, indices.long(), False).unsqueeze(1)
+    return mask.masked_fill(unselected, torch.finfo(mask.dtype).min)
 
 
 def guard_sharded_calls(module: nn.Module) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from lightning_cp.hf.attention import ATTN_IMPLEMENTATION
+from lightning_cp.hf.indexers import REFUSED as REFUSED_INDEXERS
 from lightning_cp.hf.mixers import REFUSED, check_token_mixers_split
 
 # RoPE scalings whose frequencies depend on the longest position a forward sees (transformers'
@@ -106,7 +107,8 @@ def check_config_is_context_parallel(model: nn.Module, where: str, cp: int) -> N
 
 def check_token_mixers(model: nn.Module, where: str, cp: int) -> None:
     """Raise if a token mixer of the ``transformers`` model ``model`` cannot train exactly under ``cp`` ranks: a
-    class no adapter makes context-parallel (:data:`~lightning_cp.hf.mixers.REFUSED`: Mamba1) under ``cp > 1``,
+    class no adapter makes context-parallel (:data:`~lightning_cp.hf.mixers.REFUSED`: Mamba1; the sparse-attention
+    indexers of :data:`~lightning_cp.hf.indexers.REFUSED`) under ``cp > 1``,
     or an adapted mixer whose heads do not split over ``cp``
     (:func:`~lightning_cp.hf.mixers.check_token_mixers_split`). Reads the module classes and sizes only (a
     ``meta`` build will do). Local, no communication.
@@ -117,7 +119,7 @@ def check_token_mixers(model: nn.Module, where: str, cp: int) -> None:
     name = f"{where} ({type(model).__name__})"
     if cp > 1:
         for module_name, module in model.named_modules():
-            reason = REFUSED.get(type(module).__name__)
+            reason = REFUSED.get(type(module).__name__) or REFUSED_INDEXERS.get(type(module).__name__)
             if reason is not None:
                 raise ValueError(
                     f"{name}: {module_name} ({type(module).__name__}) {reason}. lightning_cp's CP cannot train "

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lightning_cp.hf.attention import ATTN_IMPLEMENTATION, guard_sharded_calls
+from lightning_cp.hf.indexers import adapt_indexers
 from lightning_cp.hf.loading import causal_lm_config, deferred_loading, materialize_pretrained
 from lightning_cp.hf.mixers import adapt_token_mixers
 from lightning_cp.hf.probe import check_configs, holds_transformers_models, probe_models, transformers_models
@@ -61,7 +62,8 @@ def check_before_launch(config: Mapping[str, Any] | str, cp: int, attention: Att
 def prepare_models(module: nn.Module, layout: ParallelLayout) -> None:
     """Every ``transformers`` model in ``module`` ready for the batch's shard: its token mixers that are not
     softmax attention get their context-parallel forward (:func:`~lightning_cp.hf.mixers.adapt_token_mixers`,
-    at every CP size: they also keep packed documents apart), and under ``cp > 1`` a call on a shard without
+    at every CP size: they also keep packed documents apart), so do its sparse-attention indexers
+    (:func:`~lightning_cp.hf.indexers.adapt_indexers`), and under ``cp > 1`` a call on a shard without
     the batch's ``cp_shard`` is refused (:func:`~lightning_cp.hf.attention.guard_sharded_calls`). No
     communication.
 
@@ -73,6 +75,7 @@ def prepare_models(module: nn.Module, layout: ParallelLayout) -> None:
             adapt_token_mixers(model, layout.cp)
         except ValueError as error:
             raise ValueError(f"{where} ({type(model).__name__}): {error}") from None
+        adapt_indexers(model)
     if layout.cp > 1:
         guard_sharded_calls(module)
 

@@ -28,6 +28,7 @@ cast tensor by tensor as it is read; no copy of the whole model in another dtype
 from __future__ import annotations
 
 import difflib
+import importlib
 import json
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -40,6 +41,7 @@ from torch import nn
 
 from lightning_cp.hf.attention import ATTN_IMPLEMENTATION
 from lightning_cp.hf.composite import StoredNames, is_composite, text_config
+from lightning_cp.hf.indexers import REFUSED as INDEXER_REFUSALS
 
 _PRETRAINED_SOURCE = "_lightning_cp_pretrained"
 """Attribute of a model built on the meta device: the directory whose weights fill it after sharding, and
@@ -191,9 +193,24 @@ def _check_model_type(model_type: str, owner: str) -> None:
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(
             f"{owner}(config=...): model_type {model_type!r} has no causal-LM class in transformers "
-            f"{__version__} (AutoModelForCausalLM does not build it); use a decoder model such as llama, "
-            "qwen3 or mistral."
+            f"{__version__} (AutoModelForCausalLM does not build it){_refused_indexer(model_type)}; use a "
+            "decoder model such as llama, qwen3 or mistral."
         )
+
+
+def _refused_indexer(model_type: str) -> str:
+    """For a family whose modeling module defines a sparse-attention indexer CP does not compute
+    (:data:`~lightning_cp.hf.indexers.REFUSED`: GLM-5-Next, Mistral-Large-4), the clause that says so: its text
+    model would be refused at setup even with a causal-LM class. Else ``""``."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    folder = model_type_to_module_name(model_type)
+    try:
+        modeling = importlib.import_module(f"transformers.models.{folder}.modeling_{folder}")
+    except ImportError:
+        return ""
+    refused = next((name for name in INDEXER_REFUSALS if hasattr(modeling, name)), None)
+    return "" if refused is None else f", and its {refused} {INDEXER_REFUSALS[refused]}"
 
 
 def _check_transformers_accepts(config: Mapping[str, Any], owner: str) -> None:

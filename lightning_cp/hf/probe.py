@@ -239,8 +239,8 @@ def _first_line(error: BaseException) -> str:
 
 @contextlib.contextmanager
 def _recording(body: nn.Module, tokens: int) -> Iterator[_Recorded]:
-    """Forward hooks on every submodule of ``body`` (``body`` itself is ``""``) that keep outputs with the
-    token layout ``[1, tokens, ...]``, by module name and call index."""
+    """Forward hooks on every submodule of ``body`` (``body`` itself is ``""``) that keep floating-point outputs
+    with the token layout ``[1, tokens, ...]``, by module name and call index."""
     recorded, calls = _Recorded({}), {}
 
     def hook_of(name: str):
@@ -251,7 +251,9 @@ def _recording(body: nn.Module, tokens: int) -> Iterator[_Recorded]:
             call = (name, plain)
             index = calls[call] = calls.get(call, -1) + 1
             tensor = _first_tensor(output)
-            if tensor is not None and tensor.dim() >= 2 and tensor.shape[:2] == (1, tokens):
+            # Activations only: integer outputs (a sparse-attention indexer's selected keys, which index the
+            # sharded layout) are compared through the attention outputs they select.
+            if tensor is not None and tensor.is_floating_point() and tensor.shape[:2] == (1, tokens):
                 recorded.outputs[(name, f"{plain}#{index}")] = tensor.detach().clone()
 
         return hook

@@ -33,6 +33,7 @@ from torch import Tensor
 from lightning_cp.parallel._allgather_attention import allgather_attention, local_attention
 from lightning_cp.parallel._ulysses_attention import ulysses_attention
 from lightning_cp.parallel.sharding import CPShard
+from lightning_cp.parallel.sparse_attention import sparse_attention
 
 
 def context_parallel_attention(
@@ -45,6 +46,7 @@ def context_parallel_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    selected: Tensor | None = None,
 ) -> Tensor:
     """Causal attention over the whole sequences while each rank holds only its shard.
 
@@ -74,6 +76,12 @@ def context_parallel_attention(
         sinks: ``[Hq]`` attention sinks (gpt-oss's ``sinks``, passed as ``s_aux``): one learned logit per
             query head that joins every softmax denominator without a value, so a query may attend to
             "nothing". Differentiable: its gradient is returned like ``q``'s.
+        selected: sparse attention (DeepSeek Sparse Attention): ``[B * S_local, n]`` integers, the keys each
+            query attends to, as rows in sequence order with ``-1`` for none
+            (:func:`~lightning_cp.parallel.key_indexer.select_topk_keys` of this ``cp_shard``, required). Each
+            query attends to exactly those keys (:func:`~lightning_cp.parallel.sparse_attention.sparse_attention`,
+            computed in fp32 by the exact torch kernel, with the all-gather whatever the attention mode); not
+            with ``window`` or ``softcap``.
 
     Returns:
         ``[B, Hq, S_local, Dv]``: the attention output of this rank's queries, in the compute dtype.
@@ -100,11 +108,14 @@ def context_parallel_attention(
     """
     _check_shapes(q, k, v)
     scale = _check_variants(q, scale, window, softcap, sinks)
+    _check_selected(q, selected, cp_shard, window, softcap)
     dtype = compute_dtype(q, k, v)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     # Autocast would run the blocked kernel's einsums in its dtype in the forward but not in the backward:
     # the inputs are in the compute dtype already, and the kernels choose their own accumulation.
     with torch.autocast(q.device.type, enabled=False) if _autocast_on(q) else contextlib.nullcontext():
+        if selected is not None:
+            return sparse_attention(q, k, v, selected, cp_shard, scale, sinks)
         return _attention(q, k, v, cp_shard, scale, window, softcap, sinks)
 
 
@@ -165,6 +176,26 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int]:
             f"the same D, and their head count ({kv_heads}) must divide q's ({heads})."
         )
     return batch, heads, local_len
+
+
+def _check_selected(
+    q: Tensor, selected: Tensor | None, cp_shard: CPShard | None, window: int | None, softcap: float | None
+) -> None:
+    if selected is None:
+        return
+    tokens = q.shape[0] * q.shape[2]
+    if cp_shard is None or cp_shard.local_tokens != tokens:
+        raise ValueError(
+            "selected keys are rows of the batch's sequences in sequence order: pass the cp_shard they were "
+            f"selected for (this rank's {tokens} query tokens)."
+        )
+    if selected.dim() != 2 or selected.shape[0] != tokens or selected.is_floating_point():
+        raise ValueError(
+            f"selected must be an integer tensor [B * S_local, n] = [{tokens}, n]; got {tuple(selected.shape)} "
+            f"{selected.dtype}."
+        )
+    if window is not None or softcap is not None:
+        raise ValueError("sparse attention (selected keys) takes no window and no softcap.")
 
 
 def _check_variants(

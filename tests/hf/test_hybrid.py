@@ -15,26 +15,21 @@ answer by about 2e-6, far below the tolerances; at 0.2 every mistake is visible.
 
 from __future__ import annotations
 
-import copy
 import sys
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_cp.hf import check_models
 from lightning_cp.hf.mixers import ADAPTERS, adapt_token_mixers
 from lightning_cp.hf.mixers._adapter import depthwise_conv
-from lightning_cp.models import HFCausalLM
 from lightning_cp.parallel import groups, shard_batch, unshard
-from lightning_cp.parallel.layout import set_current_layout
+from tests.hf import _exactness
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 96
-INIT = 0.2  # 10x transformers' default initializer_range
+VOCAB, INIT = _exactness.VOCAB, _exactness.INIT
 _COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "max_position_embeddings": 256}
 _ATTENTION = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 _GDN = {
@@ -193,130 +188,18 @@ HYBRIDS: dict[str, dict] = {
         "moe_intermediate_size": 32,
     },
 }
-PADDED_SHAPE = (2, 21)  # a row per DP rank at dp = 2; odd: the split pads
-PACKED_ROWS = ((1, 9, 4, 13), (11, 2, 6))  # documents of one token, shorter and longer than a chunk
 
 
 def _config(name: str) -> dict:
     return {**HYBRIDS[name], "initializer_range": INIT}
 
 
-def _rows(packed: bool) -> list[dict[str, torch.Tensor]]:
-    """The global batch as one dict per row (a row per DP rank at dp = 2, both rows at dp = 1)."""
-    g = torch.Generator().manual_seed(1)
-    if not packed:
-        ids = torch.randint(3, VOCAB, PADDED_SHAPE, generator=g)
-        return [{"input_ids": ids[i : i + 1]} for i in range(PADDED_SHAPE[0])]
-    rows = []
-    for lengths in PACKED_ROWS:
-        ids = torch.randint(3, VOCAB, (1, sum(lengths)), generator=g)
-        rows.append({"input_ids": ids, "cu_seqlens": torch.tensor([0, *lengths]).cumsum(0)})
-    return rows
-
-
-def _documents(packed: bool) -> list[torch.Tensor]:
-    """Every sequence of the global batch alone, ``[1, L]`` each."""
-    out = []
-    for row in _rows(packed):
-        if "cu_seqlens" in row:
-            out += list(row["input_ids"].split(row["cu_seqlens"].diff().tolist(), dim=1))
-        else:
-            out.append(row["input_ids"])
-    return out
-
-
-def _local_batch(packed: bool, layout) -> dict[str, torch.Tensor]:
-    """This DP rank's part of the global batch: its row at dp = 2, every sequence at dp = 1."""
-    rows = _rows(packed)
-    if layout.dp == len(rows):
-        return rows[layout.dp_rank]
-    if not packed:
-        return {"input_ids": torch.cat([r["input_ids"] for r in rows])}
-    lengths = [n for row in PACKED_ROWS for n in row]
-    ids = torch.cat([r["input_ids"] for r in rows], dim=1)
-    return {"input_ids": ids, "cu_seqlens": torch.tensor([0, *lengths]).cumsum(0)}
-
-
-def _train_step(names: list[str], cp: int, packed: bool) -> dict:
-    """On every rank: each family's loss and gradients (averaged over DP x CP as DDP does) after the setup
-    check and one ``HFCausalLM.training_step``; rank 0 also gives the reference of its initial weights."""
-    layout = groups.initialize(tp=1, cp=cp)
-    set_current_layout(layout)
-    transformers.logging.set_verbosity_error()
-    warnings.filterwarnings("ignore")
-    results = {}
-    try:
-        for name in names:
-            torch.manual_seed(0)
-            module = HFCausalLM(_config(name))
-            module.configure_model()
-            check_models(module, layout, torch.device("cpu"))
-            initial = copy.deepcopy(module.model.state_dict())
-            module.train()
-            batch = shard_batch(_local_batch(packed, layout), cp, layout.cp_rank, cp_group=layout.cp_group)
-            loss = module.training_step(batch, 0)
-            loss.backward()
-            params = list(module.model.named_parameters())
-            flat = torch.cat([_grad(p).flatten() for _, p in params] + [loss.detach().reshape(1)])
-            dist.all_reduce(flat, group=layout.loss_group)
-            flat /= layout.dp * layout.cp
-            grads = dict(
-                zip([n for n, _ in params], flat[:-1].split([p.numel() for _, p in params]), strict=True)
-            )
-            results[name] = {"loss": flat[-1], "grads": grads}
-            if dist.get_rank() == 0:
-                results[name]["expected"] = _reference(name, initial, packed)
-    finally:
-        set_current_layout(None)
-    return results
-
-
-def _grad(param: torch.Tensor) -> torch.Tensor:
-    return param.grad if param.grad is not None else torch.zeros_like(param)
-
-
-def _reference(name: str, state: dict, packed: bool) -> dict:
-    """``transformers``' own loss of the global batch (every sequence alone when packed) and its gradients."""
-    config = transformers.AutoConfig.for_model(**_config(name))
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(state)
-    model.train()
-    documents = _documents(packed)
-    targets = sum(d.shape[1] - 1 for d in documents)
-    total = sum(
-        model(input_ids=d, labels=d, use_cache=False).loss * (d.shape[1] - 1)
-        for d in documents
-        if d.shape[1] > 1
-    )
-    loss = total / targets
-    loss.backward()
-    return {"loss": loss.detach(), "grads": {n: _grad(p).flatten() for n, p in model.named_parameters()}}
-
-
-def _failures(results: dict) -> list[str]:
-    failures = []
-    for name, got in results.items():
-        want = got["expected"]
-        if not torch.allclose(got["loss"], want["loss"], rtol=1e-5, atol=0.0):
-            failures.append(f"{name}: loss {got['loss'].item():.8f} != {want['loss'].item():.8f}")
-            continue
-        total = torch.cat(list(want["grads"].values())).norm()
-        for key, expected in want["grads"].items():
-            error = (got["grads"][key] - expected).norm()
-            if error > 5e-5 * expected.norm() + 1e-6 * total:
-                failures.append(
-                    f"{name}: gradient of {key}: error {error:.3e}, reference norm {expected.norm():.3e}"
-                )
-                break
-    return failures
-
-
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("cp", [2, 4], ids=["dp2-cp2", "dp1-cp4"])
 def test_every_adapted_family_trains_as_the_unsharded_model(world4, cp, packed):
-    results = world4.run(_train_step, list(HYBRIDS), cp, packed)[0]
+    results = world4.run(_exactness.train_step, {name: _config(name) for name in HYBRIDS}, cp, packed)[0]
     assert set(results) == set(HYBRIDS)
-    failures = _failures(results)
+    failures = _exactness.failures(results)
     assert not failures, "\n".join(failures)
 
 
@@ -381,7 +264,7 @@ def _mixer_alone(name: str, cp: int) -> tuple:
     x = batch["h"].clone().requires_grad_()
     out = mixer(x, cp_shard=batch["cp_shard"])
     (out * batch["w"]).sum().backward()
-    grads = torch.cat([_grad(p).flatten() for p in mixer.parameters()])
+    grads = torch.cat([_exactness.grad(p).flatten() for p in mixer.parameters()])
     dist.all_reduce(grads, group=layout.cp_group)
     return out.detach(), x.grad, grads
 
@@ -395,7 +278,7 @@ def test_each_mixer_on_its_shards_equals_the_mixer_on_each_whole_document(world4
     x = hidden.clone().requires_grad_()
     out = torch.cat([mixer(piece) for piece in x.split(_MIXER_DOCS, dim=1)], dim=1)  # transformers' own
     (out * weight).sum().backward()
-    expected_grads = torch.cat([_grad(p).flatten() for p in mixer.parameters()])
+    expected_grads = torch.cat([_exactness.grad(p).flatten() for p in mixer.parameters()])
     cu = torch.tensor([0, *_MIXER_DOCS]).cumsum(0)
     per_rank = world4.run(_mixer_alone, name, 4)
     got_out = unshard([r[0] for r in per_rank], cu_seqlens=cu)

@@ -1,0 +1,126 @@
+"""Sparse-attention families (DeepSeek Sparse Attention's lightning indexer and top-k attention) train exactly
+under CP.
+
+References are ``transformers``' own models with the same weights and their default attention, which select
+with the dense ``[S, S]`` index scores and fold the selection into a dense mask (:mod:`tests.hf._exactness`).
+``index_topk`` is 4 so that every query past its fourth token drops keys, with 8 indexer heads so that the
+indexer's ReLU rarely ties scores at zero; weights at 10x the default initializer range.
+
+- the family matrix: every adapted family at dp 2 x cp 2 and dp 1 x cp 4, padded and packed rows, loss and
+  every parameter's gradient against the reference (one training step of ``HFCausalLM``), the indexers' weights
+  included (no gradient, as in the model);
+- the selection: every rank's selected keys of every query equal the model's own (its indexer's indices on
+  the whole document);
+- refusals: the families whose indexers CP cannot compute, by name, before any weights are read.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_cp.hf.indexers import INDEXERS
+from tests.hf import _exactness
+
+transformers = pytest.importorskip("transformers")
+
+_MLA = {
+    "vocab_size": _exactness.VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "index_topk": 4,
+    "index_head_dim": 16,
+    "index_n_heads": 8,
+    "max_position_embeddings": 256,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": _exactness.INIT,
+}
+SPARSE: dict[str, dict] = {
+    "deepseek_v32": {
+        "model_type": "deepseek_v32",
+        **_MLA,
+        "num_hidden_layers": 2,
+        "first_k_dense_replace": 1,
+    },
+    "glm_moe_dsa": {  # a layer that reuses the previous layer's selection
+        "model_type": "glm_moe_dsa",
+        **_MLA,
+        "num_hidden_layers": 3,
+        "mlp_layer_types": ["dense", "sparse", "sparse"],
+        "indexer_types": ["full", "shared", "full"],
+    },
+    "axk2": {
+        "model_type": "axk2",
+        **_MLA,
+        "num_hidden_layers": 2,
+        "gated_norm_rank": 4,
+        "mlp_layer_types": ["dense", "sparse"],
+    },
+    "hy_v4": {  # rotary dims last, fp32 key norm, attention sinks, shared selections (F, F, S)
+        "model_type": "hy_v4",
+        **_MLA,
+        "num_hidden_layers": 3,
+        "hc_mult": 2,
+        "mlp_layer_types": ["dense", "sparse", "sparse"],
+    },
+    "dots3_note_text": {  # indexed layers beside sliding-window MLA layers
+        "model_type": "dots3_note_text",
+        **_MLA,
+        "num_hidden_layers": 3,
+        "head_dim": 24,
+        "shared_experts_intermediate_size": 32,
+        "sliding_window": 4,
+        "mlp_layer_types": ["dense", "sparse", "sparse"],
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 4,
+        "swa_q_lora_rank": 32,
+        "swa_kv_lora_rank": 16,
+        "swa_head_dim": 24,
+        "swa_qk_nope_head_dim": 16,
+        "swa_v_head_dim": 16,
+    },
+}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("cp", [2, 4], ids=["dp2-cp2", "dp1-cp4"])
+def test_every_sparse_family_trains_as_the_unsharded_model(world4, cp, packed):
+    results = world4.run(_exactness.train_step, SPARSE, cp, packed)[0]
+    assert set(results) == set(SPARSE)
+    failures = _exactness.failures(results)
+    assert not failures, "\n".join(failures)
+
+
+def test_every_indexer_is_in_the_matrix():
+    built = set()
+    for config in SPARSE.values():
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+        built |= {type(m).__name__ for m in model.modules()}
+    assert set(INDEXERS) <= built
+
+
+@pytest.mark.parametrize(
+    ("model_type", "indexer"),
+    [("glm5_next", "Glm5NextTextIndexer"), ("mistral_large4", "MistralLarge4TextIndexer")],
+)
+def test_composites_without_a_causal_lm_are_refused_with_their_indexer(model_type, indexer):
+    from lightning_cp.models import HFCausalLM
+
+    with pytest.raises(ValueError, match=f"no causal-LM class.*its {indexer} is a sparse-attention indexer"):
+        HFCausalLM({"model_type": model_type})
