@@ -128,9 +128,13 @@ REFUSED: dict[str, str] = {
         "is a sparse-attention indexer that lightning_cp's CP indexer does not compute: DeepSeek-V4 selects among "
         "compressed keys (overlapping pooled windows), whose compression crosses the CP shards"
     ),
+    "DeepseekV4HCACompressor": (
+        "is DeepSeek-V4's heavily compressed attention, which lightning_cp's CP does not compute: it pools windows "
+        "of keys that cross the CP shards and hands them to the attention through a bias in the mask"
+    ),
 }
-"""Sparse-attention indexer classes no adapter makes exact under CP, by class name: why (the end of a sentence
-that starts with the module's name). Refused from the model's structure, before any weights are read."""
+"""Sparse-attention indexers (and DeepSeek-V4's compressor of its own) no adapter makes exact under CP, by class
+name: why (the end of a sentence that starts with the module's name). Refused from the model's structure, before any weights are read."""
 
 _SHARD = "_lightning_cp_indexer_shard"
 _ADAPTED = "_lightning_cp_adapted_indexer"

@@ -76,7 +76,10 @@ READS_MASK = Reason(
 )
 SPARSE_INDEXER = Reason(
     "is a sparse-attention indexer that lightning_cp's CP indexer does not compute",
-    "a sparse-attention indexer over pooled or compressed keys",
+    "a sparse-attention indexer over pooled blocks of keys",
+)
+COMPRESSED = Reason(
+    "is DeepSeek-V4's heavily compressed attention", "compressed attention: pooled key windows across the shards"
 )
 BIDIRECTIONAL = Reason("is bidirectional", "bidirectional attention (an encoder)")
 POSITION_BIAS = Reason("position_bias=", "an additive position bias")
@@ -126,7 +129,7 @@ EXPECTED: dict[str, Outcome] = {
     "deepseek_v2": EXACT,
     "deepseek_v3": EXACT,
     "deepseek_v32": EXACT,
-    "deepseek_v4": refused(SPARSE_INDEXER),
+    "deepseek_v4": refused(COMPRESSED),
     "diffllama": EXACT,
     "doge": refused(READS_MASK),
     "dory": refused(HEAD_PARAMETERS),
