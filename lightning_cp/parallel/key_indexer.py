@@ -122,9 +122,10 @@ def _best_keys(
     best = queries.new_empty((queries.shape[0], 0))
     best_rows = torch.empty((queries.shape[0], 0), dtype=torch.int64, device=queries.device)
     for start in range(span[0], span[1], block):
-        rows = torch.arange(start, min(start + block, span[1]), device=queries.device)
+        stop = min(start + block, span[1])
+        rows = torch.arange(start, stop, device=queries.device)
         # [b, H, D] x [k, D] -> [b, H, k]: the models' matmul, activation, then the weighted sum over heads.
-        scores = torch.relu(torch.matmul(queries, keys[rows].T) * scale)
+        scores = torch.relu(torch.matmul(queries, keys[start:stop].T) * scale)
         scores = torch.matmul(weights.unsqueeze(1), scores).squeeze(1)
         visible = (rows >= first[:, None]) & (rows <= last[:, None])
         candidates = torch.cat([best, scores.masked_fill(~visible, float("-inf"))], dim=1)
