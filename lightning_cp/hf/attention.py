@@ -235,18 +235,22 @@ def _selected(module: nn.Module, indices: Tensor, cp_shard: CPShard) -> Tensor:
 
 
 def _with_selection(attention_mask: DeferredMask | Tensor | None, indices: Tensor | None) -> Tensor | None:
-    """Without ``cp_shard``: the model's dense mask with every key its indexer did not select for a query
-    masked, as ``transformers``' eager path folds ``indices`` into the mask (additive, 0 / the dtype's min)."""
+    """Without ``cp_shard``: the model's dense mask ``[B, 1, S, T]`` with every key its indexer did not select
+    for a query masked, as ``transformers``' eager and SDPA paths fold ``indices`` into the mask (a boolean mask
+    stays boolean, an additive one gets the dtype's min)."""
     if indices is None:
         return attention_mask
     mask = attention_mask.build_additive() if isinstance(attention_mask, DeferredMask) else attention_mask
-    if mask is None or mask.dtype == torch.bool:
+    if mask is None:
         raise ValueError(
-            "sparse-attention indices without cp_shard need the model's additive attention mask; call the model "
-            "with cp_shard=batch['cp_shard'], or build it with attn_implementation='eager'."
+            "sparse-attention indices without cp_shard need the model's attention mask (its indexer selects "
+            "among masked keys too); build the model's mask with allow_is_causal_skip=False, as the sparse "
+            "families do, or call it with cp_shard=batch['cp_shard']."
         )
     unselected = torch.ones(mask.shape[0], *mask.shape[2:], dtype=torch.bool, device=mask.device)
     unselected = unselected.scatter(-1, indices.long(), False).unsqueeze(1)
+    if mask.dtype == torch.bool:
+        return mask & ~unselected
     return mask.masked_fill(unselected, torch.finfo(mask.dtype).min)
 
 

@@ -124,3 +124,21 @@ def test_composites_without_a_causal_lm_are_refused_with_their_indexer(model_typ
 
     with pytest.raises(ValueError, match=f"no causal-LM class.*its {indexer} is a sparse-attention indexer"):
         HFCausalLM({"model_type": model_type})
+
+
+@pytest.mark.parametrize("name", ["deepseek_v32", "hy_v4"])
+def test_without_a_shard_the_model_generates_as_its_eager_attention(name):
+    """No ``cp_shard`` (``generate``, a callback): the indexer runs on the dense mask and the attention folds its
+    selection into it, prefill and decoding with a cache alike."""
+    config = transformers.AutoConfig.for_model(**SPARSE[name])
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="lightning_cp").eval()
+    eager = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    eager.load_state_dict(ours.state_dict())
+    ids = torch.randint(3, _exactness.VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, eager(ids).logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(
+            ours.generate(ids, max_new_tokens=6, do_sample=False),
+            eager.generate(ids, max_new_tokens=6, do_sample=False),
+        )
