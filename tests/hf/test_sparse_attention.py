@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_cp.hf.indexers import INDEXERS
+from lightning_cp.hf.indexers import INDEXERS, adapt_indexers
 from tests.hf import _exactness
 
 transformers = pytest.importorskip("transformers")
@@ -130,10 +130,17 @@ def test_composites_without_a_causal_lm_are_refused_with_their_indexer(model_typ
 def test_without_a_shard_the_model_generates_as_its_eager_attention(name):
     """No ``cp_shard`` (``generate``, a callback): the indexer runs on the dense mask and the attention folds its
     selection into it, prefill and decoding with a cache alike."""
-    config = transformers.AutoConfig.for_model(**SPARSE[name])
+
+    def build(implementation: str):  # a config each: a model keeps its config's attn_implementation
+        config = transformers.AutoConfig.for_model(**SPARSE[name])
+        return transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation=implementation
+        ).eval()
+
     torch.manual_seed(0)
-    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="lightning_cp").eval()
-    eager = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    ours, eager = build("lightning_cp"), build("eager")
+    assert ours.config._attn_implementation == "lightning_cp"
+    assert adapt_indexers(ours)  # what the strategy's setup does (prepare_models)
     eager.load_state_dict(ours.state_dict())
     ids = torch.randint(3, _exactness.VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
