@@ -111,6 +111,11 @@ class DeferredMask:
 
     def _misuse(self, use: str) -> str:
         model_type = getattr(self.arguments.get("config"), "model_type", "this model")
+        if self.index is not None:  # a slice handed on, as sparse attention hands its indexer mask[:, 0]
+            use = (
+                f"{use} of a slice of it; a sparse-attention model reads it in its indexer until "
+                "lightning_cp.hf.check_models or the strategy's setup adapts the indexers"
+            )
         return (
             f'attn_implementation="{ATTN_IMPLEMENTATION}": {model_type} uses the attention mask itself ({use}) '
             "instead of handing it to the registered attention function, so its attention runs outside "
