@@ -144,7 +144,7 @@ class AllGatherAttention(torch.autograd.Function):
         out = q.new_empty((*q.shape[:2], v.shape[-1]))
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.promote_types(q.dtype, torch.float32))
         rngs = []
-        for kv_heads, q_heads in _rounds(k.shape[1], q.shape[1], per_round):
+        for kv_heads, q_heads in head_rounds(k.shape[1], q.shape[1], per_round):
             ordered_k, ordered_v = _ordered_keys(_heads(k, kv_heads), _heads(v, kv_heads), keys, exchange)
             round_q = _heads(q, q_heads)
             if flash:
@@ -169,7 +169,7 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         keys, exchange, scale = ctx.keys, ctx.exchange, ctx.scale
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for index, (kv_heads, q_heads) in enumerate(_rounds(k.shape[1], q.shape[1], ctx.per_round)):
+        for index, (kv_heads, q_heads) in enumerate(head_rounds(k.shape[1], q.shape[1], ctx.per_round)):
             round_q, round_k, round_v = _heads(q, q_heads), _heads(k, kv_heads), _heads(v, kv_heads)
             round_dout, round_out = _heads(dout, q_heads), _heads(out, q_heads)
             round_lse = lse[q_heads].contiguous()
@@ -253,7 +253,7 @@ def _rank_major(dk: Tensor, dv: Tensor, keys: KeySelection) -> Tensor:
     return full
 
 
-def _rounds(kv_heads: int, heads: int, per_round: int) -> list[tuple[slice, slice]]:
+def head_rounds(kv_heads: int, heads: int, per_round: int) -> list[tuple[slice, slice]]:
     """``(key/value heads, query heads)`` of each round: ``per_round`` key/value heads (a divisor of
     ``kv_heads``) and the query heads that read them (query head ``h`` reads key/value head
     ``h // (heads / kv_heads)``)."""

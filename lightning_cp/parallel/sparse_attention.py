@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_cp.parallel import _varlen
-from lightning_cp.parallel._allgather_attention import _rounds, token_major
+from lightning_cp.parallel._allgather_attention import head_rounds, token_major
 from lightning_cp.parallel.exchange import GroupExchange
 from lightning_cp.parallel.sharding import CPShard
 
@@ -101,7 +101,7 @@ class _SparseAttention(torch.autograd.Function):
     ) -> Tensor:
         out = q.new_empty((*q.shape[:2], v.shape[-1]))
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_accumulation(q))
-        for kv_heads, q_heads in _rounds(k.shape[1], q.shape[1], per_round):
+        for kv_heads, q_heads in head_rounds(k.shape[1], q.shape[1], per_round):
             keys, values = _gathered(k[:, kv_heads], v[:, kv_heads], order, exchange)
             for block in _blocks(selected.shape, keys.shape[1], keys.shape[2] + values.shape[2]):
                 rows, valid = _rows(selected[block])
@@ -125,7 +125,7 @@ class _SparseAttention(torch.autograd.Function):
         # delta = rowsum(dout * out): the softmax backward's correction, per query and head (a sink, which has
         # no value, enters only through it and through the log-sum-exp).
         delta = (_up(dout) * _up(out)).sum(-1)
-        for kv_heads, q_heads in _rounds(k.shape[1], q.shape[1], ctx.per_round):
+        for kv_heads, q_heads in head_rounds(k.shape[1], q.shape[1], ctx.per_round):
             keys, values = _gathered(k[:, kv_heads], v[:, kv_heads], order, ctx.exchange)
             group = keys.shape[1]
             key_grad = keys.new_zeros(keys.shape, dtype=_accumulation(keys))
