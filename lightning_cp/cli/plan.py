@@ -125,24 +125,40 @@ def _gib(nbytes: int) -> str:
 
 def _describe(shape: ModelShape) -> str:
     kind = "package GPT" if shape.architecture == "gpt" else "transformers"
-    return (
+    heads = f"{shape.heads}/{shape.kv_heads} heads x {shape.head_dim}"
+    if shape.v_head_dim != shape.head_dim:
+        heads += f" (values {shape.v_head_dim})"
+    line = (
         f"{kind}: {shape.params / 1e9:.2f}B parameters, {shape.layers} layers, hidden {shape.hidden}, "
-        f"{shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, ffn {shape.ffn}, vocab {shape.vocab}"
+        f"{heads}, ffn {shape.ffn}, vocab {shape.vocab}"
+    )
+    sparse = shape.sparse
+    if sparse is not None:
+        line += (
+            f"\nsparse attention on {sparse.layers} layers: top-{sparse.topk} keys per query, indexer "
+            f"{sparse.heads} heads x {sparse.head_dim} on {sparse.indexer_layers} layers (select: their saved "
+            "selections; transients sparse_attention and indexer: one layer's backward and selection)"
+        )
+    return line
+
+
+def _header(sparse: bool) -> str:
+    select = f"{'select':>7}" if sparse else ""
+    width = 22 if sparse else 20  # "sparse_attention" is the longest transient's name
+    return (
+        f"{'layout':<62}{'params':>7}{'grads':>7}{'optim':>7}{'fsdp':>6}{'saved':>7}{select}{'transient':>{width}}"
+        f"{'reserve':>8}{'peak':>7}{'host':>7}{'h2d+d2h':>8}{'comm':>8}"
     )
 
 
-_HEADER = (
-    f"{'layout':<62}{'params':>7}{'grads':>7}{'optim':>7}{'fsdp':>6}{'saved':>7}{'transient':>20}"
-    f"{'reserve':>8}{'peak':>7}{'host':>7}{'h2d+d2h':>8}{'comm':>8}"
-)
-
-
-def _row(candidate: Candidate) -> str:
+def _row(candidate: Candidate, sparse: bool) -> str:
     e = candidate.estimate
     transient = f"{_gib(e.transient)} {e.largest_transient}"
+    select = f"{_gib(e.selections):>7}" if sparse else ""
+    width = 22 if sparse else 20
     return (
         f"{candidate.layout.name():<62}{_gib(e.parameters):>7}{_gib(e.gradients):>7}{_gib(e.optimizer):>7}"
-        f"{_gib(e.fsdp_gathered):>6}{_gib(e.activations):>7}{transient:>20}{_gib(e.reserve):>8}"
+        f"{_gib(e.fsdp_gathered):>6}{_gib(e.activations):>7}{select}{transient:>{width}}{_gib(e.reserve):>8}"
         f"{_gib(e.peak):>7}{_gib(e.host):>7}{_gib(e.host_transfer):>8}{_gib(e.communication):>8}"
     )
 
@@ -169,9 +185,11 @@ def _print_plan(shape: ModelShape, seq_len: int, args: argparse.Namespace, gpu_b
         "sent per step"
     )
     print()
-    print(_HEADER)
+    sparse = shape.sparse is not None
+    print(_header(sparse))
     for candidate in candidates if args.all else fitting:
-        print(_row(candidate) + ("" if candidate.fits(gpu_bytes, args.host_bytes) else "  does not fit"))
+        fits = candidate.fits(gpu_bytes, args.host_bytes)
+        print(_row(candidate, sparse) + ("" if fits else "  does not fit"))
     if not fitting:
         best = min(candidates, key=lambda c: c.estimate.peak)
         print(
@@ -201,7 +219,8 @@ def _print_max_seq(shape: ModelShape, args: argparse.Namespace, gpu_bytes: int) 
         f"longest sequence on {args.gpus} GPUs of {_gib(gpu_bytes)} GiB ({args.precision}): {longest:,} tokens"
     )
     print()
-    print(_HEADER)
+    sparse = shape.sparse is not None
+    print(_header(sparse))
     for candidate in best:
-        print(_row(candidate))
+        print(_row(candidate, sparse))
     print(f"\nThe first, as arguments:\n{_arguments(shape, best[0])}")

@@ -16,6 +16,7 @@ from lightning_cp.memory.tiling import auto_tile_tokens
 from lightning_cp.ops._plan import chunk_budget, chunk_tokens
 from lightning_cp.parallel.attention_mode import AttentionMode
 from lightning_cp.plan.shape import ModelShape
+from lightning_cp.plan.sparse import sparse_layer_bytes
 
 Precision = Literal["bf16-mixed", "bf16-true", "32-true"]
 PRECISIONS: tuple[Precision, ...] = ("bf16-mixed", "bf16-true", "32-true")
@@ -128,6 +129,9 @@ class MemoryEstimate:
     (:data:`TOKEN_BYTES`); under ``bf16-mixed`` with DDP and without checkpointing, autocast's bf16 copies
     of the layers' weights, which the projections save (FSDP gathers them in bf16). The loss's own
     buffers are in :attr:`loss`."""
+    selections: int
+    """Sparse attention only: the int32 ``[T_local, n]`` selection of every layer with a full indexer, kept
+    for the backward (with checkpointing too: the next layer's call holds it)."""
     attention: int
     """Transient of one layer's attention backward: its local gradients (``dq``, ``dout``, ``dk``, ``dv``);
     under the all-gather three sequence-sized copies of one round's K and V (``kv_heads_per_gather / Hkv``
@@ -135,6 +139,12 @@ class MemoryEstimate:
     the exchange's buffers.
     For a hybrid, the larger of that and a mixer layer's backward: its kernels' gradients (the size of what
     they saved) and the head-parallel exchange's buffers."""
+    sparse_attention: int
+    """Sparse attention only: transient of one layer's attention backward (its local gradients, and one
+    round's fp32 key/value gradient buffers three times: :func:`~lightning_cp.plan.sparse.sparse_layer_bytes`)."""
+    indexer: int
+    """Sparse attention only: transient of one layer's selection in the forward (the gathered indexer keys,
+    the int64 result, a block of scores or of the running top-k)."""
     mlp: int
     """Transient of one layer's MLP backward: the gradient of its ``[T_local, ffn]`` intermediate (two for
     a gated MLP), or one tile's forward and backward."""
@@ -160,13 +170,12 @@ class MemoryEstimate:
     @property
     def transient(self) -> int:
         """The largest of the transients (they never coexist)."""
-        return max(self.attention, self.mlp, self.loss, self.recompute)
+        return max(getattr(self, name) for name in TRANSIENTS)
 
     @property
     def largest_transient(self) -> str:
         """Which transient is :attr:`transient`."""
-        names = ("attention", "mlp", "loss", "recompute")
-        return max(names, key=lambda name: getattr(self, name))
+        return max(TRANSIENTS, key=lambda name: getattr(self, name))
 
     @property
     def peak(self) -> int:
@@ -177,11 +186,15 @@ class MemoryEstimate:
     def counted(self) -> int:
         """Everything but the reserve."""
         static = self.parameters + self.gradients + self.optimizer + self.fsdp_gathered
-        return static + self.activations + self.transient
+        return static + self.activations + self.selections + self.transient
 
     def as_dict(self) -> dict[str, int]:
         """The fields and :attr:`peak`, in bytes."""
         return {field.name: getattr(self, field.name) for field in fields(self)} | {"peak": self.peak}
+
+
+TRANSIENTS = ("attention", "sparse_attention", "indexer", "mlp", "loss", "recompute")
+"""The transient fields of :class:`MemoryEstimate`, of which the peak counts the largest."""
 
 
 def local_tokens(seq_len: int, cp: int) -> int:
@@ -230,7 +243,7 @@ def saved_per_token(
     d = shape.hidden
     inputs = 2 * (residual_bytes * d if tiled_norms else norm_bytes(d, residual_bytes))
     norms = inputs + compute_bytes * d + (residual_bytes if tiled_mlp else compute_bytes) * d
-    attention = 2 * shape.q_dim + 2 * shape.kv_dim + shape.heads
+    attention = shape.q_dim + shape.out_dim + shape.kv_dim + shape.v_dim + shape.heads
     if ulysses:
         attention += shape.q_dim + 2 * (max(shape.kv_heads, cp) - shape.kv_heads) * shape.head_dim
     if shape.architecture == "gpt":
@@ -355,7 +368,7 @@ def estimate(
     mixer = shape.mixer
     mixer_layer = 0
     if mixer is not None:  # a hybrid's other layers: the attention's tensors replaced by the mixer's (fp32)
-        attention_part = (2 * shape.q_dim + 2 * shape.kv_dim + shape.heads) * compute
+        attention_part = (shape.q_dim + shape.out_dim + shape.kv_dim + shape.v_dim + shape.heads) * compute
         attention_part += qk_norm_bytes(shape, layout.tiled, compute)
         mixer_layer = attention_layer - tokens * attention_part
         mixer_layer += math.ceil(tokens * mixer.saved_per_token(device)) * 4
@@ -375,11 +388,11 @@ def estimate(
         saved = final + shape.attention_layers * attention_layer + mixer_layers * mixer_layer
         saved += shape.layers * weight_copies
 
-    kv = 2 * padded * shape.kv_dim * compute
-    local_grads = 2 * tokens * (shape.q_dim + shape.kv_dim) * compute
+    kv = padded * (shape.kv_dim + shape.v_dim) * compute
+    local_grads = tokens * (shape.q_dim + shape.out_dim + shape.kv_dim + shape.v_dim) * compute
     replicated = max(shape.kv_heads, layout.cp) * shape.head_dim  # Ulysses' key/value heads per local token
     ulysses_sent = tokens * (2 * shape.q_dim + 2 * replicated) * compute  # to the heads (q, k, v) and back
-    if shape.attention_layers == 0:
+    if shape.dense_attention_layers == 0:
         attention = 0
     elif layout.cp == 1:
         attention = local_grads  # the fused SDPA kernel: its gradients, no K/V copy
@@ -394,7 +407,15 @@ def estimate(
         if not flash:  # a score block and its softmax gradient, for a piece of tokens / 2 queries
             heads = shape.heads * per_round // shape.kv_heads  # a round's query heads
             attention += 2 * min(CPU_SCORE_BLOCK_BYTES, 4 * heads * (tokens // 2) * padded)
-    layer_transient = attention  # an attention layer's (0 without one)
+    selections = sparse_attention = indexer = index_sent = 0
+    if shape.sparse is not None:  # DeepSeek Sparse Attention's layers: the K/V all-gather's, not Ulysses
+        sparse = sparse_layer_bytes(
+            shape, tokens, layout.cp, layout.gathered_kv_heads(shape.kv_heads), compute
+        )
+        selections = shape.sparse.indexer_layers * sparse.selection
+        sparse_attention, indexer = sparse.backward, sparse.indexer
+        index_sent = shape.sparse.indexer_layers * _ring(layout.cp, padded * shape.sparse.head_dim * compute)
+    layer_transient = max(attention, sparse_attention)  # an attention layer's (0 without one)
     if mixer is not None:
         # The mixer's backward: its kernels' gradients (as large as what they saved) beside the exchange's
         # buffers (what is sent, received and put in sequence order).
@@ -430,7 +451,9 @@ def estimate(
         # attention's backward (measured on the CPU; untiled, the fitted transients include it).
         mlp_side = 2 * tokens * shape.hidden * stream if layout.tiled else 0
         recompute = rebuilt + max(
-            recomputed_attention + max(layer_transient - mlp_side, mlp) if shape.attention_layers else 0,
+            recomputed_attention + max(layer_transient - mlp_side, mlp, indexer)
+            if shape.attention_layers
+            else 0,
             mixer_layer + mlp if mixer is not None else 0,
         )
 
@@ -438,24 +461,32 @@ def estimate(
         wrapper = 2 * _ring(layout.gpus, params * compute) + _ring(layout.gpus, params * 4)
     else:
         wrapper = 2 * _ring(layout.gpus, params * master)
+    kv_exchanges = 4 if layout.checkpointing else 3  # gathered forward, backward (recomputed), reduced
+    gathering = shape.attention_layers  # the layers whose K/V are all-gathered (sparse ones always)
     if ulysses:  # two all-to-alls forward, two backward, two more to recompute
         sent = ulysses_sent * (layout.cp - 1) // layout.cp
-        communication = wrapper + (3 if layout.checkpointing else 2) * shape.attention_layers * sent
+        gathering -= shape.dense_attention_layers
+        communication = wrapper + (3 if layout.checkpointing else 2) * shape.dense_attention_layers * sent
     else:
-        kv_exchanges = 4 if layout.checkpointing else 3  # gathered forward, backward (recomputed), reduced
-        communication = wrapper + kv_exchanges * shape.attention_layers * _ring(layout.cp, kv)
+        communication = wrapper
+    communication += kv_exchanges * gathering * _ring(layout.cp, kv)
+    communication += (2 if layout.checkpointing else 1) * index_sent  # the indexer keys, forward (recomputed)
     if mixer is not None:  # two all-to-alls forward, two backward, two more to recompute
         sent = tokens * mixer.exchanged_per_token(layout.cp) * compute * (layout.cp - 1) // layout.cp
         communication += (3 if layout.checkpointing else 2) * mixer.layers * sent
 
-    counted = parameters + gradients + optimizer + gathered + saved + max(attention, mlp, loss, recompute)
+    transients = (attention, sparse_attention, indexer, mlp, loss, recompute)
+    counted = parameters + gradients + optimizer + gathered + saved + selections + max(transients)
     return MemoryEstimate(
         parameters=parameters,
         gradients=gradients,
         optimizer=optimizer,
         fsdp_gathered=gathered,
         activations=saved,
+        selections=selections,
         attention=attention,
+        sparse_attention=sparse_attention,
+        indexer=indexer,
         mlp=mlp,
         loss=loss,
         recompute=recompute,

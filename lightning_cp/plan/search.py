@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from lightning_cp.parallel.layout import heads_split
 from lightning_cp.plan.memory import (
+    TRANSIENTS,
     Layout,
     MemoryEstimate,
     Precision,
@@ -105,13 +106,14 @@ def attentions(cp: int, shape: ModelShape | None = None) -> list[tuple[str, int 
     """The CP attentions tried at ``cp``: ``(cp_attention, kv_heads_per_gather)``. The all-gather of every
     key/value head at once; with ``shape``, also one head per round (the smallest K/V transient, the same
     bytes sent) and Ulysses where the heads split over ``cp``
-    (:func:`~lightning_cp.parallel.layout.heads_split`). Without CP, none."""
+    (:func:`~lightning_cp.parallel.layout.heads_split`) and the attention is dense (sparse attention
+    all-gathers). Without CP, none."""
     if cp == 1 or shape is None:
         return [("allgather", None)]
     found: list[tuple[str, int | None]] = [("allgather", None)]
     if shape.kv_heads > 1:
         found.append(("allgather", 1))
-    if heads_split(shape.heads, shape.kv_heads, cp):
+    if shape.sparse is None and heads_split(shape.heads, shape.kv_heads, cp):
         found.append(("ulysses", None))
     return found
 
@@ -158,7 +160,7 @@ def memory_chunk(shape: ModelShape, seq_len: int, layout: Layout, planned: Memor
     automatic = min(loss_chunk_tokens(shape, tokens), tokens)
     blocks = 2 * 4 * shape.vocab  # bytes of the two fp32 blocks per chunk token
     rest = planned.loss - automatic * blocks
-    others = max(planned.attention, planned.mlp, planned.recompute)
+    others = max(getattr(planned, name) for name in TRANSIENTS if name != "loss")
     chunk = max(MIN_LOSS_CHUNK, (others - rest) // blocks // MIN_LOSS_CHUNK * MIN_LOSS_CHUNK)
     return chunk if chunk < automatic else None
 

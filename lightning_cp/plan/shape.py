@@ -50,6 +50,26 @@ class TokenMixer:
 
 
 @dataclass(frozen=True)
+class SparseIndexer:
+    """DeepSeek Sparse Attention's sizes (DeepSeek-V3.2, GLM-5 and the families built like them): each query
+    attends to the ``topk`` keys a lightning indexer of ``heads`` heads of ``head_dim`` dims (one key of
+    ``head_dim`` per token) selects (:mod:`lightning_cp.parallel.key_indexer`,
+    :mod:`lightning_cp.parallel.sparse_attention`)."""
+
+    topk: int
+    """Keys each query attends to (``index_topk``)."""
+    heads: int
+    """Indexer query heads (``index_n_heads``)."""
+    head_dim: int
+    """Dims of an indexer head and of its one key per token (``index_head_dim``)."""
+    layers: int
+    """Layers whose attention is sparse."""
+    indexer_layers: int
+    """Of those, the layers with a full indexer (``indexer_types`` ``"full"``); the others (``"shared"``)
+    reuse the previous full layer's selection."""
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The sizes of a decoder-only model, and which implementation's saved activations it has."""
 
@@ -62,7 +82,8 @@ class ModelShape:
     kv_heads: int
     """Key/value heads (grouped-query attention when fewer than ``heads``)."""
     head_dim: int
-    """Dimension of one head."""
+    """Dimension of one query and key head (multi-head latent attention: ``qk_nope + qk_rope``, the heads the
+    attention receives)."""
     ffn: int
     """Width of the MLP's inner layer (of a mixture of experts: its shared experts', 0 without)."""
     vocab: int
@@ -86,6 +107,11 @@ class ModelShape:
     """The attention normalizes its queries and keys (``q_norm`` / ``k_norm``: Qwen3, OLMo2, Gemma-3)."""
     layer_classes: tuple[str, ...] = ()
     """The decoder layers' class names (``_no_split_modules``): what ``activation_checkpointing`` names."""
+    value_head_dim: int | None = None
+    """Dimension of one value head where it differs from :attr:`head_dim` (multi-head latent attention's
+    ``v_head_dim``); ``None``: :attr:`head_dim`."""
+    sparse: SparseIndexer | None = None
+    """DeepSeek Sparse Attention's sizes, for a model whose attention reads only the keys an indexer selects."""
 
     @property
     def mlp_width(self) -> int:
@@ -104,8 +130,28 @@ class ModelShape:
 
     @property
     def kv_dim(self) -> int:
-        """Width of the keys (and of the values): ``kv_heads * head_dim``."""
+        """Width of the keys: ``kv_heads * head_dim``."""
         return self.kv_heads * self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        """Dimension of one value head (:attr:`value_head_dim`, else :attr:`head_dim`)."""
+        return self.value_head_dim or self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Width of the values: ``kv_heads * v_head_dim``."""
+        return self.kv_heads * self.v_head_dim
+
+    @property
+    def out_dim(self) -> int:
+        """Width of the attention output: ``heads * v_head_dim``."""
+        return self.heads * self.v_head_dim
+
+    @property
+    def dense_attention_layers(self) -> int:
+        """Softmax attention layers that attend to every earlier key (the others are :attr:`sparse`)."""
+        return self.attention_layers - (self.sparse.layers if self.sparse else 0)
 
     @property
     def layer_params(self) -> int:
@@ -150,7 +196,9 @@ class ModelShape:
         A mixture of experts counts ``top_k`` experts' MLP per token in every layer (and its shared experts',
         ``ffn``); its parameters are counted exactly. A hybrid model's Gated DeltaNet, KDA, Mamba2 or
         short-convolution layers are :attr:`mixer` (the modules the package adapts, found on the ``meta``
-        build). A multimodal composite's text model is planned.
+        build). Multi-head latent attention (``qk_nope_head_dim``) is planned as the attention receives it:
+        every query head with a key of ``qk_nope + qk_rope`` dims and a value of ``v_head_dim``; DeepSeek
+        Sparse Attention (``index_topk``) as :attr:`sparse`. A multimodal composite's text model is planned.
 
         Raises:
             ValueError: no ``config.json`` in the directory, no ``model_type``, a model type ``transformers``
@@ -191,6 +239,12 @@ class ModelShape:
                 f"model config ({text.model_type}): no {', '.join(missing)}; the plan needs them."
             )
         heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        value_head_dim = None
+        if getattr(text, "qk_nope_head_dim", None):  # MLA: the latent expanded to every query head
+            head_dim, kv_heads = text.qk_nope_head_dim + text.qk_rope_head_dim, heads
+            value_head_dim = text.v_head_dim
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(text)
         tied = getattr(text, "tie_word_embeddings", None)
@@ -198,8 +252,8 @@ class ModelShape:
             hidden=text.hidden_size,
             layers=text.num_hidden_layers,
             heads=heads,
-            kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
             ffn=ffn,
             vocab=text.vocab_size,
             tied=bool(getattr(hf, "tie_word_embeddings", False) if tied is None else tied),
@@ -211,7 +265,26 @@ class ModelShape:
             expert_ffn=expert_ffn,
             qk_norm=any(name.rsplit(".", 1)[-1] == "q_norm" for name, _ in model.named_modules()),
             layer_classes=default_wrap(model),
+            value_head_dim=value_head_dim,
+            sparse=_sparse_indexer(text),
         )
+
+
+def _sparse_indexer(text: Any) -> SparseIndexer | None:
+    """DeepSeek Sparse Attention's sizes of a config with ``index_topk`` (its ``indexed_attention`` layers, and
+    of those the ``"full"`` ones of ``indexer_types``), or ``None``."""
+    if not getattr(text, "index_topk", None):
+        return None
+    layer_types = getattr(text, "layer_types", None) or ["indexed_attention"] * text.num_hidden_layers
+    layers = sum(kind == "indexed_attention" for kind in layer_types)
+    indexer_types = getattr(text, "indexer_types", None) or ["full"] * layers
+    return SparseIndexer(
+        topk=text.index_topk,
+        heads=text.index_n_heads,
+        head_dim=text.index_head_dim,
+        layers=layers,
+        indexer_layers=sum(kind == "full" for kind in indexer_types),
+    )
 
 
 def _mlp_sizes(text: Any) -> tuple[int, int, int, int | None]:

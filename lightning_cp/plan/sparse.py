@@ -1,0 +1,122 @@
+"""Per-rank bytes of one DeepSeek Sparse Attention layer under CP: the indexer's selection and the attention over it.
+
+The terms count what :func:`~lightning_cp.parallel.key_indexer.select_topk_keys` and
+:func:`~lightning_cp.parallel.sparse_attention.sparse_attention` hold, with their block sizes read from those
+modules (:data:`~lightning_cp.parallel.key_indexer.SCORE_BLOCK_BYTES`,
+:data:`~lightning_cp.parallel.sparse_attention.SELECTED_BLOCK_BYTES`) when called. ``T`` is the rank's local
+tokens, ``K = cp * T`` the gathered (padded) sequence, ``n = min(topk, K)`` the keys each query attends to, ``h``
+the key/value heads of one all-gather round; ``tests/plan/test_sparse_measured.py`` and
+``benchmarks/sparse_attention.py`` hold them against the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_cp.parallel import key_indexer
+from lightning_cp.parallel import sparse_attention as sparse_kernel
+from lightning_cp.plan.shape import ModelShape
+
+INDEX_BYTES = 4
+"""The selection a layer keeps for its backward is int32 (``[T, n]``), as the attention receives it."""
+ROWS_BYTES = 8
+"""The indexer's running top-k rows and its result are int64."""
+
+
+@dataclass(frozen=True)
+class SparseLayerBytes:
+    """One sparse attention layer's bytes on one rank, by what holds them."""
+
+    selection: int
+    """Saved until the backward: the selected keys of every local query, int32 ``[T, n]``
+    (``O(T * topk)``; one per layer with a full indexer, shared layers read the same tensor)."""
+    output: int
+    """Saved: the attention output ``[T, Hq * Dv]`` in the compute dtype and its fp32 log-sum-exp ``[Hq, T]``."""
+    indexer: int
+    """The selection's forward transient: the gathered indexer keys (in sequence order, fp32, beside the
+    compute-dtype copy they are made from), the int64 result ``[T, n]`` and its int32 copy, and one query
+    block's scores (two fp32 ``[b, H_i, b]`` blocks) or running top-k (fp32 values and int64 rows of
+    ``[b, n + b]`` candidates, the previous key block's among them)."""
+    forward: int
+    """The attention forward's transient: one round's keys and values ``[K, h * (D + Dv)]`` gathered and put
+    in sequence order (two copies at once, in the compute dtype), then one of them beside a block of selected
+    keys or values (fp32) and its scores."""
+    backward: int
+    """The attention backward's transient: the incoming gradient and ``dq``, ``dk``, ``dv`` (compute dtype),
+    and the largest of one round's phases: its gathered keys and values beside their fp32 gradients and a
+    block, or at the round's end three fp32 ``[K, h * (D + Dv)]`` buffers (the gradients, their concatenation
+    and the rank-major buffer that is reduce-scattered) beside the last block's keys and values."""
+
+    @property
+    def peak(self) -> int:
+        """The layer's peak above its inputs when it runs alone (selection, forward, backward)."""
+        return max(self.indexer, self.selection + self.output + max(self.forward, self.backward))
+
+
+def sparse_layer_bytes(
+    shape: ModelShape, tokens: int, cp: int, heads_per_round: int, compute_bytes: int
+) -> SparseLayerBytes:
+    """The bytes of one of ``shape``'s sparse attention layers on a rank of ``tokens`` local tokens of ``cp``.
+
+    Args:
+        shape: a model with :attr:`~lightning_cp.plan.ModelShape.sparse` sizes.
+        tokens: the rank's local tokens ``T`` (the sequence, padded, over ``cp``).
+        cp: context-parallel size.
+        heads_per_round: key/value heads all-gathered per round (``h``: all of them, or the strategies'
+            ``kv_heads_per_gather``).
+        compute_bytes: bytes of the compute dtype (the layer's ``q``, ``k``, ``v`` and output).
+
+    Raises:
+        ValueError: ``shape`` has no sparse attention.
+    """
+    sparse = shape.sparse
+    if sparse is None:
+        raise ValueError("sparse_layer_bytes: the model has no sparse attention (ModelShape.sparse is None).")
+    gathered = tokens * cp
+    width = min(sparse.topk, gathered)
+    round_dims = heads_per_round * (shape.head_dim + shape.v_head_dim)
+    round_heads = shape.heads * heads_per_round // shape.kv_heads
+    upcast = compute_bytes if compute_bytes < 4 else 0  # a compute-dtype copy made before an fp32 one
+    selection = INDEX_BYTES * tokens * width
+    output = tokens * shape.out_dim * compute_bytes + 4 * shape.heads * tokens
+
+    # The indexer: keys gathered (compute dtype) and put in order, then fp32; query blocks of its scores.
+    index_keys = gathered * sparse.head_dim
+    block = max(1, math.isqrt(key_indexer.SCORE_BLOCK_BYTES // (4 * sparse.heads)))
+    queries, keys = min(block, tokens), min(block, gathered)
+    # A key block's two fp32 score blocks, or the top-k of its candidates (fp32 values, int64 rows: the
+    # previous block's still held while the next are made), beside the running best (values, rows, order),
+    # the previous query block's result (values, rows) and the key block's weighted scores and mask.
+    candidates = queries * (width + keys)
+    scores = 2 * 4 * queries * sparse.heads * keys + (4 + ROWS_BYTES) * candidates
+    running = (4 + 2 * ROWS_BYTES) * candidates
+    held = 5 * queries * keys + (2 * 4 + 3 * ROWS_BYTES) * queries * width
+    query_copy = queries * sparse.heads * sparse.head_dim * (4 if upcast else 0)
+    indexer = ROWS_BYTES * tokens * width + max(
+        index_keys * (compute_bytes + 4),
+        4 * index_keys + query_copy + held + max(scores, running),
+        selection,
+    )
+
+    # The attention: a round's K/V gathered and in sequence order; blocks of selected keys and values (fp32).
+    round_kv = gathered * round_dims * compute_bytes
+    round_grads = gathered * round_dims * 4
+    size = max(1, sparse_kernel.SELECTED_BLOCK_BYTES // max(1, 4 * width * round_dims))
+    selected = min(size, tokens) * width
+    block_scores = 3 * 4 * selected * round_heads + (ROWS_BYTES + 1) * selected
+    one_side = selected * heads_per_round * max(shape.head_dim, shape.v_head_dim)
+    forward = max(2 * round_kv, round_kv + one_side * (4 + upcast) + block_scores)
+    block_kv = selected * round_dims * 4  # the last block's keys and values outlive the loop
+    # A block's selected keys and values beside one side's fp32 gradient, made and then flattened (a copy).
+    block_backward = block_kv + one_side * (2 * 4 + upcast) + block_scores
+    local_grads = tokens * (shape.q_dim + shape.out_dim + shape.kv_dim + shape.v_dim) * compute_bytes
+    delta = tokens * shape.out_dim * 4 * (3 if upcast else 1)
+    backward = local_grads + max(
+        delta,
+        4 * shape.heads * tokens
+        + max(2 * round_kv, round_kv + round_grads + block_backward, 3 * round_grads + block_kv),
+    )
+    return SparseLayerBytes(
+        selection=selection, output=output, indexer=indexer, forward=forward, backward=backward
+    )

@@ -1,0 +1,115 @@
+"""The plan's DeepSeek Sparse Attention terms: read from a config, and one layer held against the CPU.
+
+One rank of a CP group runs one sparse attention layer's work (``benchmarks/sparse_attention.py``'s
+``layer_step``: the indexer's selection, int32, the attention and its backward; its peers' collectives
+allocate as NCCL's, their rows zeros), its peak counted by storage (every tensor the step creates, inputs
+left out), against :func:`lightning_cp.plan.sparse.sparse_layer_bytes`. The kernels' bounded blocks are made
+small (1 MiB) so that the terms that grow with the tokens, which the blocks are beside at long context, are
+what the measurement sees at a few thousand tokens.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from lightning_cp.parallel import key_indexer
+from lightning_cp.parallel import sparse_attention as sparse_kernel
+from lightning_cp.plan import Layout, ModelShape, estimate
+from lightning_cp.plan.memory import local_tokens
+from lightning_cp.plan.search import attentions
+from lightning_cp.plan.sparse import sparse_layer_bytes
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+TOLERANCE = 0.10
+BLOCK_BYTES = 2**20
+
+_HY_V4 = {
+    "model_type": "hy_v4",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "index_topk": 64,
+    "index_n_heads": 2,
+    "index_head_dim": 16,
+    "pad_token_id": None,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
+"""A tiny HY-V4: MLA (keys of 16 + 8 dims, values of 12) with an indexer, whose default ``indexer_types`` give
+layers 0, 1 and 5 a full indexer and 2-4 the previous one's selection."""
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """``benchmarks/sparse_attention.py``, imported as its script imports its siblings, with 1 MiB blocks."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr(key_indexer, "SCORE_BLOCK_BYTES", BLOCK_BYTES)
+    monkeypatch.setattr(sparse_kernel, "SELECTED_BLOCK_BYTES", BLOCK_BYTES)
+    return importlib.import_module("sparse_attention")
+
+
+def _measured(bench: ModuleType, shape: ModelShape, tokens: int, cp: int) -> int:
+    step, inputs = bench.layer_step(shape, tokens, cp)
+    tracker = bench.StoragePeak(inputs)
+    with tracker:
+        step()
+    return tracker.peak
+
+
+def test_one_sparse_layer_peaks_as_the_plan_says(bench):
+    shape = bench.layer_shape(
+        heads=2, qk_head_dim=48, v_head_dim=32, index_heads=4, index_head_dim=32, topk=256
+    )
+    planned = sparse_layer_bytes(shape, local_tokens(4096, 2), 2, heads_per_round=2, compute_bytes=4)
+    assert _measured(bench, shape, 4096, cp=2) == pytest.approx(planned.peak, rel=TOLERANCE), planned
+    # The saved selection is a tenth of the peak or more, at the backward: a plan without it is off by as much.
+    assert planned.selection > TOLERANCE * planned.peak
+
+
+def test_the_plan_holds_at_cp_4_with_more_heads_and_fewer_keys(bench):
+    shape = bench.layer_shape(
+        heads=4, qk_head_dim=48, v_head_dim=32, index_heads=4, index_head_dim=32, topk=64
+    )
+    planned = sparse_layer_bytes(shape, local_tokens(2048, 4), 4, heads_per_round=4, compute_bytes=4)
+    assert _measured(bench, shape, 2048, cp=4) == pytest.approx(planned.peak, rel=TOLERANCE)
+
+
+def test_the_shape_reads_the_indexer_and_mla_heads_from_the_config():
+    pytest.importorskip("transformers")
+    shape = ModelShape.from_hf_config(_HY_V4)
+    assert (shape.heads, shape.kv_heads, shape.head_dim, shape.v_head_dim) == (4, 4, 24, 12)
+    sparse = shape.sparse
+    assert (sparse.topk, sparse.heads, sparse.head_dim) == (64, 2, 16)
+    assert (sparse.layers, sparse.indexer_layers) == (6, 3)
+    dense = {
+        key: _HY_V4[key] for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    }
+    assert ModelShape.from_hf_config({"model_type": "llama", **dense}).sparse is None
+
+
+def test_the_estimate_saves_one_selection_per_full_indexer_and_never_plans_ulysses():
+    pytest.importorskip("transformers")
+    shape = ModelShape.from_hf_config(_HY_V4)
+    tokens = local_tokens(4096, 4)
+    for layout in (Layout(4, 4), Layout(4, 4, fsdp=True, checkpointing=True, offload=True)):
+        planned = estimate(shape, 4096, layout, precision="32-true")
+        assert planned.selections == 3 * 4 * tokens * 64
+        layer = sparse_layer_bytes(shape, tokens, 4, heads_per_round=4, compute_bytes=4)
+        assert planned.sparse_attention == layer.backward
+        assert planned.indexer == layer.indexer
+        assert planned.attention == 0  # no dense attention layer
+    assert ("ulysses", None) not in attentions(4, shape)
