@@ -273,10 +273,10 @@ def run_case(
         "repeat": args.repeat,
         "max_mem_gib": args.max_mem_gib,
     }
-    return _run_worker(script, {**spec, **common}, args.device)
+    return run_worker(script, {**spec, **common}, args.device)
 
 
-def _run_worker(script: Path, spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
+def run_worker(script: Path, spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Run ``script --worker spec`` in a fresh interpreter; its result, or how it died (killed, crashed)."""
     env = {**os.environ, **(CPU_WORKER_ENV if device.type == "cpu" else {})}
     with tempfile.TemporaryDirectory(prefix="benchmark_worker_") as tmp:

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import weakref
 from pathlib import Path
@@ -39,7 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _probes import CPU_WORKER_ENV, MIB, measure
+from _harness import run_worker, worker_main
+from _probes import MIB, measure
 from _report import Column, format_table
 
 CASES = ("plain", "checkpointing", "checkpointing+offload", "+tiled")
@@ -162,20 +161,12 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    env = {**os.environ, **CPU_WORKER_ENV}
-    done = subprocess.run(
-        [sys.executable, __file__, "--worker", json.dumps(spec)],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    if done.returncode != 0:
-        return {
-            **spec,
-            "status": f"error: {done.stderr.strip().splitlines()[-1] if done.stderr else done.returncode}",
-        }
-    return {**spec, **json.loads(done.stdout.strip().splitlines()[-1]), "status": "ok"}
+    """One row in a fresh CPU worker (:func:`_harness.run_worker`): the spec, its measurements and its status."""
+    return {**spec, **run_worker(Path(__file__), spec, torch.device("cpu"))}
+
+
+def _measured(spec: dict[str, Any]) -> dict[str, Any]:
+    return {**_measure(spec), "status": "ok"}
 
 
 def main() -> None:
@@ -192,7 +183,7 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(_measure(json.loads(args.worker))))
+        worker_main(args.worker, _measured)
         return
     if args.quick:
         args.tokens, args.dim, args.layers = 512, 128, 2

@@ -33,9 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -43,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _probes import CPU_WORKER_ENV, MIB, measure
+from _harness import run_worker, worker_main
+from _probes import MIB, measure
 from _report import STATUS, Column, format_table
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -224,18 +222,12 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    env = {**os.environ, **CPU_WORKER_ENV}
-    done = subprocess.run(
-        [sys.executable, __file__, "--worker", json.dumps(spec)],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    if done.returncode != 0:
-        last = done.stderr.strip().splitlines()[-1:] or [str(done.returncode)]
-        return {**spec, "status": f"error: {last[0]}"[:300]}
-    return {**spec, **json.loads(done.stdout.strip().splitlines()[-1]), "status": "ok"}
+    """One row in a fresh CPU worker (:func:`_harness.run_worker`): the spec, its measurements and its status."""
+    return {**spec, **run_worker(Path(__file__), spec, torch.device("cpu"))}
+
+
+def _measured(spec: dict[str, Any]) -> dict[str, Any]:
+    return {**_measure(spec), "status": "ok"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -255,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(_measure(json.loads(args.worker))))
+        worker_main(args.worker, _measured)
         return
     if args.quick:
         args.tokens, args.cp, args.topk, args.heads = [2048, 4096], 2, 256, 2
