@@ -5,7 +5,7 @@ The terms count what :func:`~lightning_cp.parallel.key_indexer.select_topk_keys`
 modules (:data:`~lightning_cp.parallel.key_indexer.SCORE_BLOCK_BYTES`,
 :data:`~lightning_cp.parallel.sparse_attention.SELECTED_BLOCK_BYTES`) when called. ``T`` is the rank's local
 tokens, ``K = cp * T`` the gathered (padded) sequence, ``n = min(topk, K)`` the keys each query attends to, ``h``
-the key/value heads of one all-gather round; ``tests/plan/test_sparse_measured.py`` and
+the key/value heads of one all-gather round; ``tests/plan/test_sparse.py`` and
 ``benchmarks/sparse_attention.py`` hold them against the CPU.
 """
 
