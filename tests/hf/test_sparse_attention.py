@@ -6,12 +6,14 @@ with the dense ``[S, S]`` index scores and fold the selection into a dense mask 
 ``index_topk`` is 4 so that every query past its fourth token drops keys, with 8 indexer heads so that the
 indexer's ReLU rarely ties scores at zero; weights at 10x the default initializer range.
 
-- the family matrix: every adapted family at dp 2 x cp 2 and dp 1 x cp 4, padded and packed rows, loss and
+- the family matrix: every adapted family at dp 2 x cp 2 on packed rows and dp 1 x cp 4 on padded ones, loss and
   every parameter's gradient against the reference (one training step of ``HFCausalLM``), the indexers' weights
   included (no gradient, as in the model);
-- the selection: every rank's selected keys of every query equal the model's own (its indexer's indices on
-  the whole document);
-- refusals: the families whose indexers CP cannot compute, by name, before any weights are read.
+- without ``cp_shard`` (``generate``): the adapted model equals its eager attention, prefill and decoding;
+- refusals: the composites without a causal LM name their indexers (Qwen4's and DeepSeek-V4's refusals are in
+  the family matrix, ``tests/hf/test_families.py``).
+
+Every rank's selected keys of every query against a dense selection: ``tests/parallel/test_sparse_attention.py``.
 """
 
 from __future__ import annotations
@@ -97,8 +99,9 @@ SPARSE: dict[str, dict] = {
 }
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("cp", [2, 4], ids=["dp2-cp2", "dp1-cp4"])
+# Two cases: cp 2 with DP beside and packed documents, cp 4 on padded rows (the family matrix adds cp 2 padded,
+# with its own tiny configs): together the two splits and both batch layouts.
+@pytest.mark.parametrize(("cp", "packed"), [(2, True), (4, False)], ids=["dp2-cp2-packed", "dp1-cp4-padded"])
 def test_every_sparse_family_trains_as_the_unsharded_model(world4, cp, packed):
     results = world4.run(_exactness.train_step, SPARSE, cp, packed)[0]
     assert set(results) == set(SPARSE)
