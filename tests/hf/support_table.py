@@ -79,7 +79,8 @@ SPARSE_INDEXER = Reason(
     "a sparse-attention indexer over pooled blocks of keys",
 )
 COMPRESSED = Reason(
-    "is DeepSeek-V4's heavily compressed attention", "compressed attention: pooled key windows across the shards"
+    "is DeepSeek-V4's heavily compressed attention",
+    "compressed attention: pooled key windows across the shards",
 )
 BIDIRECTIONAL = Reason("is bidirectional", "bidirectional attention (an encoder)")
 POSITION_BIAS = Reason("position_bias=", "an additive position bias")
