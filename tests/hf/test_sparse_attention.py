@@ -6,7 +6,7 @@ with the dense ``[S, S]`` index scores and fold the selection into a dense mask 
 ``index_topk`` is 4 so that every query past its fourth token drops keys, with 8 indexer heads so that the
 indexer's ReLU rarely ties scores at zero; weights at 10x the default initializer range.
 
-- the family matrix: every adapted family at dp 2 x cp 2 on packed rows and dp 1 x cp 4 on padded ones, loss and
+- the family matrix: every adapted family at dp 2 x cp 2 (padded and packed rows) and dp 1 x cp 4 (packed), loss and
   every parameter's gradient against the reference (one training step of ``HFCausalLM``), the indexers' weights
   included (no gradient, as in the model);
 - without ``cp_shard`` (``generate``): the adapted model equals its eager attention, prefill and decoding;
@@ -99,9 +99,12 @@ SPARSE: dict[str, dict] = {
 }
 
 
-# Two cases: cp 2 with DP beside and packed documents, cp 4 on padded rows (the family matrix adds cp 2 padded,
-# with its own tiny configs): together the two splits and both batch layouts.
-@pytest.mark.parametrize(("cp", "packed"), [(2, True), (4, False)], ids=["dp2-cp2-packed", "dp1-cp4-padded"])
+# cp 2 beside DP on padded and packed rows, cp 4 on packed documents (split in more, smaller chunks).
+@pytest.mark.parametrize(
+    ("cp", "packed"),
+    [(2, False), (2, True), (4, True)],
+    ids=["dp2-cp2-padded", "dp2-cp2-packed", "dp1-cp4-packed"],
+)
 def test_every_sparse_family_trains_as_the_unsharded_model(world4, cp, packed):
     results = world4.run(_exactness.train_step, SPARSE, cp, packed)[0]
     assert set(results) == set(SPARSE)
