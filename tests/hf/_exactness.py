@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,9 +66,10 @@ def local_batch(packed: bool, layout) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "cu_seqlens": torch.tensor([0, *lengths]).cumsum(0)}
 
 
-def train_step(configs: dict[str, dict], cp: int, packed: bool) -> dict:
+def train_step(configs: dict[str, dict], cp: int, packed: bool, **options: Any) -> dict:
     """On every rank: each family's loss and gradients (averaged over DP x CP as DDP does) after the setup
-    check and one ``HFCausalLM.training_step``; rank 0 also gives the reference of its initial weights."""
+    check and one ``HFCausalLM.training_step`` (built with ``options``: ``gradient_checkpointing=True``); rank 0
+    also gives the reference of its initial weights."""
     import transformers
 
     layout = groups.initialize(tp=1, cp=cp)
@@ -78,7 +80,7 @@ def train_step(configs: dict[str, dict], cp: int, packed: bool) -> dict:
     try:
         for name, config in configs.items():
             torch.manual_seed(0)
-            module = HFCausalLM(config)
+            module = HFCausalLM(config, **options)
             module.configure_model()
             check_models(module, layout, torch.device("cpu"))
             initial = copy.deepcopy(module.model.state_dict())

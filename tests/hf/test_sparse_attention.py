@@ -9,6 +9,7 @@ indexer's ReLU rarely ties scores at zero; weights at 10x the default initialize
 - the family matrix: every adapted family at dp 2 x cp 2 (padded and packed rows) and dp 1 x cp 4 (packed), loss and
   every parameter's gradient against the reference (one training step of ``HFCausalLM``), the indexers' weights
   included (no gradient, as in the model);
+- activation checkpointing: the recomputed layers select again;
 - without ``cp_shard`` (``generate``): the adapted model equals its eager attention, prefill and decoding;
 - refusals: the composites without a causal LM name their indexers (Qwen4's and DeepSeek-V4's refusals are in
   the family matrix, ``tests/hf/test_families.py``).
@@ -108,6 +109,15 @@ SPARSE: dict[str, dict] = {
 def test_every_sparse_family_trains_as_the_unsharded_model(world4, cp, packed):
     results = world4.run(_exactness.train_step, SPARSE, cp, packed)[0]
     assert set(results) == set(SPARSE)
+    failures = _exactness.failures(results)
+    assert not failures, "\n".join(failures)
+
+
+def test_a_recomputed_layer_selects_again_through_its_shard(world4):
+    """Activation checkpointing: the backward's recomputation of each layer runs its indexer again (lent the shard
+    by the layer's hooks) and GLM's and HY-V4's shared layers get the previous layer's selection as an input."""
+    families = {name: SPARSE[name] for name in ("glm_moe_dsa", "hy_v4")}
+    results = world4.run(_exactness.train_step, families, 2, True, gradient_checkpointing=True)[0]
     failures = _exactness.failures(results)
     assert not failures, "\n".join(failures)
 
