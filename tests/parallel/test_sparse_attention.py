@@ -8,7 +8,7 @@ softmax attention under the combined mask (float64 for the attention).
 import pytest
 import torch
 
-from lightning_cp.parallel import groups, shard_batch, unshard
+from lightning_cp.parallel import CPShard, CPSplit, context_parallel_attention, groups, shard_batch, unshard
 from lightning_cp.parallel.key_indexer import select_topk_keys, sequence_rows
 from lightning_cp.parallel.sparse_attention import sparse_attention
 
@@ -162,3 +162,25 @@ def _check_selections(by_cp_rank, cp, batch, total, cu, selections):
                 continue  # padding CP added
             chosen = sorted(int(r) - int(starts[sequence]) for r in selected[token] if r >= 0)
             assert chosen == selections[(b, start + offset)], f"cp={cp} rank {rank} token {token}"
+
+
+@pytest.mark.gpu
+def test_on_cuda_in_bf16_the_selection_is_the_cpu_s_and_the_attention_the_fp64_reference():
+    """The CUDA path (cp = 1, packed, bf16 q / k / v, fp32 indexer inputs): the same selected keys as the CPU, and
+    outputs and gradients within bf16's error of the float64 reference."""
+    cu = PACKED_CU * 8  # documents of 8 to 120 tokens
+    total = int(cu[-1])
+    inputs = _inputs(1, total)
+    expected, _ = _reference(inputs, cu, with_sinks=False)
+    q, k, v, dout, index_q, index_w, index_k, _ = inputs
+    shard = CPShard.build(CPSplit(1, 0), cu.diff(), "cuda")
+    flat = [t.flatten(0, 1) for t in (index_q, index_w, index_k)]
+    on_cpu = select_topk_keys(*flat, CPShard.build(CPSplit(1, 0), cu.diff(), "cpu"), TOPK, INDEX_SCALE)
+    selected = select_topk_keys(*(t.cuda() for t in flat), shard, TOPK, INDEX_SCALE)
+    assert torch.equal(selected.cpu(), on_cpu)
+    lq, lk, lv = (t.cuda().bfloat16().requires_grad_() for t in (q, k, v))
+    out = context_parallel_attention(lq, lk, lv, cp_shard=shard, selected=selected.int())
+    out.backward(dout.cuda().bfloat16())
+    for got, want in zip((out, lq.grad, lk.grad, lv.grad), expected, strict=True):
+        got = got.double().cpu()
+        assert ((got - want).norm() / want.norm()).item() < 2e-2
