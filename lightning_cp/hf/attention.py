@@ -74,7 +74,9 @@ class DeferredMask:
     Only the registered attention function may read it. A model that uses the mask itself (adds it to
     its own scores, moves it, combines it with an ALiBi bias) computes attention outside ``transformers``'
     attention interface, which ``"lightning_cp"`` cannot reach: a tensor operation on the mask raises a
-    ``ValueError`` that says so, and a tensor attribute an ``AttributeError`` with the same message.
+    ``ValueError`` that says so, and a tensor attribute an ``AttributeError`` with the same message. A slice
+    (``mask[:, 0]``, what a sparse-attention layer hands its indexer) is a deferred mask of the slice, for the
+    adapted indexer to build without ``cp_shard`` (:mod:`lightning_cp.hf.indexers`) and to ignore with it.
     """
 
     def __init__(self, arguments: dict[str, Any], index: Any = None) -> None:
@@ -185,7 +187,11 @@ def hf_context_parallel_attention(
             be the batch's (checked once per forward), and the layer's ``sliding_window`` (tokens),
             ``softcap`` (attention logit softcapping) and ``s_aux`` (``[Hq]`` attention sinks) become
             :func:`~lightning_cp.parallel.context_parallel_attention`'s ``window``, ``softcap`` and ``sinks``;
-            ``position_bias`` must be ``None``.
+            ``position_bias`` must be ``None``. ``indices`` (``[B, S_local, n]``, sparse attention's selected
+            keys, which ``transformers`` hands every implementation but eager and SDPA): with ``cp_shard`` the
+            selection of an adapted indexer (:mod:`lightning_cp.hf.indexers`), attended to exactly
+            (``context_parallel_attention(selected=...)``); without, folded into the dense mask as the model's
+            eager path does.
 
     Returns:
         ``([B, S_local, Hq, Dv], None)``: the output (with ``cp_shard`` in the compute dtype of
