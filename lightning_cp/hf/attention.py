@@ -206,7 +206,8 @@ def hf_context_parallel_attention(
         ValueError: without ``cp_shard``, ``position_ids`` of a batch sharded over ``cp > 1`` ranks (the
             model would attend within this rank's shard). With it: an unsupported variant (a position bias,
             dropout, non-causal attention), query heads not a multiple of key/value heads, an attention
-            mask, tensors that are not the shard's, or ``position_ids`` that are not the batch's.
+            mask, tensors that are not the shard's, ``position_ids`` that are not the batch's, or ``indices``
+            that no adapted indexer selected for the shard.
     """
     cp_shard = kwargs.pop(CP_SHARD, None)
     indices = kwargs.pop("indices", None)
