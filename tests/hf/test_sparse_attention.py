@@ -165,3 +165,18 @@ def test_without_a_shard_the_model_generates_as_its_eager_attention(name):
             ours.generate(ids, max_new_tokens=6, do_sample=False),
             eager.generate(ids, max_new_tokens=6, do_sample=False),
         )
+
+
+def test_indices_no_adapted_indexer_selected_are_refused():
+    """A selection the CP indexer did not make for this shard (an indexer that scored this rank's keys only) is
+    refused, not attended to."""
+    from torch import nn
+
+    from lightning_cp.hf.attention import hf_context_parallel_attention
+    from lightning_cp.parallel import CPShard, CPSplit
+
+    shard = CPShard.build(CPSplit(1, 0), torch.tensor([6]), "cpu")
+    q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))
+    local = torch.zeros(1, 6, 2, dtype=torch.int32)  # what transformers' own indexer returns
+    with pytest.raises(ValueError, match="did not select for this batch's shard"):
+        hf_context_parallel_attention(nn.Module(), q, k, v, None, cp_shard=shard, indices=local)
