@@ -9,7 +9,7 @@ indexer's ReLU rarely ties scores at zero; weights at 10x the default initialize
 - the family matrix: every adapted family at dp 2 x cp 2 (padded and packed rows) and dp 1 x cp 4 (packed), loss and
   every parameter's gradient against the reference (one training step of ``HFCausalLM``), the indexers' weights
   included (no gradient, as in the model);
-- activation checkpointing: the recomputed layers select again;
+- activation checkpointing (one case): the recomputed layers select again;
 - without ``cp_shard`` (``generate``): the adapted model equals its eager attention, prefill and decoding;
 - refusals: the composites without a causal LM name their indexers (Qwen4's and DeepSeek-V4's refusals are in
   the family matrix, ``tests/hf/test_families.py``).
@@ -100,24 +100,17 @@ SPARSE: dict[str, dict] = {
 }
 
 
-# cp 2 beside DP on padded and packed rows, cp 4 on packed documents (split in more, smaller chunks).
+# cp 2 beside DP on padded and packed rows, cp 4 on packed documents (split in more, smaller chunks); the cp 2
+# packed case with activation checkpointing: the backward's recomputation of each layer runs its indexer again
+# (lent the shard by the layer's hooks), and the shared layers get the previous layer's selection as an input.
 @pytest.mark.parametrize(
-    ("cp", "packed"),
-    [(2, False), (2, True), (4, True)],
-    ids=["dp2-cp2-padded", "dp2-cp2-packed", "dp1-cp4-packed"],
+    ("cp", "packed", "checkpointing"),
+    [(2, False, False), (2, True, True), (4, True, False)],
+    ids=["dp2-cp2-padded", "dp2-cp2-packed-checkpointed", "dp1-cp4-packed"],
 )
-def test_every_sparse_family_trains_as_the_unsharded_model(world4, cp, packed):
-    results = world4.run(_exactness.train_step, SPARSE, cp, packed)[0]
+def test_every_sparse_family_trains_as_the_unsharded_model(world4, cp, packed, checkpointing):
+    results = world4.run(_exactness.train_step, SPARSE, cp, packed, gradient_checkpointing=checkpointing)[0]
     assert set(results) == set(SPARSE)
-    failures = _exactness.failures(results)
-    assert not failures, "\n".join(failures)
-
-
-def test_a_recomputed_layer_selects_again_through_its_shard(world4):
-    """Activation checkpointing: the backward's recomputation of each layer runs its indexer again (lent the shard
-    by the layer's hooks) and GLM's and HY-V4's shared layers get the previous layer's selection as an input."""
-    families = {name: SPARSE[name] for name in ("glm_moe_dsa", "hy_v4")}
-    results = world4.run(_exactness.train_step, families, 2, True, gradient_checkpointing=True)[0]
     failures = _exactness.failures(results)
     assert not failures, "\n".join(failures)
 
