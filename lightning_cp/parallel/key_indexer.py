@@ -36,17 +36,6 @@ SCORE_BLOCK_BYTES = 64 * 2**20
 besides the gathered indexer keys and the running top-k (``[T_local, topk]`` values and rows)."""
 
 
-def sequence_rows(shard: CPShard) -> tuple[Tensor, Tensor]:
-    """``(row, first)``, each ``[T_local]`` int64 on the CPU: the row in sequence order of every local token
-    and the row of its sequence's first token. From the shard's chunk lengths alone (no device
-    synchronization); the same on every rank for the same token."""
-    lengths = shard.sequence_lengths
-    sequence, offset, _ = shard.split.positions(lengths)
-    starts = torch.cumsum(lengths, 0) - lengths
-    first = starts[sequence]
-    return first + offset, first
-
-
 @torch.no_grad()
 def select_topk_keys(
     queries: Tensor,
@@ -73,20 +62,23 @@ def select_topk_keys(
 
     Returns:
         ``[T_local, n]`` int64 with ``n = min(topk, longest sequence)``: each query's selected keys as rows in
-        sequence order (:func:`sequence_rows`), ``-1`` where it has fewer than ``n`` keys.
+        sequence order (:meth:`CPShard.sequence_rows <lightning_cp.parallel.CPShard.sequence_rows>`), ``-1``
+        where it has fewer than ``n`` keys.
 
     Communication: one all-gather of ``keys`` over the shard's CP group (``[cp * T_local, D_i]``); none without
     CP. No gradient (the models select under ``torch.no_grad``).
     """
     local = queries.shape[0]
-    row, first = sequence_rows(shard)
-    longest = int(shard.sequence_lengths.max()) if shard.num_sequences else 0
+    row, first = shard.sequence_rows()  # on the CPU: each query block's span of keys without a device sync
+    lengths = shard.sequence_lengths
+    longest = int(lengths.max()) if shard.num_sequences else 0
     width = min(topk, longest)
     selected = torch.full((local, width), -1, dtype=torch.int64, device=queries.device)
     if local == 0 or width == 0:
         return selected
     gathered = shard.group_exchange().all_gather(keys).index_select(0, shard.sequence_order()).float()
-    device_row, device_first = row.to(queries.device), first.to(queries.device)
+    device_first = shard.device_index(torch.cumsum(lengths, 0) - lengths)[shard.sequence_index]
+    device_row = device_first + shard.token_offset
     heads = queries.shape[1]
     block = max(1, int((SCORE_BLOCK_BYTES // (4 * heads)) ** 0.5))
     for start in range(0, local, block):

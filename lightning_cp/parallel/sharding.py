@@ -69,7 +69,8 @@ def sharded_under_cp(tensor: Any) -> bool:
 class _BatchState:
     """What a :class:`CPShard` builds on first use and what its layers record, for the batch: the key
     selections by window, the sequence order, the whole-sequence shard, the device copies of index tensors,
-    the rows of each sequence length, and whether a layer reached the other ranks.
+    the rows of each sequence length, the local tokens' rows in sequence order, and whether a layer reached
+    the other ranks.
 
     Not a dataclass nor a container: FSDP's ``cast_forward_inputs`` (and ``torch.distributed``'s
     ``_apply_to_tensors``) rebuild dataclasses, lists and dicts in a forward's arguments, so the copy of the
@@ -82,6 +83,7 @@ class _BatchState:
         self.whole: CPShard | None = None
         self.indices: dict[tuple[tuple[int, ...], tuple[int, ...]], Tensor] = {}
         self.lengths: list[tuple[int, Tensor]] | None = None
+        self.rows: tuple[Tensor, Tensor] | None = None
         self.reached = False
 
 
@@ -174,6 +176,19 @@ class CPShard:
             order = self.split.sequence_order(self.chunk_lengths)
             state.sequence_order = order.to(self.cu_seqlens.device, non_blocking=True)
         return state.sequence_order
+
+    def sequence_rows(self) -> tuple[Tensor, Tensor]:
+        """``(row, first)``, each ``[T_local]`` int64 on the CPU: the row in sequence order (:meth:`sequence_order`'s
+        numbering) of every local token, and the row of its sequence's first token. From the chunk lengths alone
+        (no device synchronization), the same on every rank for the same token; built on the first call and
+        cached on the shard, so every layer of the batch reuses it."""
+        state = self._state
+        if state.rows is None:
+            lengths = self.sequence_lengths
+            sequence, offset, _ = self.split.positions(lengths)
+            first = (torch.cumsum(lengths, 0) - lengths)[sequence]
+            state.rows = first + offset, first
+        return state.rows
 
     def device_index(self, index: Tensor) -> Tensor:
         """``index``, a small integer index on the CPU (the heads or channels a rank takes), on
