@@ -1,4 +1,4 @@
-"""What a decoder keeps between forward and backward: plain, checkpointed, offloaded, with tiled MLPs and norms.
+"""What a decoder keeps between forward and backward: plain, checkpointed, offloaded, with tiled MLPs, norms and projections.
 
 For the package GPT and a tiny ``transformers`` Llama on one long sequence (CPU, fp32, one process), each
 row runs one forward + backward in a fresh worker process:
@@ -8,7 +8,7 @@ row runs one forward + backward in a fresh worker process:
   ``activation_checkpointing`` applies): each keeps its inputs;
 - ``checkpointing+offload``: and :func:`lightning_cp.memory.offload_checkpointed` (``offload_activations``):
   those inputs in host memory;
-- ``+tiled``: and :func:`lightning_cp.memory.tile_mlps` and :func:`~lightning_cp.memory.tile_norms`.
+- ``+tiled``: and :func:`lightning_cp.memory.tile_model` (MLPs, norms, the projections reading the norms).
 
 Columns: ``resident MiB/layer``, the bytes of the tensors created inside the decoder layers that are still
 alive when the forward ends (a dispatch mode sees every tensor created, weak references say which live),
@@ -116,7 +116,7 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One forward + backward of ``spec``'s model and case, in this (fresh) process."""
     from torch.distributed._composable import checkpoint
 
-    from lightning_cp.memory import offload_checkpointed, tile_mlps, tile_norms
+    from lightning_cp.memory import offload_checkpointed, tile_model
 
     torch.set_num_threads(spec["threads"])
     model, layers, loss_of = _build(spec["model"], spec["tokens"], spec["dim"], spec["layers"], spec["vocab"])
@@ -127,8 +127,7 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     if case in ("checkpointing+offload", "+tiled"):
         offload = offload_checkpointed(model)
     if case == "+tiled":
-        tile_mlps(model)
-        tile_norms(model)
+        tile_model(model)
     tracker = _CreatedInLayers()
     for layer in layers:
         layer.register_forward_pre_hook(lambda *_: setattr(tracker, "depth", tracker.depth + 1), prepend=True)

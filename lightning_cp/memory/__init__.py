@@ -12,7 +12,9 @@ from lightning_cp.memory.tiling import (
     has_experts,
     tile_experts,
     tile_mlps,
+    tile_model,
     tile_norms,
+    tile_projections,
     tiled_mlp,
 )
 
@@ -25,6 +27,8 @@ __all__ = [
     "offload_checkpointed",
     "tile_experts",
     "tile_mlps",
+    "tile_model",
     "tile_norms",
+    "tile_projections",
     "tiled_mlp",
 ]

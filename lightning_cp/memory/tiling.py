@@ -10,7 +10,12 @@ input and its normalized input. The price is one extra forward of the module in 
 activation checkpointing, which recomputes the layer anyway; tiled inside a checkpointed layer, it runs
 twice).
 
-:func:`tile_mlps` and :func:`tile_norms` make a model's MLPs and norms run so (the plan's ``+tiled``).
+A tiled norm's output is not saved either by the modules that read it when they are tiled or are
+projections (:func:`tile_projections`): they save the norm's input, which the norm saves anyway, and
+recompute the norm's output tile by tile in their backward (Megatron-core's ``recompute_modules=
+["layernorm"]`` spares the same tensor another way).
+
+:func:`tile_model` makes a model's MLPs, experts, norms and projections run so (the plan's ``+tiled``).
 
 No communication: the tiles are this rank's tokens. The parameters' gradients are returned by the
 autograd function (once per step, not per tile), so DDP's gradient hooks fire as usual; the recomputation
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +40,22 @@ def auto_tile_tokens(tokens: int, model_dim: int) -> int:
     TiledMLP splits a sequence into ``ceil(seqlen / hidden_size)`` shards, arXiv:2506.13996)."""
     tiles = max(1, math.ceil(tokens / max(1, model_dim)))
     return max(1, math.ceil(tokens / tiles))
+
+
+def tile_model(model: nn.Module, tile_tokens: int | None = None) -> list[str]:
+    """Tile what ``HFCausalLM(tiled=True)`` tiles (the plan's ``+tiled``): the dense MLPs (:func:`tile_mlps`),
+    a mixture of experts' experts when ``model`` has one (:func:`tile_experts`), the norms
+    (:func:`tile_norms`) and the projections reading them (:func:`tile_projections`); returns the qualified
+    names of the tiled modules. Call it once, before training.
+
+    Raises:
+        ValueError: as the four functions raise (no ``mlp`` module, experts the tiling does not know, no
+            norm).
+    """
+    tiled = tile_mlps(model, tile_tokens)
+    if has_experts(model):
+        tiled += tile_experts(model, tile_tokens)
+    return tiled + tile_norms(model, tile_tokens) + tile_projections(model, tile_tokens)
 
 
 def tiled_mlp(mlp: nn.Module, x: Tensor, tile_tokens: int | None = None) -> Tensor:
@@ -135,13 +157,36 @@ def tile_norms(model: nn.Module, tile_tokens: int | None = None) -> list[str]:
     tensor: gated norms (a second input) stay as they are. Every one normalizes each vector of the last dim
     alone, so the tiles give the same output and gradients. Call it once, before training.
 
+    A tiled norm's output is not kept by the tiled modules that read it (:func:`tile_mlps`,
+    :func:`tile_experts`) nor by the projections of :func:`tile_projections`: they save the norm's input and
+    recompute the output tile by tile in their backward. So a layer keeps neither the first norm's output,
+    which the attention's projections read, nor the second's, which the tiled MLP reads: two ``[T_local,
+    d]`` tensors per layer fewer.
+
     Raises:
         ValueError: when ``model`` has no such norm.
     """
     found = [(qualified, module, 1) for qualified, module in model.named_modules() if _is_token_norm(module)]
     if not found:
         raise ValueError(f"{type(model).__name__} has no RMSNorm or LayerNorm of one input to tile.")
-    return _tile(found, tile_tokens)
+    return _tile(found, tile_tokens, _TiledNormForward)
+
+
+def tile_projections(model: nn.Module, tile_tokens: int | None = None) -> list[str]:
+    """Make every ``nn.Linear`` of ``model`` that reads a tiled norm's output (:func:`tile_norms`) save the
+    norm's input instead of that output; returns their qualified names.
+
+    Such a projection (the attention's ``q_proj``, ``k_proj``, ``v_proj``, GPT's fused ``qkv``, a hybrid
+    mixer's input projection) computes its output as before, in one piece; its backward recomputes the
+    norm's output tile by tile (``tile_tokens`` as :func:`tiled_mlp`) and back-propagates each tile through
+    the projection, summing the weight's gradient over the tiles in fp32. The norm saves its input anyway,
+    so the layer keeps one ``[T_local, d]`` tensor fewer. A projection reading anything else (or a norm's
+    output changed in place since) runs as before. Call it once, before training.
+    """
+    found = [
+        (qualified, module, 1) for qualified, module in model.named_modules() if isinstance(module, nn.Linear)
+    ]
+    return _tile(found, tile_tokens, _ProjectionForward)
 
 
 def _is_token_norm(module: nn.Module) -> bool:
@@ -153,18 +198,68 @@ def _is_token_norm(module: nn.Module) -> bool:
     return norm and len(parameters) == 1 and parameters[0].kind is not inspect.Parameter.VAR_POSITIONAL
 
 
-def _tile(found: list[tuple[str, nn.Module, int]], tile_tokens: int | None) -> list[str]:
-    """Tile each ``(name, module, inputs)``: its forward over tiles of its ``inputs`` token-aligned tensors."""
+def _tile(
+    found: list[tuple[str, nn.Module, int]],
+    tile_tokens: int | None,
+    wrapper: type[_TiledForward] | None = None,
+) -> list[str]:
+    """Tile each ``(name, module, inputs)``: its forward replaced by ``wrapper`` (:class:`_TiledForward`: over
+    tiles of its ``inputs`` token-aligned tensors)."""
     for _, module, inputs in found:
         if not getattr(module, "_lightning_cp_tiled", False):
-            module.forward = _TiledForward(module.forward, tile_tokens, inputs)
+            module.forward = (wrapper or _TiledForward)(module.forward, tile_tokens, inputs)
             module._lightning_cp_tiled = True
     return [qualified for qualified, _, _ in found]
 
 
 def _original_forward(module: nn.Module) -> Any:
     """``module``'s forward before tiling."""
-    return module.forward.original if isinstance(module.forward, _TiledForward) else module.forward
+    return getattr(module.forward, "original", module.forward)
+
+
+_NORM_OUTPUT = "_lightning_cp_norm_output"
+"""The attribute of a tiled norm's output that says how to recompute it (a :class:`_NormOutput`)."""
+
+
+@dataclass(frozen=True)
+class _Norm:
+    """A tiled norm's own forward and the autocast state of its call: what recomputes its output."""
+
+    forward: Any
+    autocast: tuple[str, torch.dtype, bool]
+
+    def rows(self, source: Tensor, rows: slice) -> Tensor:
+        """The norm's output at ``rows`` of the token dim -2, recomputed from ``source`` (its input)."""
+        device, dtype, enabled = self.autocast
+        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            return self.forward(source[..., rows, :])
+
+
+@dataclass(frozen=True)
+class _NormOutput:
+    """What a tiled norm's output carries (:data:`_NORM_OUTPUT`): the norm, its input, and the output's
+    version counter when made (an in-place change since voids it)."""
+
+    norm: _Norm
+    input: Tensor
+    version: int
+
+    @staticmethod
+    def of(x: Tensor) -> _NormOutput | None:
+        """The recipe of ``x`` when ``x`` is a tiled norm's output, or a reshape of it that keeps its last
+        dim and its memory (``view(-1, d)``, as a mixture of experts flattens its tokens), unchanged since
+        the norm made it (the input then shaped as ``x``); else ``None``."""
+        base = x if x._base is None else x._base
+        recipe = getattr(base, _NORM_OUTPUT, None)
+        if recipe is None or base._version != recipe.version:
+            return None
+        if x is base:
+            return recipe
+        reshaped = x.shape[-1] == base.shape[-1] and x.numel() == base.numel() and x.is_contiguous()
+        contiguous = base.is_contiguous() and recipe.input.is_contiguous()
+        if not (reshaped and contiguous and x.data_ptr() == base.data_ptr()):
+            return None
+        return _NormOutput(recipe.norm, recipe.input.view(x.shape), recipe.version)
 
 
 class _TiledForward:
@@ -189,8 +284,45 @@ class _TiledForward:
         return _tiled(self.original, self.original.__self__, tensors, self.tile_tokens)
 
 
-def _tiled(forward: Any, module: nn.Module, inputs: list[Tensor], tile_tokens: int | None) -> Tensor:
-    """``forward(*inputs)`` tile by tile of the inputs' token dim -2; ``module`` holds its parameters."""
+class _TiledNormForward(_TiledForward):
+    """A norm's forward over tiles; its output carries the recipe (:class:`_NormOutput`) its readers recompute
+    it from."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        out = super().__call__(*args, **kwargs)
+        if out.requires_grad:
+            (x,) = self.signature.bind(*args, **kwargs).arguments.values()
+            recipe = _NormOutput(_Norm(self.original, _autocast_state(x)), x, out._version)
+            setattr(out, _NORM_OUTPUT, recipe)
+        return out
+
+
+class _ProjectionForward(_TiledForward):
+    """An ``nn.Linear`` instance's forward: as before, but when its input is a tiled norm's output, through
+    :class:`_Tiled` (in one piece forward, over tiles backward) so that the norm's input is saved instead."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        (x,) = self.signature.bind(*args, **kwargs).arguments.values()
+        if not torch.is_grad_enabled() or x.dim() < 2 or _NormOutput.of(x) is None:
+            return self.original(x)
+        return _tiled(self.original, self.original.__self__, [x], self.tile_tokens, tile_forward=False)
+
+
+def _autocast_state(x: Tensor) -> tuple[str, torch.dtype, bool]:
+    device = x.device.type
+    return device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device)
+
+
+def _tiled(
+    forward: Any,
+    module: nn.Module,
+    inputs: list[Tensor],
+    tile_tokens: int | None,
+    *,
+    tile_forward: bool = True,
+) -> Tensor:
+    """``forward(*inputs)`` tile by tile of the inputs' token dim -2 (``tile_forward=False``: in one piece,
+    the backward still by tiles); ``module`` holds its parameters."""
     first = inputs[0]
     if tile_tokens is None:
         tile_tokens = auto_tile_tokens(first.shape[-2], first.shape[-1])
@@ -199,7 +331,9 @@ def _tiled(forward: Any, module: nn.Module, inputs: list[Tensor], tile_tokens: i
     if not torch.is_grad_enabled():
         return _tile_outputs(forward, inputs, tile_tokens)
     params = [p for p in module.parameters() if p.requires_grad]
-    return _Tiled.apply(forward, tile_tokens, len(inputs), *inputs, *params)
+    return _Tiled.apply(
+        forward, tile_tokens if tile_forward else None, tile_tokens, len(inputs), *inputs, *params
+    )
 
 
 def _tile_outputs(forward: Any, inputs: list[Tensor], tile_tokens: int) -> Tensor:
@@ -214,31 +348,43 @@ def _tile_outputs(forward: Any, inputs: list[Tensor], tile_tokens: int) -> Tenso
 
 
 class _Tiled(torch.autograd.Function):
-    """``forward(*inputs)`` (the first ``count`` tensors, each ``[..., T, *]``) tile by tile of ``T``; saves
-    the inputs only and recomputes tiles in the backward, under the forward's autocast state. The remaining
-    tensors are the module's parameters, whose gradients are summed over the tiles."""
+    """``forward(*inputs)`` (the first ``count`` tensors, each ``[..., T, *]``) tile by tile of ``T``
+    (``forward_tile`` tokens; ``None``: in one piece); saves the inputs only (of an input that is a tiled
+    norm's output, the norm's input) and recomputes tiles of ``tile_tokens`` in the backward, under the
+    forward's autocast state. The remaining tensors are the module's parameters, whose gradients are summed
+    over the tiles."""
 
     @staticmethod
-    def forward(ctx: Any, forward: Any, tile_tokens: int, count: int, *tensors: Tensor) -> Tensor:
+    def forward(
+        ctx: Any, forward: Any, forward_tile: int | None, tile_tokens: int, count: int, *tensors: Tensor
+    ) -> Tensor:
         inputs = list(tensors[:count])
         with torch.no_grad():
-            out = _tile_outputs(forward, inputs, tile_tokens)
-        ctx.save_for_backward(*inputs)
+            out = forward(*inputs) if forward_tile is None else _tile_outputs(forward, inputs, forward_tile)
+        outputs = [_NormOutput.of(x) for x in inputs]
+        ctx.save_for_backward(*(x if n is None else n.input for x, n in zip(inputs, outputs, strict=True)))
+        ctx.norms = [None if n is None else n.norm for n in outputs]  # no tensor kept beside the saved ones
+        ctx.dtypes = [x.dtype for x in inputs]  # a norm's output may differ from its input's
         ctx.forward, ctx.tile_tokens, ctx.params = forward, tile_tokens, tensors[count:]  # the module's own
-        device = inputs[0].device.type
-        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+        ctx.autocast = _autocast_state(inputs[0])
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         inputs, params = ctx.saved_tensors, ctx.params
         device, dtype, enabled = ctx.autocast
-        wanted = [ctx.needs_input_grad[3 + i] for i in range(len(inputs))]
-        dinputs = [torch.zeros_like(x) if want else None for x, want in zip(inputs, wanted, strict=True)]
+        wanted = [ctx.needs_input_grad[4 + i] for i in range(len(inputs))]
+        dinputs = [
+            torch.zeros_like(x, dtype=read) if want else None
+            for x, read, want in zip(inputs, ctx.dtypes, wanted, strict=True)
+        ]
         dparams: list[Tensor | None] = [None] * len(params)
         for start in range(0, inputs[0].shape[-2], ctx.tile_tokens):
             rows = slice(start, start + ctx.tile_tokens)
-            tiles = [x[..., rows, :].detach().requires_grad_(w) for x, w in zip(inputs, wanted, strict=True)]
+            tiles = [
+                (x[..., rows, :] if norm is None else norm.rows(x, rows)).detach().requires_grad_(w)
+                for x, norm, w in zip(inputs, ctx.norms, wanted, strict=True)
+            ]
             with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
                 out = ctx.forward(*tiles)
             differentiable = [t for t in tiles if t.requires_grad] + list(params)
@@ -255,7 +401,7 @@ class _Tiled(torch.autograd.Function):
                     g = _accumulation(g)
                     dparams[i] = g if dparams[i] is None else dparams[i].add_(g)
         dparams = [None if g is None else g.to(p.dtype) for g, p in zip(dparams, params, strict=True)]
-        return (None, None, None, *dinputs, *dparams)
+        return (None, None, None, None, *dinputs, *dparams)
 
 
 def _accumulation(grad: Tensor) -> Tensor:

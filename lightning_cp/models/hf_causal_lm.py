@@ -17,7 +17,7 @@ from lightning_cp.hf.loading import causal_lm_config, check_causal_lm_config, lo
 from lightning_cp.hf.registration import UnsupportedAttentionClasses
 from lightning_cp.hf.router_loss import load_balancing_loss
 from lightning_cp.loss import CPLossMixin, PolicyObjective
-from lightning_cp.memory import has_experts, tile_experts, tile_mlps, tile_norms
+from lightning_cp.memory import tile_model
 from lightning_cp.parallel.layout import current_layout
 
 
@@ -50,9 +50,9 @@ class HFCausalLM(CPLossMixin, LightningModule):
         gradient_checkpointing: recompute every decoder layer in the backward (``transformers``' own,
             non-reentrant), trading compute for activation memory.
         tiled: run the dense MLPs, the norms and a mixture of experts' experts over sequence tiles, saving
-            only their inputs (:func:`~lightning_cp.memory.tile_mlps`, :func:`~lightning_cp.memory.tile_norms`,
-            :func:`~lightning_cp.memory.tile_experts`; exact, the router and its load-balancing loss
-            untiled): the ``+tiled`` of ``lightning-cp plan``. Experts whose routing the tiling does not
+            only their inputs, and let the projections that read a norm recompute its output instead of
+            saving it (:func:`~lightning_cp.memory.tile_model`; exact, the router and its load-balancing
+            loss untiled): the ``+tiled`` of ``lightning-cp plan``. Experts whose routing the tiling does not
             know (Llama-4's) are refused when the model is built.
         lr: peak AdamW learning rate.
         betas: AdamW betas.
@@ -132,10 +132,7 @@ class HFCausalLM(CPLossMixin, LightningModule):
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
         if self.hparams.tiled:
-            tile_mlps(model)
-            tile_norms(model)
-            if has_experts(model):
-                tile_experts(model)
+            tile_model(model)
         self.model = model
 
     def forward(self, batch: dict[str, Any]) -> Tensor:

@@ -269,6 +269,7 @@ def torch_forward(
         p = s.sub_(block_lse.unsqueeze(-1)).exp_()
         out[q0:q1] = torch.einsum("hgbk,khd->bhgd", p, _acc(v[k0:k1])).flatten(1, 2)
         lse[:, q0:q1] = block_lse.flatten(0, 1)
+        del s, p  # this block's scores, before the next block's are made
     return out.to(q.dtype), lse
 
 
@@ -311,6 +312,7 @@ def torch_backward(
         ds.mul_(scale)
         dq[q0:q1] = torch.einsum("hgbk,khd->bhgd", ds, kb).flatten(1, 2)
         dk[k0:k1] += torch.einsum("hgbk,bhgd->khd", ds, qb)
+        del s, slope, p, ds  # this block's scores, before the next block's are made
     return dq.to(q.dtype), dk, dv
 
 

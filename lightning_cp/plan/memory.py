@@ -9,7 +9,7 @@ activations are the tensors autograd keeps per token and layer in the package GP
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 from lightning_cp.memory.tiling import auto_tile_tokens
@@ -153,7 +153,11 @@ class MemoryEstimate:
     the hidden states and of the head weight."""
     recompute: int
     """Checkpointing only: one layer's saved tensors, rebuilt in its backward, and the larger of its
-    attention and MLP transients."""
+    attention (beyond :attr:`mlp_side`) and MLP transients."""
+    mlp_side: int
+    """One layer's MLP side among its saved tensors (:func:`mlp_side_per_token`: the second norm's and the
+    MLP's), which its backward frees before its attention's (or mixer's) backward begins: the peak counts
+    the :attr:`attention` and :attr:`sparse_attention` transients beyond it."""
     reserve: int
     """:data:`RESERVE_BYTES` plus :data:`RESERVE_FRACTION` of the rest."""
     host: int
@@ -169,13 +173,19 @@ class MemoryEstimate:
 
     @property
     def transient(self) -> int:
-        """The largest of the transients (they never coexist)."""
-        return max(getattr(self, name) for name in TRANSIENTS)
+        """The largest of the transients as the peak counts them (they never coexist): the attention's
+        beyond :attr:`mlp_side`."""
+        return max(self.counted_transient(name) for name in TRANSIENTS)
 
     @property
     def largest_transient(self) -> str:
         """Which transient is :attr:`transient`."""
-        return max(TRANSIENTS, key=lambda name: getattr(self, name))
+        return max(TRANSIENTS, key=self.counted_transient)
+
+    def counted_transient(self, name: str) -> int:
+        """The transient ``name`` (one of :data:`TRANSIENTS`) as the peak counts it."""
+        freed = self.mlp_side if name in ("attention", "sparse_attention") else 0
+        return getattr(self, name) - freed
 
     @property
     def peak(self) -> int:
@@ -206,13 +216,13 @@ def saved_per_token(
     shape: ModelShape,
     *,
     cp: int = 1,
-    tiled_norms: bool = False,
-    tiled_mlp: bool = False,
+    tiled: bool = False,
     ulysses: bool = False,
     residual_bytes: int = 4,
     compute_bytes: int = 4,
 ) -> int:
-    """Bytes one decoder layer saves for backward per local token.
+    """Bytes one decoder layer saves for backward per local token: its :func:`attention_side_per_token` and
+    its :func:`mlp_side_per_token`.
 
     ``residual_bytes``: the residual stream's dtype (fp32 under DDP's ``bf16-mixed``, where the embedding
     is fp32; bf16 under FSDP's, whose gathered bf16 weights make every hidden state bf16; see
@@ -221,8 +231,9 @@ def saved_per_token(
 
     - two norms: each keeps an fp32 copy of its input (the input itself when the stream is fp32), the
       reciprocal RMS and the normalized input in the stream's dtype (:func:`norm_bytes`), and its output,
-      which the next projections read, in the compute dtype; tiled (:func:`~lightning_cp.memory.tile_norms`),
-      only its input; the second norm's output is the tiled MLP's input, saved in the stream's dtype;
+      which the next projections read, in the compute dtype; tiled (``tiled``:
+      :func:`~lightning_cp.memory.tile_model`), only its input, and neither output: the projections and the
+      tiled MLP that read them recompute them, but a mixture of experts' router keeps the second's;
     - attention of a ``transformers`` layer: the rotated ``q`` and ``k`` (token-major copies under CP),
       ``v`` (the projection's output), the attention output (which the output projection reads in place)
       and the log-sum-exp per head;
@@ -237,22 +248,50 @@ def saved_per_token(
       the reciprocal RMS per head; tiled, only their input;
     - MLP: GELU's input and output (``2 ffn``), or a gated MLP's gate, up, activation and product
       (``4 ffn``), and a mixture of experts' routed experts (:func:`routed_per_token`); none tiled
-      (:func:`~lightning_cp.memory.tile_mlps`: it saves only its input), and of a tiled mixture of experts
+      (:func:`~lightning_cp.memory.tile_mlps`), and of a tiled mixture of experts
       (:func:`~lightning_cp.memory.tile_experts`) only the router's own tensors (:func:`router_bytes`).
     """
+    dtypes = {"residual_bytes": residual_bytes, "compute_bytes": compute_bytes}
+    attention = attention_side_per_token(shape, cp=cp, tiled=tiled, ulysses=ulysses, **dtypes)
+    return attention + mlp_side_per_token(shape, tiled=tiled, **dtypes)
+
+
+def attention_side_per_token(
+    shape: ModelShape,
+    *,
+    cp: int = 1,
+    tiled: bool = False,
+    ulysses: bool = False,
+    residual_bytes: int = 4,
+    compute_bytes: int = 4,
+) -> int:
+    """What :func:`saved_per_token` counts up to the attention's output: the first norm's, the queries' and
+    keys' norms' and the attention's tensors."""
     d = shape.hidden
-    inputs = 2 * (residual_bytes * d if tiled_norms else norm_bytes(d, residual_bytes))
-    norms = inputs + compute_bytes * d + (residual_bytes if tiled_mlp else compute_bytes) * d
+    norm = residual_bytes * d if tiled else norm_bytes(d, residual_bytes) + compute_bytes * d
     attention = shape.q_dim + shape.out_dim + shape.kv_dim + shape.v_dim + shape.heads
     if ulysses:
         attention += shape.q_dim + 2 * (max(shape.kv_heads, cp) - shape.kv_heads) * shape.head_dim
     if shape.architecture == "gpt":
         attention += shape.q_dim + shape.kv_dim + (shape.q_dim if cp == 1 else 0)
-    norms += qk_norm_bytes(shape, tiled_norms, compute_bytes)
-    if tiled_mlp:
-        return norms + attention * compute_bytes + router_bytes(shape, compute_bytes)
+    return norm + qk_norm_bytes(shape, tiled, compute_bytes) + attention * compute_bytes
+
+
+def mlp_side_per_token(
+    shape: ModelShape,
+    *,
+    tiled: bool = False,
+    residual_bytes: int = 4,
+    compute_bytes: int = 4,
+) -> int:
+    """What :func:`saved_per_token` counts from the second norm on: the second norm's and the MLP's (or the
+    mixture of experts') tensors. A layer's backward frees them before its attention's backward begins."""
+    d = shape.hidden
+    if tiled:
+        router = compute_bytes * d + router_bytes(shape, compute_bytes) if shape.experts else 0
+        return residual_bytes * d + router
     mlp = (2 if shape.architecture == "gpt" else 4) * shape.ffn + routed_per_token(shape)
-    return norms + (attention + mlp) * compute_bytes
+    return norm_bytes(d, residual_bytes) + (d + mlp) * compute_bytes
 
 
 def qk_norm_bytes(shape: ModelShape, tiled: bool, compute_bytes: int) -> int:
@@ -361,9 +400,7 @@ def estimate(
     ulysses = layout.attention == "ulysses" and layout.cp > 1
     stream = residual_bytes(precision, layout.fsdp)
     dtypes = {"residual_bytes": stream, "compute_bytes": compute}
-    per_token = saved_per_token(
-        shape, cp=layout.cp, tiled_norms=layout.tiled, tiled_mlp=layout.tiled, ulysses=ulysses, **dtypes
-    )
+    per_token = saved_per_token(shape, cp=layout.cp, tiled=layout.tiled, ulysses=ulysses, **dtypes)
     attention_layer = tokens * per_token
     mixer = shape.mixer
     mixer_layer = 0
@@ -415,7 +452,9 @@ def estimate(
         selections = shape.sparse.indexer_layers * sparse.selection
         sparse_attention, indexer = sparse.backward, sparse.indexer
         index_sent = shape.sparse.indexer_layers * _ring(layout.cp, padded * shape.sparse.head_dim * compute)
-    layer_transient = max(attention, sparse_attention)  # an attention layer's (0 without one)
+    # A layer's attention (or mixer) backward runs after its MLP's, which has freed the layer's MLP side.
+    mlp_side = tokens * mlp_side_per_token(shape, tiled=layout.tiled, **dtypes)
+    layer_transient = max(attention, sparse_attention) - mlp_side  # an attention layer's, beyond it
     if mixer is not None:
         # The mixer's backward: its kernels' gradients (as large as what they saved) beside the exchange's
         # buffers (what is sent, received and put in sequence order).
@@ -442,18 +481,8 @@ def estimate(
     if layout.checkpointing:  # (a mixer's kernels free what they saved as their backward runs, measured)
         shared = (layout.tiled or stream == 4) and not layout.offload
         rebuilt = weight_copies - (layer_input if shared else 0)
-        # Under CP on the blocked kernel, a recomputed attention layer with a tiled MLP peaks as high as
-        # without tiles (measured on the CPU: the score blocks meet the tiles' buffers): its untiled bytes.
-        recomputed_attention = attention_layer
-        if layout.tiled and layout.cp > 1 and not flash:
-            recomputed_attention = tokens * saved_per_token(shape, cp=layout.cp, ulysses=ulysses, **dtypes)
-        # With tiles, the layer's MLP side (the second norm's and the MLP's inputs) is gone by the
-        # attention's backward (measured on the CPU; untiled, the fitted transients include it).
-        mlp_side = 2 * tokens * shape.hidden * stream if layout.tiled else 0
         recompute = rebuilt + max(
-            recomputed_attention + max(layer_transient - mlp_side, mlp, indexer)
-            if shape.attention_layers
-            else 0,
+            attention_layer + max(layer_transient, mlp, indexer) if shape.attention_layers else 0,
             mixer_layer + mlp if mixer is not None else 0,
         )
 
@@ -475,9 +504,7 @@ def estimate(
         sent = tokens * mixer.exchanged_per_token(layout.cp) * compute * (layout.cp - 1) // layout.cp
         communication += (3 if layout.checkpointing else 2) * mixer.layers * sent
 
-    transients = (attention, sparse_attention, indexer, mlp, loss, recompute)
-    counted = parameters + gradients + optimizer + gathered + saved + selections + max(transients)
-    return MemoryEstimate(
+    unreserved = MemoryEstimate(
         parameters=parameters,
         gradients=gradients,
         optimizer=optimizer,
@@ -490,11 +517,13 @@ def estimate(
         mlp=mlp,
         loss=loss,
         recompute=recompute,
-        reserve=RESERVE_BYTES + int(RESERVE_FRACTION * counted),
+        mlp_side=mlp_side,
+        reserve=0,
         host=host,
         host_transfer=host_transfer,
         communication=communication,
     )
+    return replace(unreserved, reserve=RESERVE_BYTES + int(RESERVE_FRACTION * unreserved.counted))
 
 
 def _ring(group: int, nbytes: int) -> int:

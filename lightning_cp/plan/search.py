@@ -160,7 +160,7 @@ def memory_chunk(shape: ModelShape, seq_len: int, layout: Layout, planned: Memor
     automatic = min(loss_chunk_tokens(shape, tokens), tokens)
     blocks = 2 * 4 * shape.vocab  # bytes of the two fp32 blocks per chunk token
     rest = planned.loss - automatic * blocks
-    others = max(getattr(planned, name) for name in TRANSIENTS if name != "loss")
+    others = max(planned.counted_transient(name) for name in TRANSIENTS if name != "loss")
     chunk = max(MIN_LOSS_CHUNK, (others - rest) // blocks // MIN_LOSS_CHUNK * MIN_LOSS_CHUNK)
     return chunk if chunk < automatic else None
 

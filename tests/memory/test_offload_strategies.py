@@ -1,4 +1,4 @@
-"""``offload_activations=True`` (and ``tile_mlps``, ``tile_norms``) under both strategies at dp=1 x cp=2: the unsharded model's training.
+"""``offload_activations=True`` (and ``tile_model``) under both strategies at dp=1 x cp=2: the unsharded model's training.
 
 The references are the hand-written single-process loops of the strategy tests (the GPT's
 ``F.cross_entropy`` on materialized logits, ``transformers``' own ``labels=`` loss for the tiny Llama),
@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy
 from lightning_cp.data import collate_padded
-from lightning_cp.memory import offload, tile_mlps, tile_norms
+from lightning_cp.memory import offload, tile_model
 from lightning_cp.models import GPTModule, HFCausalLM
 from tests._trainer import cp_trainer
 from tests.hf import test_training as hf_training
@@ -77,8 +77,7 @@ def _fit(model, fsdp, tiled):
         )
         steps = hf_training.STEPS
     if tiled:
-        tile_mlps(module.model, tile_tokens=4)
-        tile_norms(module.model, tile_tokens=3)
+        tile_model(module.model, tile_tokens=3)
     strategy = (MegatronCPFSDPStrategy if fsdp else MegatronCPStrategy)(
         cp=2, activation_checkpointing=[layer_class], offload_activations=True
     )
@@ -100,7 +99,7 @@ def _fit(model, fsdp, tiled):
     ids=["gpt-ddp", "gpt-fsdp", "llama-ddp", "llama-fsdp", "gpt-ddp-tiled", "llama-fsdp-tiled"],
 )
 def test_offloaded_training_equals_the_unsharded_model(world2, model, fsdp, tiled):
-    """Also with the tiled MLPs and norms (``tile_mlps``, ``tile_norms``) inside the checkpointed layers,
+    """Also with the tiled MLPs, norms and projections (``tile_model``) inside the checkpointed layers,
     under DDP and FSDP2."""
     if model == "gpt":
         ref_losses, ref_weights = gpt_training._reference(False)

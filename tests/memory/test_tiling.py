@@ -15,7 +15,15 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from lightning_cp.memory import auto_tile_tokens, tile_experts, tile_mlps, tile_norms, tiled_mlp
+from lightning_cp.memory import (
+    auto_tile_tokens,
+    tile_experts,
+    tile_mlps,
+    tile_model,
+    tile_norms,
+    tile_projections,
+    tiled_mlp,
+)
 from lightning_cp.models.gpt import GPT, GPTConfig
 
 
@@ -234,14 +242,85 @@ def test_tile_norms_finds_a_llama_s_and_a_qwen3_s_norms_and_leaves_gated_ones():
         tile_norms(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
 
 
-def test_a_qwen3_with_tiled_norms_and_mlps_gives_the_same_loss_and_gradients():
+def test_a_tiled_qwen3_and_gpt_give_the_same_loss_and_gradients():
+    """Everything ``tile_model`` tiles (norms in tiles of 3 tokens, the rest automatic): the projections and
+    MLPs recompute the norms' outputs they read, the per-head ``q_norm`` / ``k_norm`` too."""
     torch.manual_seed(0)
-    model = _qwen3(layers=2).double()
-    reference = copy.deepcopy(model)
-    tile_norms(model, tile_tokens=3)
-    tile_mlps(model)
+    qwen3 = _qwen3(layers=2).double()
+    reference = copy.deepcopy(qwen3)
+    tile_model(qwen3, tile_tokens=3)
     ids = torch.randint(0, 32, (2, 20))
-    _assert_same_loss_and_gradients(model, reference, lambda m: m(input_ids=ids, labels=ids).loss)
+    _assert_same_loss_and_gradients(qwen3, reference, lambda m: m(input_ids=ids, labels=ids).loss)
+    gpt = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16)).double()
+    reference = copy.deepcopy(gpt)
+    tile_model(gpt, tile_tokens=3)
+    positions = torch.arange(20).expand(2, 20)
+    weights = torch.randn(2, 20, 16, dtype=torch.float64)
+    _assert_same_loss_and_gradients(gpt, reference, lambda m: (m(ids, positions) * weights).sum())
+
+
+def _saved_norm_outputs(model, run):
+    """How many of the norms' outputs autograd saves while ``run()`` runs (storages counted once)."""
+    outputs, saved = set(), set()
+    hooks = [
+        module.register_forward_hook(lambda m, args, out: outputs.add(out.untyped_storage().data_ptr()))
+        for name, module in model.named_modules()
+        if name.endswith("layernorm")
+    ]
+
+    def pack(tensor):
+        saved.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = run()
+    for hook in hooks:
+        hook.remove()
+    del out
+    return len(outputs & saved)
+
+
+def test_no_layer_keeps_a_tiled_norm_s_output():
+    """A Llama-style layer's two norms: their outputs are read by the attention's projections and by the
+    MLP. Tiled norms and MLPs: the MLP recomputes the second norm's output, the projections save the first's;
+    with the projections of ``tile_model`` too, no norm output is saved at all."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (1, 20))
+    untiled, partly, whole = _qwen3(layers=2), _qwen3(layers=2), _qwen3(layers=2)
+    tile_norms(partly)
+    tile_mlps(partly)
+    tile_model(whole)
+    counts = [
+        _saved_norm_outputs(m, lambda m=m: m.model(input_ids=ids).last_hidden_state)
+        for m in (untiled, partly, whole)
+    ]
+    assert counts == [4, 2, 0]
+
+
+def test_a_norm_output_changed_in_place_or_read_transposed_is_saved_as_it_is():
+    """The tiled norm's output is doubled in place before the projections read it, one of them through a
+    transposed view: its recipe is void and neither reads it as the norm's (which would recompute the
+    undoubled output, or the rows of another token), so both save what they read; exact."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.first, self.second = nn.RMSNorm(8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.norm(x)
+            z = self.norm(x)
+            y.mul_(2)
+            return self.first(y) * self.second(z.transpose(-1, -2))  # [7, 8 features, 8 tokens]
+
+    torch.manual_seed(0)
+    model = Block().double()
+    with torch.no_grad():
+        model.norm.weight.normal_()
+    reference = copy.deepcopy(model)
+    assert tile_norms(model, tile_tokens=3) + tile_projections(model, 3) == ["norm", "first", "second"]
+    x = torch.randn(7, 8, 8, dtype=torch.float64)
+    _assert_same_loss_and_gradients(model, reference, lambda m: (m(x) ** 2).sum())
 
 
 def test_the_tiles_are_recomputed_under_the_forward_s_autocast():
@@ -323,7 +402,7 @@ def test_tiled_experts_give_the_untiled_loss_router_loss_and_gradients(model_typ
     torch.manual_seed(0)
     reference = _moe_model(model_type)
     model = copy.deepcopy(reference)
-    tiled = tile_experts(model, 5)
+    tiled = tile_model(model, 5)  # the experts, and the norms' outputs they read recomputed
     assert any(name.endswith(".experts") for name in tiled)
     ids = torch.randint(0, reference.config.vocab_size, (1, 12))
     outputs = []
@@ -355,3 +434,23 @@ def test_tile_experts_refuses_experts_it_cannot_route_and_a_dense_model():
         tile_experts(llama4)
     with pytest.raises(ValueError, match="no mixture of experts"):
         tile_experts(_qwen3(layers=1))
+
+
+def test_a_projection_reading_an_fp32_output_of_a_bf16_norm_input_gets_an_fp32_gradient():
+    """A norm that returns fp32 from a bf16 input (as some ``transformers`` norms upcast): the projection
+    saves the bf16 input, and the gradient it returns for the norm's output is fp32, as the output is."""
+
+    class UpcastRMSNorm(nn.RMSNorm):
+        def forward(self, x):
+            return super().forward(x.float())
+
+    torch.manual_seed(0)
+    model = nn.Sequential(UpcastRMSNorm(16), nn.Linear(16, 16))
+    reference = copy.deepcopy(model)
+    tile_norms(model, tile_tokens=3)
+    tile_projections(model, tile_tokens=3)
+    x = torch.randn(10, 16).bfloat16()
+    want, got = _grads(reference, x, lambda m, t: m(t)), _grads(model, x, lambda m, t: m(t))
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    for a, b in zip(got[2], want[2], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

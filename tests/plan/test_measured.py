@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_cp.hf.mixers import adapt_token_mixers
-from lightning_cp.memory import has_experts, tile_experts, tile_mlps, tile_norms
+from lightning_cp.memory import tile_model
 from lightning_cp.models.gpt import GPT, GPTConfig
 from lightning_cp.ops import linear_cross_entropy
 from lightning_cp.parallel import _varlen, context_parallel_attention
@@ -100,10 +100,7 @@ class _Step:
         self.model, self.shape, layer = build()
         adapt_token_mixers(self.model, cp)  # a hybrid's mixers, as the strategy's setup (none in the others)
         if tiled:  # as HFCausalLM(tiled=True)
-            tile_mlps(self.model)
-            tile_norms(self.model)
-            if has_experts(self.model):
-                tile_experts(self.model)
+            tile_model(self.model)
         if checkpointing:
             apply_checkpointing(self.model, [layer])
         self.tokens = tokens // cp  # the blocked kernel of CP ranks is slow on the CPU

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_cp.memory import tile_mlps, tile_norms
+from lightning_cp.memory import tile_model
 from lightning_cp.models.gpt import GPT, GPTConfig
 from lightning_cp.ops import linear_cross_entropy
 from lightning_cp.parallel.sharding import shard_batch
@@ -56,8 +56,7 @@ def test_step_peak_within_10_percent_of_the_plan(build, checkpointing: bool, til
     model, shape = build()
     model.to(device)
     if tiled:
-        tile_mlps(model)
-        tile_norms(model)
+        tile_model(model)
     if checkpointing:
         layer = model.blocks[0] if isinstance(model, GPT) else model.model.layers[0]
         apply_checkpointing(model, [type(layer)])
