@@ -110,6 +110,7 @@ class _SparseAttention(torch.autograd.Function):
                 block_out = torch.einsum("bhgn,bnhd->bhgd", probabilities, _up(values[rows]))
                 out[block, q_heads] = block_out.flatten(1, 2).to(out.dtype)
                 lse[q_heads, block] = block_lse.flatten(1, 2).T
+                del probabilities, block_out  # this block's, before the next block's are made
             del keys, values
         if sinks is not None:
             out, lse = _varlen.add_sinks(out, lse, sinks)
@@ -149,6 +150,7 @@ class _SparseAttention(torch.autograd.Function):
                 key_grad.index_add_(
                     0, rows.flatten(), torch.einsum("bhgn,bhgd->bnhd", ds, queries).flatten(0, 1)
                 )
+                del block_keys, block_values, probabilities, dp, ds  # before the next block's are made
             del keys, values
             split = key_grad.shape[1] * key_grad.shape[2]
             full = key_grad.new_zeros((order.numel(), split + value_grad.shape[1] * value_grad.shape[2]))

@@ -46,7 +46,7 @@ class SparseLayerBytes:
     """The attention backward's transient: the incoming gradient and ``dq``, ``dk``, ``dv`` (compute dtype),
     and the largest of one round's phases: its gathered keys and values beside their fp32 gradients and a
     block, or at the round's end three fp32 ``[K, h * (D + Dv)]`` buffers (the gradients, their concatenation
-    and the rank-major buffer that is reduce-scattered) beside the last block's keys and values."""
+    and the rank-major buffer that is reduce-scattered)."""
 
     @property
     def peak(self) -> int:
@@ -107,7 +107,7 @@ def sparse_layer_bytes(
     block_scores = 3 * 4 * selected * round_heads + (ROWS_BYTES + 1) * selected
     one_side = selected * heads_per_round * max(shape.head_dim, shape.v_head_dim)
     forward = max(2 * round_kv, round_kv + one_side * (4 + upcast) + block_scores)
-    block_kv = selected * round_dims * 4  # the last block's keys and values outlive the loop
+    block_kv = selected * round_dims * 4
     # A block's selected keys and values beside one side's fp32 gradient, made and then flattened (a copy).
     block_backward = block_kv + one_side * (2 * 4 + upcast) + block_scores
     local_grads = tokens * (shape.q_dim + shape.out_dim + shape.kv_dim + shape.v_dim) * compute_bytes
@@ -115,7 +115,7 @@ def sparse_layer_bytes(
     backward = local_grads + max(
         delta,
         4 * shape.heads * tokens
-        + max(2 * round_kv, round_kv + round_grads + block_backward, 3 * round_grads + block_kv),
+        + max(2 * round_kv, round_kv + round_grads + block_backward, 3 * round_grads),
     )
     return SparseLayerBytes(
         selection=selection, output=output, indexer=indexer, forward=forward, backward=backward
