@@ -302,9 +302,11 @@ class _ProjectionForward(_TiledForward):
     :class:`_Tiled` (in one piece forward, over tiles backward) so that the norm's input is saved instead."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
-        (x,) = self.signature.bind(*args, **kwargs).arguments.values()
-        if not torch.is_grad_enabled() or x.dim() < 2 or _NormOutput.of(x) is None:
-            return self.original(x)
+        arguments = list(self.signature.bind(*args, **kwargs).arguments.values())
+        x = arguments[0] if len(arguments) == 1 else None  # a subclass's forward may take more
+        reads_norm = isinstance(x, Tensor) and x.dim() >= 2 and _NormOutput.of(x) is not None
+        if not (torch.is_grad_enabled() and reads_norm):
+            return self.original(*args, **kwargs)
         return _tiled(self.original, self.original.__self__, [x], self.tile_tokens, tile_forward=False)
 
 

@@ -260,10 +260,11 @@ def test_a_tiled_qwen3_and_gpt_give_the_same_loss_and_gradients():
 
 
 def _saved_norm_outputs(model, run):
-    """How many of the norms' outputs autograd saves while ``run()`` runs (storages counted once)."""
-    outputs, saved = set(), set()
+    """How many of the norms' outputs autograd saves while ``run()`` runs (storages counted once). The
+    outputs are held until the count is made, so that no other tensor reuses their memory."""
+    outputs, saved = [], set()
     hooks = [
-        module.register_forward_hook(lambda m, args, out: outputs.add(out.untyped_storage().data_ptr()))
+        module.register_forward_hook(lambda m, args, out: outputs.append(out))
         for name, module in model.named_modules()
         if name.endswith("layernorm")
     ]
@@ -277,7 +278,7 @@ def _saved_norm_outputs(model, run):
     for hook in hooks:
         hook.remove()
     del out
-    return len(outputs & saved)
+    return len({output.untyped_storage().data_ptr() for output in outputs} & saved)
 
 
 def test_no_layer_keeps_a_tiled_norm_s_output():
