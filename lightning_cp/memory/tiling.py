@@ -273,6 +273,10 @@ class _TiledForward:
         self.inputs = inputs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        return _tiled(self.original, self.original.__self__, self._tensors(args, kwargs), self.tile_tokens)
+
+    def _tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+        """The call's ``inputs`` token-aligned tensors, checked."""
         tensors = list(self.signature.bind(*args, **kwargs).arguments.values())
         if len(tensors) != self.inputs or not all(isinstance(t, Tensor) and t.dim() >= 2 for t in tensors):
             raise ValueError(
@@ -281,7 +285,7 @@ class _TiledForward:
         if len({t.shape[-2] for t in tensors}) > 1:
             shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
             raise ValueError(f"a tiled module's inputs must share their token dim -2; got {shapes}.")
-        return _tiled(self.original, self.original.__self__, tensors, self.tile_tokens)
+        return tensors
 
 
 class _TiledNormForward(_TiledForward):
@@ -289,9 +293,9 @@ class _TiledNormForward(_TiledForward):
     it from."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
-        out = super().__call__(*args, **kwargs)
+        (x,) = self._tensors(args, kwargs)
+        out = _tiled(self.original, self.original.__self__, [x], self.tile_tokens)
         if out.requires_grad:
-            (x,) = self.signature.bind(*args, **kwargs).arguments.values()
             recipe = _NormOutput(_Norm(self.original, _autocast_state(x)), x, out._version)
             setattr(out, _NORM_OUTPUT, recipe)
         return out
