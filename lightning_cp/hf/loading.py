@@ -241,7 +241,8 @@ def load_pretrained(
     dtype: torch.dtype | None = None,
     attn_implementation: str | None = ATTN_IMPLEMENTATION,
 ) -> nn.Module:
-    """The ``AutoModelForCausalLM`` saved in the local directory ``path``, for a module's ``configure_model``.
+    """The ``AutoModelForCausalLM`` saved in the local directory ``path``, for a module's ``configure_model``,
+    in training mode (as a module built from a config is; ``from_pretrained`` alone returns it in eval mode).
 
     Under :func:`deferred_loading` (``MegatronCPFSDPStrategy``), the parameters are on the ``meta`` device
     and the strategy fills each rank's shards after sharding (:func:`materialize_pretrained`); buffers
@@ -271,9 +272,13 @@ def load_pretrained(
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     composite = is_composite(config)
     if not _deferring.get() and not composite:
-        return AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
         )
+        # from_pretrained returns the model in eval mode; Lightning keeps the modes it finds, so the model
+        # would train without dropout and without transformers' gradient checkpointing (which runs only
+        # `if self.training`), unlike the meta-device build below.
+        return model.train()
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(
             text_config(config), dtype=dtype, attn_implementation=attn_implementation

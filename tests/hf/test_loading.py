@@ -9,13 +9,17 @@ import re
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
+from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy
 from lightning_cp.cli import main as cli_main
+from lightning_cp.data import collate_padded
 from lightning_cp.hf.loading import check_causal_lm_config
 from lightning_cp.models import HFCausalLM
 from tests.hf._families import tiny_config
 from tests.hf._models import VOCAB, build
 from tests.hf._pretrained import SEQ, assert_logits_of, save_pretrained, sharded_logits
+from tests._trainer import quiet_trainer
 
 transformers = pytest.importorskip("transformers")
 
@@ -178,3 +182,50 @@ def _load_error(directory):
     except ValueError as error:
         return str(error)
     return None
+
+
+# --- a pretrained model trains in training mode -----------------------------------------------------------
+
+
+class _ModeAndRecomputation(HFCausalLM):
+    """Records, at every training batch, whether the model is in training mode and how many times layer 0's
+    MLP ran in the batch's step (twice with transformers' gradient checkpointing: forward and recomputation)."""
+
+    def configure_model(self):
+        super().configure_model()
+        self.seen = []
+        self.calls = 0
+
+        mlp = self.model.model.layers[0].mlp
+        forward = mlp.forward
+
+        def counted(*args, **kwargs):  # a forward hook would not see the recomputation
+            self.calls += 1
+            return forward(*args, **kwargs)
+
+        mlp.forward = counted
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.calls = 0
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.seen.append((self.model.training, self.calls))
+
+
+def _modes_and_recomputations(directory, fsdp):
+    torch.manual_seed(0)
+    data = [{"input_ids": torch.randint(0, VOCAB, (SEQ,))} for _ in range(4)]
+    strategy = (MegatronCPFSDPStrategy if fsdp else MegatronCPStrategy)(cp=2)
+    module = _ModeAndRecomputation(str(directory), gradient_checkpointing=True)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=2)
+    trainer.fit(module, DataLoader(data, batch_size=2, collate_fn=collate_padded))
+    return module.seen
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_a_pretrained_model_trains_in_training_mode_with_its_checkpointing(world2, tmp_path, fsdp):
+    """from_pretrained returns eval mode, and Lightning keeps the modes it finds: under DDP the model trained
+    without dropout and without transformers' gradient checkpointing (which runs `if self.training`)."""
+    directory = save_pretrained("llama", tmp_path / "llama")
+    for seen in world2.run(_modes_and_recomputations, directory, fsdp):
+        assert seen == [(True, 2), (True, 2)]
