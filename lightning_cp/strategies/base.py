@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -43,6 +44,7 @@ from lightning_cp.strategies._modules import (
     resolve_classes,
 )
 from lightning_cp.strategies.checkpoint_io import AtomicCheckpointIO
+from lightning_cp.strategies.epoch_position import resume_inside_the_epoch
 from lightning_cp.strategies.global_batch import GlobalBatchRecord
 from lightning_cp.strategies.integrations import integrations
 from lightning_cp.strategies.preemption import PreemptionCheckpoint, StopOnSigterm
@@ -315,6 +317,18 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         if self.global_rank != 0:
             return {}
         return {name: tensor.detach().cpu() for name, tensor in self.lightning_module.state_dict().items()}
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint, a run stopped before the end of its epoch resuming inside that epoch
+        (:func:`~lightning_cp.strategies.epoch_position.resume_inside_the_epoch`)."""
+        checkpoint = self._read_checkpoint(checkpoint_path, weights_only)
+        resume_inside_the_epoch(checkpoint)
+        return checkpoint
+
+    def _read_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:
+        """The checkpoint file, read by the ``CheckpointIO`` (the FSDP strategy reads its shards)."""
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

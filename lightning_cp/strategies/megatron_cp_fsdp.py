@@ -285,7 +285,7 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         save_sharded(checkpoint, Path(self.broadcast(filepath)), self.global_rank)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def _read_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:
         """Load a sharded folder (resharded by DCP if the layout differs) or a consolidated file.
 
         The model and optimizer states go straight into the sharded model and optimizers; the rest of the

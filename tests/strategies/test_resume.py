@@ -30,7 +30,13 @@ class _Losses(Callback):
         self.losses[trainer.global_step] = outputs["loss"].item()
 
 
-def _fit(cp: int, directory: str, ckpt_path: str | None = None) -> dict[int, float]:
+def _fit(
+    cp: int,
+    directory: str,
+    ckpt_path: str | None = None,
+    steps: int = STEPS,
+    checkpoint: ModelCheckpoint | None = None,
+) -> dict[int, float]:
     seed_everything(0)
     module = GPTModule(GPTConfig(vocab_size=32, n_layer=1, n_head=2, n_embd=16), lr=1e-2)
     data = LongRangeDataModule(
@@ -39,10 +45,13 @@ def _fit(cp: int, directory: str, ckpt_path: str | None = None) -> dict[int, flo
     losses = _Losses()
     trainer = cp_trainer(
         cp,
-        max_steps=STEPS,
+        max_steps=steps,
         limit_val_batches=0,
         enable_checkpointing=True,
-        callbacks=[losses, ModelCheckpoint(dirpath=directory, every_n_train_steps=RESUME_AT, save_top_k=-1)],
+        callbacks=[
+            losses,
+            checkpoint or ModelCheckpoint(dirpath=directory, every_n_train_steps=RESUME_AT, save_top_k=-1),
+        ],
     )
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return losses.losses
@@ -64,6 +73,27 @@ def test_resuming_mid_epoch_continues_with_the_next_batches(world2, tmp_path, cp
     uninterrupted, resumed = world2.run(_interrupted_and_resumed, cp, str(tmp_path))[0]
     assert sorted(resumed) == list(range(RESUME_AT + 1, STEPS + 1))
     for step, loss in resumed.items():
+        assert loss == pytest.approx(uninterrupted[step], rel=1e-6, abs=0), f"step {step}"
+
+
+def _stopped_and_extended(directory: str, on_train_epoch_end: bool) -> dict[int, float]:
+    """A run of RESUME_AT steps whose ``last.ckpt`` is saved when it ends (from ``on_train_epoch_end``, or
+    ``on_train_end``), then the same run extended to STEPS from it."""
+    def last() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=directory, save_last=True, save_on_train_epoch_end=on_train_epoch_end)
+
+    _fit(2, directory, steps=RESUME_AT, checkpoint=last())
+    return _fit(2, directory, os.path.join(directory, "last.ckpt"), checkpoint=last())
+
+
+@pytest.mark.parametrize("on_train_epoch_end", [True, False], ids=["epoch-end-hook", "train-end-hook"])
+def test_extending_a_finished_run_continues_its_epoch(world2, tmp_path, on_train_epoch_end):
+    # Lightning counts the epoch a max_steps stop ended as processed: resumed as is, the run started the next
+    # epoch (another sampler order) and never saw the rest of the first.
+    uninterrupted = world2.run(_fit, 2, str(tmp_path / "uninterrupted"))[0]
+    extended = world2.run(_stopped_and_extended, str(tmp_path / "extended"), on_train_epoch_end)[0]
+    assert sorted(extended) == list(range(RESUME_AT + 1, STEPS + 1))
+    for step, loss in extended.items():
         assert loss == pytest.approx(uninterrupted[step], rel=1e-6, abs=0), f"step {step}"
 
 
