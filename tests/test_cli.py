@@ -698,7 +698,9 @@ def test_main_job_config_runs_with_summary_checkpoint_and_metrics(
     assert status == 0, err[-3000:]
     assert out.strip() == (
         f"lightning-cp: {checkpoint} already reached trainer.max_steps=4 (step 4): nothing to train. Raise "
-        "--trainer.max_steps to continue, or --ckpt_path null to start over."
+        "--trainer.max_steps or --trainer.max_epochs to continue it (the optimizer state and the data position "
+        "carry on; a new data file, such as the next RL round's rollouts, trains as the next epochs), or "
+        "--ckpt_path null to start over."
     )
     assert sorted(p.name for p in (tmp_path / "csv").iterdir()) == ["version_0", "version_1", "version_2"]
 

@@ -316,3 +316,10 @@ def test_the_rl_recipe_runs_in_its_commands(journey_dir, monkeypatch, world2):
         "completion_length",
     }
     assert 0 < float(values["clip_fraction"]) < 1 and float(values["kl"]) > 0
+
+    # The next round's fit with the same ckpt_path (last): the finished run's max_epochs is said, not a run
+    # that trains nothing and reports "training finished".
+    ranks = world2.run(_in_directory, journey_dir, captured, main, args)
+    assert [rank.status for rank in ranks] == [0, 0]
+    assert "already trained trainer.max_epochs=2 (epoch 2, step 12): nothing to train" in ranks[0].out
+    assert "training finished" not in ranks[0].out

@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_cp.checkpoint_format import UnreadableCheckpoint, open_checkpoint
 from lightning_cp.cli.parse_errors import ConfigurationError
 from lightning_cp.strategies import MegatronCPFSDPStrategy
+from lightning_cp.strategies.epoch_position import finished_epochs
 
 _DATA_KEYS = ("vocab_size",)
 """Data module hyperparameters that must match the checkpoint's: another vocabulary trains another task."""
@@ -39,6 +40,8 @@ class CheckpointInfo:
     """A folder written by ``MegatronCPFSDPStrategy`` (``meta.pt`` and DCP shards) rather than one file."""
     global_step: int
     """Optimizer steps taken when it was saved."""
+    finished_epochs: int
+    """Training epochs run to their last batch when it was saved (what ``max_epochs`` is compared with)."""
     model: dict[str, Any]
     """The model's hyperparameters (``_class_path`` included when the ``lightning-cp`` command saved it)."""
     data: dict[str, Any]
@@ -95,6 +98,7 @@ def read_checkpoint(path: Path, trainer: Trainer) -> CheckpointInfo:
         path=path,
         sharded=checkpoint.sharded,
         global_step=checkpoint.global_step,
+        finished_epochs=finished_epochs(checkpoint.metadata),
         model=checkpoint.hyper_parameters,
         data=checkpoint.datamodule_hyper_parameters,
     )

@@ -55,6 +55,13 @@ _SUBCOMMANDS = ("fit", "validate", "test", "predict")
 _DEFAULT_CLASSES = {"model": "lightning_cp.models.GPTModule", "data": "lightning_cp.data.LongRangeDataModule"}
 """The model and data of a command that names none (the long-range task)."""
 
+_EXTEND = (
+    "Raise --trainer.max_steps or --trainer.max_epochs to continue it (the optimizer state and the data "
+    "position carry on; a new data file, such as the next RL round's rollouts, trains as the next epochs), or "
+    "--ckpt_path null to start over."
+)
+"""What a ``fit`` whose checkpoint already reached the trainer's limits says to do."""
+
 _SUMMARY_METRICS = (
     "train/loss_epoch",
     "val/loss",
@@ -202,20 +209,15 @@ class CPLightningCLI(LightningCLI):
 
         ``ckpt_path: last`` resumes the newest ``last*.ckpt`` of this run name (:meth:`_checkpoint_to_load`),
         so re-running the same command after a crash or a preemption continues where it stopped; a run whose
-        checkpoint already reached ``max_steps`` says so and ends with status 0 without training (nor a new
-        ``version_N``).
+        checkpoint already reached ``max_steps`` or ``max_epochs`` says so and ends with status 0 without
+        training (nor a new ``version_N``).
 
         The summary is printed when training ends, is preempted or crashes. A SIGTERM stop (preemption:
         every rank stopped after the same step, ``last.ckpt`` saved) ends the command with status 143.
         """
-        max_steps = self.trainer.max_steps
-        if self.checkpoint is not None and 0 <= max_steps <= self.checkpoint.global_step:
-            print(
-                f"lightning-cp: {self.checkpoint.path} already reached trainer.max_steps={max_steps} "
-                f"(step {self.checkpoint.global_step}): nothing to train. Raise --trainer.max_steps to "
-                "continue, or --ckpt_path null to start over.",
-                flush=True,
-            )
+        finished = self._finished_by_checkpoint()
+        if finished is not None:
+            print(f"lightning-cp: {finished}: nothing to train. {_EXTEND}", flush=True)
             return
         try:
             self.trainer.fit(**kwargs)
@@ -228,6 +230,21 @@ class CPLightningCLI(LightningCLI):
             self._print_summary("stopped by an error")
             raise
         self._print_summary("finished")
+
+    def _finished_by_checkpoint(self) -> str | None:
+        """What the checkpoint to resume already reached of the trainer's limits (``max_steps``,
+        ``max_epochs``), said in words; ``None`` when it leaves something to train."""
+        info, loop = self.checkpoint, self.trainer.fit_loop
+        if info is None:
+            return None
+        if 0 <= loop.max_steps <= info.global_step:
+            return f"{info.path} already reached trainer.max_steps={loop.max_steps} (step {info.global_step})"
+        if loop.max_epochs is not None and 0 <= loop.max_epochs <= info.finished_epochs:
+            return (
+                f"{info.path} already trained trainer.max_epochs={loop.max_epochs} "
+                f"(epoch {info.finished_epochs}, step {info.global_step})"
+            )
+        return None
 
     def validate(self, **kwargs: Any) -> None:
         """``trainer.validate``, then a summary naming the checkpoint evaluated and the logs (rank 0)."""

@@ -14,7 +14,7 @@ continues with the epoch's next batch, as the uninterrupted run would.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 
@@ -24,14 +24,34 @@ def resume_inside_the_epoch(checkpoint: MutableMapping[str, Any]) -> None:
     A checkpoint whose training epoch reached its last batch, or that has no fit loop state (saved by
     ``trainer.save_checkpoint`` outside ``fit``, or by another version of Lightning), is left unchanged.
     """
-    loop = checkpoint.get("loops", {}).get("fit_loop")
-    if not isinstance(loop, MutableMapping):
+    loop = _fit_loop(checkpoint)
+    if loop is None or not _stopped_inside_its_epoch(loop):
         return
-    batches = loop.get("epoch_loop.batch_progress", {})
     epochs = loop.get("epoch_progress", {})
-    if batches.get("is_last_batch", True) or not batches.get("current", {}).get("completed"):
-        return  # the epoch ran to its end, or no batch of it was trained: nothing is lost
     for count in (epochs.get("total"), epochs.get("current")):
-        if not count or count["processed"] != count["started"]:
-            continue  # saved while the epoch was running: already resumes inside it
-        count["processed"] = count["completed"] = count["started"] - 1
+        if count and count["processed"] == count["started"]:  # else saved while the epoch ran: resumes inside
+            count["processed"] = count["completed"] = count["started"] - 1
+
+
+def finished_epochs(checkpoint: Mapping[str, Any]) -> int:
+    """The training epochs of ``checkpoint`` that ran to their last batch (0 without fit loop state): what
+    ``Trainer(max_epochs=...)`` is compared with when it resumes from it."""
+    loop = _fit_loop(checkpoint)
+    if loop is None:
+        return 0
+    processed = int(loop.get("epoch_progress", {}).get("current", {}).get("processed", 0))
+    started = int(loop.get("epoch_progress", {}).get("current", {}).get("started", 0))
+    if _stopped_inside_its_epoch(loop) and processed == started:
+        return processed - 1
+    return processed
+
+
+def _fit_loop(checkpoint: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    loop = checkpoint.get("loops", {}).get("fit_loop")
+    return loop if isinstance(loop, Mapping) else None
+
+
+def _stopped_inside_its_epoch(loop: Mapping[str, Any]) -> bool:
+    """Whether the fit loop's last epoch trained some batches but not its last one."""
+    batches = loop.get("epoch_loop.batch_progress", {})
+    return not batches.get("is_last_batch", True) and bool(batches.get("current", {}).get("completed"))

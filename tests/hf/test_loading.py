@@ -16,10 +16,10 @@ from lightning_cp.cli import main as cli_main
 from lightning_cp.data import collate_padded
 from lightning_cp.hf.loading import check_causal_lm_config
 from lightning_cp.models import HFCausalLM
+from tests._trainer import quiet_trainer
 from tests.hf._families import tiny_config
 from tests.hf._models import VOCAB, build
 from tests.hf._pretrained import SEQ, assert_logits_of, save_pretrained, sharded_logits
-from tests._trainer import quiet_trainer
 
 transformers = pytest.importorskip("transformers")
 

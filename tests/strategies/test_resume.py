@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_cp.data import LongRangeDataModule
 from lightning_cp.models import GPTConfig, GPTModule
 from lightning_cp.strategies.checkpoint_io import AtomicCheckpointIO
+from lightning_cp.strategies.epoch_position import finished_epochs
 from tests._trainer import cp_trainer
 
 STEPS, RESUME_AT = 6, 3  # an epoch of 12 batches: the checkpoint is mid-epoch
@@ -79,10 +80,13 @@ def test_resuming_mid_epoch_continues_with_the_next_batches(world2, tmp_path, cp
 def _stopped_and_extended(directory: str, on_train_epoch_end: bool) -> dict[int, float]:
     """A run of RESUME_AT steps whose ``last.ckpt`` is saved when it ends (from ``on_train_epoch_end``, or
     ``on_train_end``), then the same run extended to STEPS from it."""
+
     def last() -> ModelCheckpoint:
         return ModelCheckpoint(dirpath=directory, save_last=True, save_on_train_epoch_end=on_train_epoch_end)
 
     _fit(2, directory, steps=RESUME_AT, checkpoint=last())
+    stopped = torch.load(os.path.join(directory, "last.ckpt"), weights_only=False)
+    assert finished_epochs(stopped) == 0  # what the CLI compares with max_epochs
     return _fit(2, directory, os.path.join(directory, "last.ckpt"), checkpoint=last())
 
 
