@@ -23,7 +23,10 @@ again alike. Without ``cp_shard`` (a callback, ``generate``, no strategy) the in
 given the dense mask, and the attention applies its selection as the model's eager path does.
 
 The indexers select under ``torch.no_grad`` in every family, and nothing trains them (no auxiliary loss in
-``transformers``): their weights get no gradient here either.
+``transformers``): their weights get no gradient here either, and :func:`adapt_indexers` says so by setting
+their ``requires_grad`` to ``False``. DDP then leaves them out of its buckets; with ``requires_grad`` left on it
+stops at the first step (a parameter that took no part in the loss), unless ``find_unused_parameters=True``
+makes it search the graph at every step.
 
 Families whose indexer is built otherwise are refused by name (:data:`REFUSED`).
 """
@@ -143,7 +146,7 @@ _ADAPTED = "_lightning_cp_adapted_indexer"
 def adapt_indexers(model: nn.Module) -> list[str]:
     """Give every indexer of ``model`` that :data:`INDEXERS` knows the context-parallel forward of this module's
     docstring, and its attention layer the hooks that hand it the call's ``cp_shard`` (once; the parameters and
-    their names do not change).
+    their names do not change). The indexers' parameters, which no loss reaches, are frozen.
 
     Returns:
         The names of the adapted indexers.
@@ -158,6 +161,7 @@ def adapt_indexers(model: nn.Module) -> list[str]:
             layer.register_forward_pre_hook(_lend_shard(indexer), with_kwargs=True)
             layer.register_forward_hook(_take_shard_back(indexer), always_call=True)
             setattr(indexer, _ADAPTED, True)
+        indexer.requires_grad_(False)
         adapted.append(f"{name}.indexer" if name else "indexer")
     return adapted
 

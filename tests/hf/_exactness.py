@@ -143,3 +143,58 @@ def failures(results: dict) -> list[str]:
                 )
                 break
     return found
+
+
+class _FirstStep(HFCausalLM):
+    """Records the weights it starts from, and the loss and gradients of its first optimizer step as the
+    strategy leaves them (DDP's averages over DP x CP, or FSDP's shards gathered)."""
+
+    def on_train_start(self) -> None:
+        self.initial = {n: _whole(t).clone() for n, t in self.model.state_dict().items()}
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        layout = self.trainer.strategy.layout
+        self.grads = {n: _whole(grad(p)).flatten() for n, p in self.model.named_parameters()}
+        loss = self.step_loss.clone()
+        dist.all_reduce(loss, group=layout.loss_group)
+        self.loss = loss / (layout.dp * layout.cp)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.step_loss = loss.detach()
+        return loss
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def fit_step(configs: dict[str, dict], cp: int, fsdp: bool) -> dict:
+    """On every rank: each family's first step through ``Trainer.fit`` under the package's strategy (DDP's own
+    unused-parameter check and gradient averaging, or FSDP's) on the padded global batch; rank 0 also gives the
+    reference of its initial weights. The same keys as :func:`train_step`'s results."""
+    import transformers
+    from torch.utils.data import DataLoader
+
+    from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy
+    from lightning_cp.data import collate_padded
+    from tests._trainer import quiet_trainer
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    dp = dist.get_world_size() // cp
+    data = [{"input_ids": row["input_ids"][0]} for row in rows(packed=False)]
+    results = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        module = _FirstStep(config)
+        strategy = (MegatronCPFSDPStrategy if fsdp else MegatronCPStrategy)(cp=cp)
+        trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=1)
+        loader = DataLoader(data, batch_size=len(data) // dp, collate_fn=collate_padded)
+        trainer.fit(module, loader)
+        results[name] = {"loss": module.loss, "grads": module.grads}
+        if dist.get_rank() == 0:
+            results[name]["expected"] = reference(config, module.initial, packed=False)
+    return results

@@ -10,6 +10,8 @@ indexer's ReLU rarely ties scores at zero; weights at 10x the default initialize
   every parameter's gradient against the reference (one training step of ``HFCausalLM``), the indexers' weights
   included (no gradient, as in the model);
 - activation checkpointing (one case): the recomputed layers select again;
+- through ``Trainer.fit`` under both strategies at cp 2: DDP's unused-parameter check (the frozen indexers) and
+  its averaged gradients, FSDP's gathered ones;
 - without ``cp_shard`` (``generate``): the adapted model equals its eager attention, prefill and decoding;
 - refusals: the composites without a causal LM name their indexers (Qwen4's and DeepSeek-V4's refusals are in
   the family matrix, ``tests/hf/test_families.py``).
@@ -110,6 +112,15 @@ SPARSE: dict[str, dict] = {
 )
 def test_every_sparse_family_trains_as_the_unsharded_model(world4, cp, packed, checkpointing):
     results = world4.run(_exactness.train_step, SPARSE, cp, packed, gradient_checkpointing=checkpointing)[0]
+    assert set(results) == set(SPARSE)
+    failures = _exactness.failures(results)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_every_sparse_family_trains_through_the_strategies(world2, fsdp):
+    # The indexers take no part in the loss: DDP's unused-parameter check stopped every family at its first step.
+    results = world2.run(_exactness.fit_step, SPARSE, 2, fsdp)[0]
     assert set(results) == set(SPARSE)
     failures = _exactness.failures(results)
     assert not failures, "\n".join(failures)
