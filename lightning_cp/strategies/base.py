@@ -23,12 +23,14 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_cp.constants import CP_SHARD
 from lightning_cp.memory.offload import ActivationOffload
 from lightning_cp.parallel import groups
 from lightning_cp.parallel.attention_mode import AttentionKind, AttentionMode
+from lightning_cp.parallel.grad_norm import clip_grad_norm_
 from lightning_cp.parallel.layout import (
     ParallelLayout,
     ProcessGroup,
@@ -301,7 +303,8 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The ``LightningModule``'s whole weights (its ``state_dict``) on global rank 0, as CPU tensors;
         an empty dict on the other ranks. The way to get them from a callback (to save or publish a model,
-        to evaluate a copy): every rank must call it, as every rank runs a callback's hooks.
+        to evaluate a copy), or after ``fit`` returns (the trained weights): every rank must call it, as
+        every rank runs a callback's hooks.
 
         Communication: none here (every rank holds the weights whole); under FSDP an all-gather of every
         parameter, one at a time.
@@ -309,14 +312,23 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         Raises:
             NotImplementedError: with ``tp > 1``, whose shards only the model knows how to put together.
         """
-        if self.layout.tp > 1:
+        if self.tp > 1:
             raise NotImplementedError(
-                f"{type(self).__name__}(tp={self.layout.tp}).full_state_dict(): the tensor-parallel shards are "
+                f"{type(self).__name__}(tp={self.tp}).full_state_dict(): the tensor-parallel shards are "
                 "the model's own (Megatron-style splits); gather them as the model defines."
             )
         if self.global_rank != 0:
             return {}
         return {name: tensor.detach().cpu() for name, tensor in self.lightning_module.state_dict().items()}
+
+    @override
+    def setup_precision_plugin(self) -> None:
+        """Lightning's, and under ``tp > 1`` gradient clipping by the whole model's norm: each tensor-parallel
+        shard counted once over the TP group (:func:`lightning_cp.parallel.grad_norm.clip_grad_norm_`), where
+        Lightning's ``clip_grad_norm_`` sees this TP rank's shards only."""
+        super().setup_precision_plugin()
+        if self.layout.tp > 1:
+            _clip_over_tensor_parallel(self.precision_plugin, self.layout.tp_group)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -372,6 +384,15 @@ def broadcast_from_first(tensors: Iterable[torch.Tensor], group: ProcessGroup | 
     src = dist.get_global_rank(group, 0)
     for tensor in tensors:
         dist.broadcast(tensor.data, src=src, group=group)
+
+
+def _clip_over_tensor_parallel(plugin: Precision, tp_group: ProcessGroup | None) -> None:
+    """Make ``plugin``'s norm clipping (``gradient_clip_val``) clip by the norm of every TP rank's shards."""
+
+    def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+        clip_grad_norm_(plugin.main_params(optimizer), float(clip_val), tp_group)
+
+    plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
 
 def _check_shard_reached(module: LightningModule | None, cp: int, batch: Any) -> None:

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_cp import MegatronCPStrategy
+from lightning_cp import CPLossMixin, MegatronCPStrategy
 from lightning_cp.data import LongRangeCopyDataset, collate_packed, collate_padded
 from lightning_cp.models import GPT, GPTConfig, GPTModule
 from lightning_cp.parallel import CPShard, CPSplit, ParallelLayout, current_layout
@@ -488,3 +488,72 @@ def test_evaluation_keeps_each_rank_s_tensor_parallel_shard(world2):
     each rank's, and replicated weights come from TP rank 0 (as when fitting)."""
     for rank, (shard, replicated) in enumerate(world2.run(_validate_with_tp_shards)):
         assert shard == [float(rank)] and replicated == [0.0]
+
+
+# --- gradient clipping over tensor-parallel shards -----------------------------------------------------------
+
+TP_VOCAB, TP_HIDDEN, TP_CLIP = 24, 8, 0.05
+
+
+def _tp_rows():
+    """8 rows: two global batches of 4 (2 per DP rank at dp 2)."""
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": ids} for ids in torch.randint(0, TP_VOCAB, (8, 14), generator=g)]
+
+
+class _VocabParallelHead(CPLossMixin, LightningModule):
+    """An embedding replicated on every TP rank and an output head split over the vocabulary (a TP shard), as
+    Megatron marks it; SGD, so the clipped gradient is the update."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.embed = torch.nn.Parameter(torch.randn(TP_VOCAB, TP_HIDDEN, generator=g))
+        self.full_head = torch.randn(TP_VOCAB, TP_HIDDEN, generator=g)
+
+    def configure_model(self):
+        layout = self.trainer.strategy.layout
+        self.head = torch.nn.Parameter(self.full_head.chunk(layout.tp)[layout.tp_rank].clone())
+        self.head.tensor_model_parallel = True
+
+    def training_step(self, batch, batch_idx):
+        return self.lm_loss(self.embed[batch["input_ids"]], self.head, batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+def _fit_tp_clipped():
+    """tp 2 x dp 2 (no attention here, so no CP: the clipping does not depend on it)."""
+    trainer = _trainer(1, strategy=MegatronCPStrategy(tp=2), max_steps=2, gradient_clip_val=TP_CLIP)
+    module = _VocabParallelHead()
+    trainer.fit(module, DataLoader(_tp_rows(), batch_size=2, collate_fn=collate_padded))
+    return dist.get_rank() % 2, module.embed.detach(), module.head.detach()  # TP ranks are adjacent
+
+
+def _reference_tp_clipped():
+    """The plain loop: the whole head, the token mean, torch's clip_grad_norm_ over both, SGD."""
+    module = _VocabParallelHead()
+    embed, head = module.embed, torch.nn.Parameter(module.full_head.clone())
+    rows = _tp_rows()  # in the order of Lightning's shuffling sampler (seed 0), whatever the DP size
+    loader = DataLoader(rows, batch_size=4, sampler=DistributedSampler(rows, num_replicas=1, rank=0, seed=0))
+    for batch in loader:
+        ids = batch["input_ids"]
+        logits = embed[ids[:, :-1]] @ head.T
+        loss = F.cross_entropy(logits.reshape(-1, TP_VOCAB), ids[:, 1:].reshape(-1))
+        embed.grad = head.grad = None
+        loss.backward()
+        assert torch.nn.utils.clip_grad_norm_([embed, head], TP_CLIP) > 2 * TP_CLIP  # clipping matters
+        with torch.no_grad():
+            embed -= embed.grad
+            head -= head.grad
+    return embed.detach(), head.detach()
+
+
+def test_gradient_clipping_counts_every_tensor_parallel_shard_once(world4):
+    """Lightning's clip_grad_norm_ sees one TP rank's head shard: each rank clipped by another, too small norm
+    and the TP replicas of the embedding drifted apart."""
+    embed, head = _reference_tp_clipped()
+    for tp_rank, got_embed, got_head in world4.run(_fit_tp_clipped):
+        torch.testing.assert_close(got_embed, embed, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got_head, head.chunk(2)[tp_rank], rtol=1e-5, atol=1e-6)
