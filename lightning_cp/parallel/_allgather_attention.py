@@ -34,6 +34,7 @@ from torch import Tensor
 
 from lightning_cp.parallel import _flash_calls, _varlen
 from lightning_cp.parallel._key_selection import KeySelection, select_row_keys
+from lightning_cp.parallel.attention_mode import gathered_bytes_per_head
 from lightning_cp.parallel.exchange import GroupExchange
 from lightning_cp.parallel.sharding import CPShard
 
@@ -65,7 +66,7 @@ def allgather_attention(
     keys = shard.keys(window)
     per_round = k.shape[1]
     if keys.order is not None:
-        per_head = 2 * keys.gathered_tokens * (k.shape[-1] + v.shape[-1]) * k.element_size()
+        per_head = gathered_bytes_per_head(keys.gathered_tokens, k.shape[-1], v.shape[-1], k.element_size())
         per_round = shard.attention.heads_per_gather(k.shape[1], per_head, shard.kv_gather_budget)
     out = AllGatherAttention.apply(
         token_major(q), token_major(k), token_major(v), sinks, keys, exchange, scale, softcap, per_round

@@ -30,8 +30,21 @@ AttentionKind = Literal["allgather", "ulysses", "auto"]
 ATTENTION_KINDS: tuple[AttentionKind, ...] = ("allgather", "ulysses", "auto")
 
 KV_GATHER_MEMORY_FRACTION = 0.25
-"""With ``kv_heads_per_gather=None`` on CUDA, the key/value heads of one round keep two sequence-sized copies
-within this fraction of the least memory free on any rank of the CP group."""
+"""With ``kv_heads_per_gather=None`` on CUDA, the key/value heads of one round keep their copies at the
+backward's peak (:func:`gathered_bytes_per_head`) within this fraction of the least memory free on any rank
+of the CP group."""
+
+ROUND_COPIES = 3
+"""Sequence-sized copies of one all-gather round's keys and values alive at once at the backward's peak: the
+gathered keys and values in sequence order, their gradients, and those at the gathered rows for the
+reduce-scatter (measured on the CPU)."""
+
+
+def gathered_bytes_per_head(tokens: int, key_dim: int, value_dim: int, element_size: int) -> int:
+    """Bytes one key/value head of an all-gather round takes at the backward's peak, for ``tokens`` gathered
+    keys of ``key_dim`` and values of ``value_dim``: :data:`ROUND_COPIES` copies. What the rounds' budget
+    divides (:meth:`AttentionMode.heads_per_gather`) and the memory plan counts, one definition for both."""
+    return ROUND_COPIES * tokens * (key_dim + value_dim) * element_size
 
 
 @dataclass(frozen=True)
@@ -103,8 +116,8 @@ class AttentionMode:
         return int(KV_GATHER_MEMORY_FRACTION * exchange.agree_min(available))
 
     def heads_per_gather(self, kv_heads: int, gathered_bytes_per_head: int, budget: int | None) -> int:
-        """Key/value heads per all-gather round (a divisor of ``kv_heads``) for heads whose sequence-sized
-        copies take ``gathered_bytes_per_head`` bytes each: :attr:`kv_heads_per_gather`, else as many as
+        """Key/value heads per all-gather round (a divisor of ``kv_heads``) for heads whose copies take
+        ``gathered_bytes_per_head`` bytes each (:func:`gathered_bytes_per_head`): :attr:`kv_heads_per_gather`, else as many as
         ``budget`` (:meth:`gather_budget`) holds, else all of them. A count that does not divide
         ``kv_heads`` takes its largest divisor below it. From its arguments only, so every rank given the
         same shapes and budget gathers alike."""

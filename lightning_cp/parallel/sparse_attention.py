@@ -22,6 +22,7 @@ from torch import Tensor
 
 from lightning_cp.parallel import _varlen
 from lightning_cp.parallel._allgather_attention import head_rounds, token_major
+from lightning_cp.parallel.attention_mode import gathered_bytes_per_head
 from lightning_cp.parallel.exchange import GroupExchange
 from lightning_cp.parallel.sharding import CPShard
 
@@ -64,7 +65,7 @@ def sparse_attention(
     if batch * local_len == 0:
         return q.new_empty((batch, heads, local_len, v.shape[-1]))
     order = shard.sequence_order()
-    per_head = 2 * order.numel() * (k.shape[-1] + v.shape[-1]) * k.element_size()
+    per_head = gathered_bytes_per_head(order.numel(), k.shape[-1], v.shape[-1], k.element_size())
     per_round = shard.attention.heads_per_gather(k.shape[1], per_head, shard.kv_gather_budget)
     out = _SparseAttention.apply(
         token_major(q),

@@ -14,7 +14,7 @@ from typing import Literal
 
 from lightning_cp.memory.tiling import auto_tile_tokens
 from lightning_cp.ops._plan import chunk_budget, chunk_tokens
-from lightning_cp.parallel.attention_mode import AttentionMode
+from lightning_cp.parallel.attention_mode import AttentionMode, gathered_bytes_per_head
 from lightning_cp.plan.shape import ModelShape
 from lightning_cp.plan.sparse import sparse_layer_bytes
 
@@ -437,10 +437,10 @@ def estimate(
         # (A whole sequence on one rank runs the fused SDPA kernel where FlashAttention does not: no blocks.)
         attention = 2 * tokens * (shape.q_dim + replicated) * compute + ulysses_sent
     else:
-        # Three sequence-sized copies of a round's K/V at the backward's peak (its keys in sequence order,
-        # their gradients, those at their gathered rows for the reduce-scatter), measured on the CPU.
+        # A round's K/V copies at the backward's peak, as the rounds' budget counts them.
         per_round = layout.gathered_kv_heads(shape.kv_heads)
-        attention = 3 * kv * per_round // shape.kv_heads + local_grads
+        per_head = gathered_bytes_per_head(padded, shape.head_dim, shape.v_head_dim, compute)
+        attention = per_round * per_head + local_grads
         if not flash:  # a score block and its softmax gradient, for a piece of tokens / 2 queries
             heads = shape.heads * per_round // shape.kv_heads  # a round's query heads
             attention += 2 * min(CPU_SCORE_BLOCK_BYTES, 4 * heads * (tokens // 2) * padded)

@@ -14,9 +14,9 @@ from tests.parallel._collectives import kinds, recorded_collectives
 from tests.parallel.test_attention import PADDED_SHAPE, _inputs, _reference, _shard_heads
 
 KV_HEADS = 4  # rounds of 1, 2 or 4 heads
-# Bytes of one key/value head's two sequence-sized copies at cp = 2: the rows padded to 24 tokens, 48
-# gathered tokens of D + Dv = 16 float64 values, twice.
-PER_HEAD = 2 * 48 * 16 * 8
+# Bytes of one key/value head's copies at the backward's peak at cp = 2: the rows padded to 24 tokens, 48
+# gathered tokens of D + Dv = 16 float64 values, three times (written out: the plan counts the same).
+PER_HEAD = 3 * 48 * 16 * 8
 
 
 def _free_memory_of_this_rank(monkeypatch, rank):
