@@ -11,8 +11,9 @@ directory; no weights are read) or a JSON file of :class:`~lightning_cp.models.G
 layout (cp, DDP, FSDP or FSDP with the model state on the host, checkpointing, offload, tiled MLPs, experts
 and norms) gets its parameters, gradients, optimizer state, saved activations, largest transient and reserve
 per rank, and what it keeps on the host (:mod:`lightning_cp.plan`); those that fit are listed cheapest
-first, and the arguments that give the first are printed. ``--max-seq`` finds the longest sequence that
-fits. Bad input is one line on stderr and exit status 2.
+first, and the arguments that give the first are printed: the Trainer's precision, the strategy and the
+module class (``GPTModule`` or ``HFCausalLM``) with their arguments. ``--max-seq`` finds the longest
+sequence that fits. Bad input is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+import yaml
 
 from lightning_cp.plan import Candidate, Layout, ModelShape, layouts, max_seq_len, plan
 from lightning_cp.plan.memory import PRECISIONS
@@ -164,15 +167,9 @@ def _row(candidate: Candidate, sparse: bool) -> str:
 
 
 def _arguments(shape: ModelShape, candidate: Candidate) -> str:
-    """The strategy's and HFCausalLM's init_args that give ``candidate``, as YAML lines."""
-    strategy = "MegatronCPFSDPStrategy" if candidate.layout.fsdp else "MegatronCPStrategy"
-    lines = ["trainer:", "  strategy:", f"    class_path: lightning_cp.{strategy}", "    init_args:"]
-    arguments = candidate.arguments(shape)
-    lines += [f"      {key}: {json.dumps(value)}" for key, value in arguments["strategy"].items()]
-    if arguments["model"]:
-        lines += ["model:", "  init_args:"]
-        lines += [f"    {key}: {json.dumps(value)}" for key, value in arguments["model"].items()]
-    return "\n".join(lines)
+    """The config that gives ``candidate`` (:meth:`~lightning_cp.plan.Candidate.config`: the precision, the
+    strategy and the module class with their arguments), as YAML for ``lightning-cp fit --config``."""
+    return yaml.safe_dump(candidate.config(shape), sort_keys=False).rstrip()
 
 
 def _print_plan(shape: ModelShape, seq_len: int, args: argparse.Namespace, gpu_bytes: int) -> None:

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from lightning_cp.constants import CP_SHARD, INPUT_IDS, POSITION_IDS
 from lightning_cp.loss import CPLossMixin
+from lightning_cp.memory import tile_model
 from lightning_cp.models.gpt import GPT, GPTConfig
 
 
@@ -22,6 +23,9 @@ class GPTModule(CPLossMixin, LightningModule):
 
     Args:
         config: model sizes (``vocab_size`` must cover the data's token ids).
+        tiled: run the MLPs and norms over sequence tiles, saving only their inputs, and let the projections
+            that read a norm recompute its output instead of saving it
+            (:func:`~lightning_cp.memory.tile_model`; exact): the ``+tiled`` of ``lightning-cp plan``.
         lr: peak AdamW learning rate.
         weight_decay: AdamW weight decay.
         warmup_steps: linear warm-up from 0 to ``lr`` over this many optimizer steps (0: none).
@@ -31,6 +35,7 @@ class GPTModule(CPLossMixin, LightningModule):
     def __init__(
         self,
         config: GPTConfig = GPTConfig(),  # noqa: B008 (frozen: one shared default is safe)
+        tiled: bool = False,
         lr: float = 3e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
@@ -39,6 +44,8 @@ class GPTModule(CPLossMixin, LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(config)
+        if tiled:
+            tile_model(self.model)
 
     def forward(self, batch: dict[str, Tensor]) -> Tensor:
         """Hidden states ``[B, S_local, n_embd]`` of this rank's tokens of a sharded batch."""

@@ -15,7 +15,7 @@ from lightning_cp.plan.memory import (
     local_tokens,
     loss_chunk_tokens,
 )
-from lightning_cp.plan.shape import ModelShape
+from lightning_cp.plan.shape import Architecture, ModelShape
 
 MIN_LOSS_CHUNK = 1024
 """The smallest chunk (tokens) the plan gives the fused loss to lower the peak: a ``[1024, d] x [d, vocab]``
@@ -31,6 +31,13 @@ SAVINGS: tuple[tuple[bool, bool, bool], ...] = (
 )
 """``(checkpointing, offload, tiled)`` combinations tried, from no recomputation to the most."""
 
+MODULE_CLASSES: dict[Architecture, str] = {
+    "gpt": "lightning_cp.models.GPTModule",
+    "hf": "lightning_cp.models.HFCausalLM",
+}
+"""The ``LightningModule`` that trains each :attr:`~lightning_cp.plan.ModelShape.architecture`: the class the
+plan's model arguments (``tiled``, ``chunk_size``) are given to, which takes every one of them."""
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -40,6 +47,8 @@ class Candidate:
     estimate: MemoryEstimate
     loss_chunk: int | None = None
     """Tokens per chunk of the fused loss (``chunk_size``); ``None``: the automatic one."""
+    precision: Precision = "bf16-mixed"
+    """The ``Trainer(precision=...)`` the estimate assumes."""
 
     def fits(self, gpu_bytes: int, host_bytes: int | None = None) -> bool:
         """The peak (reserve included) is within ``gpu_bytes``, and what the rank keeps on the host within
@@ -80,6 +89,23 @@ class Candidate:
         if self.loss_chunk is not None:
             model["chunk_size"] = self.loss_chunk
         return {"strategy": strategy, "model": model}
+
+    def config(self, shape: ModelShape) -> dict[str, dict[str, object]]:
+        """The part of a ``lightning-cp fit`` config that gives this layout: the Trainer's precision, the
+        strategy's class and :meth:`arguments`, and the class of :data:`MODULE_CLASSES` that trains ``shape``
+        with its own (the model's config and the data are the user's)."""
+        arguments = self.arguments(shape)
+        strategy = "MegatronCPFSDPStrategy" if self.layout.fsdp else "MegatronCPStrategy"
+        model: dict[str, object] = {"class_path": MODULE_CLASSES[shape.architecture]}
+        if arguments["model"]:
+            model["init_args"] = arguments["model"]
+        return {
+            "trainer": {
+                "precision": self.precision,
+                "strategy": {"class_path": f"lightning_cp.{strategy}", "init_args": arguments["strategy"]},
+            },
+            "model": model,
+        }
 
 
 def layouts(gpus: int, shape: ModelShape | None = None) -> list[Layout]:
@@ -144,8 +170,9 @@ def candidate(
     planned = estimate(shape, seq_len, layout, precision=precision, loss_chunk=loss_chunk)
     chunk = memory_chunk(shape, seq_len, layout, planned) if loss_chunk is None else None
     if chunk is None:
-        return Candidate(layout, planned, loss_chunk)
-    return Candidate(layout, estimate(shape, seq_len, layout, precision=precision, loss_chunk=chunk), chunk)
+        return Candidate(layout, planned, loss_chunk, precision)
+    chunked = estimate(shape, seq_len, layout, precision=precision, loss_chunk=chunk)
+    return Candidate(layout, chunked, chunk, precision)
 
 
 def memory_chunk(shape: ModelShape, seq_len: int, layout: Layout, planned: MemoryEstimate) -> int | None:

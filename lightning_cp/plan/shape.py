@@ -201,12 +201,15 @@ class ModelShape:
         Sparse Attention (``index_topk``) as :attr:`sparse`. A multimodal composite's text model is planned.
 
         Raises:
-            ValueError: no ``config.json`` in the directory, no ``model_type``, a model type ``transformers``
-                does not know, a mixture of experts or a config without a gated MLP's sizes.
+            ValueError: no ``config.json`` in the directory, no ``model_type``, or a config ``HFCausalLM``
+                refuses (:func:`~lightning_cp.hf.loading.check_causal_lm_config`: a model type
+                ``transformers`` does not know, with the closest known ones, or one without a causal-LM
+                class), a mixture of experts or a config without a gated MLP's sizes.
         """
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        from lightning_cp.hf.loading import check_causal_lm_config
         from lightning_cp.strategies._fsdp import default_wrap
 
         if not isinstance(config, Mapping):
@@ -220,11 +223,9 @@ class ModelShape:
             raise ValueError(
                 "model config: no 'model_type'; add the transformers model type, e.g. \"llama\"."
             )
-        fields = {key: value for key, value in config.items() if key != "model_type"}
-        try:
-            hf = AutoConfig.for_model(config["model_type"], **fields)
-        except ValueError as error:
-            raise ValueError(f"model config: {str(error).splitlines()[0]}") from None
+        # HFCausalLM's own check, before transformers lists every model type it knows in one line.
+        check_causal_lm_config(config)
+        hf = AutoConfig.for_model(**config)
         text = hf.get_text_config()
         missing = [
             key

@@ -121,10 +121,70 @@ def test_one_gpu_fits_llama_3_8b_only_with_the_model_state_on_a_host_large_enoug
     assert "The first, as arguments:" in capsys.readouterr().out
 
 
-def test_the_printed_arguments_build_the_strategy(gpt_json: Path, capsys) -> None:
-    assert main(["plan", str(gpt_json), "--seq-len", "64K", "--gpus", "4", "--gpu-memory", "24GiB"]) == 0
-    arguments = yaml.safe_load(capsys.readouterr().out.split("The first, as arguments:\n")[1])
-    strategy = arguments["trainer"]["strategy"]
-    module, name = strategy["class_path"].rsplit(".", 1)
-    built = getattr(importlib.import_module(module), name)(**strategy["init_args"])
-    assert built.cp == strategy["init_args"]["cp"]
+def _built(part: dict) -> object:
+    """The object a parsed ``class_path`` / ``init_args`` part of a config names."""
+    module, name = part["class_path"].rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)(**part.get("init_args", {}))
+
+
+@pytest.mark.parametrize(
+    ("model", "argv", "precision", "module"),
+    [
+        (
+            "gpt",
+            ["--gpus", "2", "--seq-len", "512K", "--gpu-memory", "24GiB", "--precision", "bf16-true"],
+            "bf16-true",
+            "GPTModule",
+        ),
+        (str(MODELS / "llama3_8b.json"), ["--gpus", "1", "--seq-len", "1M"], "bf16-mixed", "HFCausalLM"),
+    ],
+    ids=["gpt-tiled-bf16-true", "llama-tiled-cpu-offload"],
+)
+def test_the_printed_arguments_are_a_fit_config_of_the_planned_layout(
+    model: str, argv: list[str], precision: str, module: str, gpt_json: Path, cli, tmp_path: Path
+) -> None:
+    """The printed YAML with the model's own config beside it is a ``lightning-cp fit`` config: the CLI's
+    parser takes every argument for the class it names (the package GPT's ``tiled`` is ``GPTModule``'s), the
+    Trainer's precision is the plan's (Lightning's default, 32-true, needs twice the memory), and the strategy
+    and the module build from what it parsed."""
+    pytest.importorskip("transformers")
+    path = gpt_json if model == "gpt" else Path(model)
+    status, out, err = cli("plan", str(path), *argv)
+    assert status == 0, err
+    printed = out.split("The first, as arguments:\n")[1]
+    given = yaml.safe_load(printed)
+    assert given["trainer"]["precision"] == precision
+    assert given["model"] == {"class_path": f"lightning_cp.models.{module}", "init_args": {"tiled": True}}
+    layout = tmp_path / "layout.yaml"
+    layout.write_text(printed)
+    own = tmp_path / "model.yaml"
+    own.write_text(yaml.safe_dump({"model": {"init_args": {"config": json.loads(path.read_text())}}}))
+    status, out, err = cli("fit", "--config", str(layout), "--config", str(own), "--print_config")
+    assert status == 0, err[-2000:]
+    parsed = yaml.safe_load(out)
+    assert parsed["trainer"]["precision"] == precision
+    strategy = parsed["trainer"]["strategy"]
+    assert strategy["class_path"] == given["trainer"]["strategy"]["class_path"]
+    assert strategy["init_args"] == {**strategy["init_args"], **given["trainer"]["strategy"]["init_args"]}
+    assert parsed["model"]["class_path"] == given["model"]["class_path"]
+    assert parsed["model"]["init_args"]["tiled"] is True
+    assert _built(strategy).cp == given["trainer"]["strategy"]["init_args"]["cp"]
+    if model == "gpt":
+        init_args = parsed["model"]["init_args"]
+        built = _built(
+            {**parsed["model"], "init_args": {**init_args, "config": GPTConfig(**init_args["config"])}}
+        )
+        assert built.model.blocks[0].mlp._lightning_cp_tiled
+    else:
+        assert _built(parsed["model"]).hparams.tiled
+
+
+def test_an_unknown_model_type_is_one_short_line_with_the_closest_names(tmp_path: Path, capsys) -> None:
+    """The message of ``fit`` (``HFCausalLM``'s check), not transformers' list of every model type."""
+    pytest.importorskip("transformers")
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps({"model_type": "lamma", "hidden_size": 64}))
+    assert main(["plan", str(typo), "--seq-len", "1M"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and len(err) < 300, err[:500]
+    assert "model_type 'lamma' is not a model type of transformers" in err and "Did you mean 'llama'" in err

@@ -6,6 +6,7 @@ are counted independently, from the inputs the checkpointed modules receive.
 """
 
 import copy
+import gc
 import weakref
 
 import pytest
@@ -153,6 +154,60 @@ def test_a_layer_called_twice_gives_the_plain_gradients():
     for a, b in zip(layer.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
     assert offload.stats.offloaded_tensors == 2
+
+
+class _Gated(nn.Module):
+    """``tanh(linear(h) * mask)``: the mask a second positional input, saved by each checkpointed call."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8).double()
+
+    def forward(self, h, mask):
+        return torch.tanh(self.linear(h) * mask)
+
+
+def test_a_tensor_changed_in_place_after_a_save_is_offloaded_again_for_the_next_call():
+    """A mask saved by one call, doubled in place, then saved by the next: the second call's backward reads
+    the doubled mask (its own copy, not the first call's), as the plain layer does on copies of each."""
+    torch.manual_seed(0)
+    layer = _Gated()
+    reference = copy.deepcopy(layer)
+    checkpoint(layer)
+    offload = offload_checkpointed(layer, min_bytes=0)
+    h = torch.randn(5, 8, dtype=torch.float64)
+    mask = torch.rand(5, 8, dtype=torch.float64)
+    first = layer(h, mask)
+    mask.mul_(2)
+    layer(first, mask).sum().backward()
+    reference(reference(h, mask / 2), mask.clone()).sum().backward()
+    for a, b in zip(layer.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+    assert offload.stats.offloaded_tensors == 4  # h, the mask twice, the first output
+
+
+def test_a_brought_back_copy_is_freed_after_its_backward_use():
+    """Every copy brought back to the device lives until its last call's backward has read it: none is
+    alive once the backward is done, and no more than two layers' (this one's and the prefetched one's,
+    with the RoPE tables every layer shares) at the start of any layer's backward."""
+    model, offload = _checkpointed(_gpt(), offload=True)
+    fetched, live = [], []
+    original = offload._fetch
+
+    def fetch(host_copy):
+        original(host_copy)
+        fetched.append(weakref.ref(host_copy.device_copy))
+
+    offload._fetch = fetch
+    for block in model.blocks:
+        block.register_full_backward_pre_hook(
+            lambda *args: live.append(sum(ref() is not None for ref in fetched))
+        )
+    _step(model)
+    gc.collect()
+    assert len(fetched) == 2 + N_LAYER  # x of every layer, cos and sin once
+    assert sum(ref() is not None for ref in fetched) == 0
+    assert max(live) <= 2 + 2
 
 
 def test_parameters_stay_and_evaluation_moves_nothing():

@@ -365,6 +365,36 @@ def test_tile_mlps_leaves_a_mixture_of_experts_whole():
     assert not getattr(model.model.layers[0].mlp, "_lightning_cp_tiled", False)
 
 
+class _ListOfExperts(nn.Module):
+    """A mixture of experts of the older interface: a list of expert modules (2-D weights only, no grouped
+    3-D one) and a router that records its logits at every call, as for a load-balancing loss."""
+
+    def __init__(self, dim=8, experts=4):
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(experts))
+        self.router_logits = []
+
+    def forward(self, x):
+        logits = self.gate(x)
+        self.router_logits.append(logits)
+        chosen = logits.argmax(-1, keepdim=True)
+        return sum(expert(x) * (chosen == i) for i, expert in enumerate(self.experts))
+
+
+def test_tile_mlps_knows_a_mixture_of_experts_by_its_experts_module_whatever_its_weights_dims():
+    """Experts without a 3-D weight are still experts: the mixture stays whole, so its router records one
+    ``[tokens, experts]`` set of logits per call (tiled, it would record one per tile); the dense MLP beside
+    it is tiled."""
+    model = nn.ModuleDict(
+        {"dense": nn.ModuleDict({"mlp": _gelu_mlp()}), "moe": nn.ModuleDict({"mlp": _ListOfExperts()})}
+    )
+    assert tile_mlps(model, tile_tokens=2) == ["dense.mlp"]
+    moe = model["moe"]["mlp"]
+    moe(torch.randn(6, 8, requires_grad=True)).sum().backward()
+    assert [tuple(logits.shape) for logits in moe.router_logits] == [(6, 4)]
+
+
 _MOE_FAMILIES = [
     "qwen3_moe",
     "qwen3_5_moe_text",
@@ -423,6 +453,36 @@ def test_tiled_experts_give_the_untiled_loss_router_loss_and_gradients(model_typ
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5, msg=name)
         router_grads += ("gate" in name or "router" in name) and bool(want.grad.abs().max() > 0)
     assert router_grads > 0  # the routing weights' gradient reaches the routers through the tiles
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_next", "deepseek_v3"])
+def test_the_shared_experts_are_tiled_under_either_name(model_type):
+    """Qwen2-MoE's and Qwen3-Next's ``shared_expert`` (singular) and DeepSeek-V3's ``shared_experts``: tiled
+    as MLPs beside the routed experts, so their calls save their input only, none of their ``[tokens, ffn]``
+    intermediates."""
+    torch.manual_seed(0)
+    model = _moe_model(model_type)
+    tiled = tile_model(model, 5)
+    shared = {
+        name: module
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] in ("shared_expert", "shared_experts")
+    }
+    assert len(shared) == model.config.num_hidden_layers and set(shared) <= set(tiled)
+    inside, widths = [], []
+    for module in shared.values():
+        module.register_forward_pre_hook(lambda *args: inside.append(True))
+        module.register_forward_hook(lambda *args: inside.pop())
+
+    def pack(tensor):
+        if inside:
+            widths.append(tensor.shape[-1])
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=torch.randint(0, model.config.vocab_size, (1, 12)))
+    ffn = next(iter(shared.values())).gate_proj.out_features
+    assert widths == [model.config.hidden_size] * len(shared), (ffn, widths)
 
 
 def test_tile_experts_refuses_experts_it_cannot_route_and_a_dense_model():

@@ -7,6 +7,7 @@ attention of consistent bf16 inputs.
 
 import contextlib
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -83,6 +84,24 @@ def test_a_gpu_older_than_ampere_runs_the_torch_kernel_and_says_so_once(monkeypa
         f"of compute capability {version}: FlashAttention-2 needs 8.0 or newer (A100, H100)."
         for version in ("7.0", "7.5")
     ]
+
+
+def test_a_softcap_keeps_flash_out_even_where_it_would_run_and_says_so_once(monkeypatch, caplog):
+    """PyTorch's FlashAttention-2 kernels have no softcap: inputs that take them otherwise (an H100, bf16,
+    head dim 64) run the exact torch kernel when the attention caps its logits, asked as the attention asks
+    (:func:`~lightning_cp.parallel._varlen.use_flash` of its q, k, v)."""
+    _varlen._log_once.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
+    on_cuda = SimpleNamespace(device=torch.device("cuda", 0), dtype=BF16, shape=(10, 4, 64))
+    with caplog.at_level(logging.INFO, logger=_varlen.__name__):
+        assert _varlen.use_flash(on_cuda, on_cuda, on_cuda, None)
+        for softcap in (50.0, 30.0):
+            assert not _varlen.use_flash(on_cuda, on_cuda, on_cuda, softcap)
+    warning = (
+        "CP attention: attention logit softcapping runs in the exact blocked torch kernel (fp32 scores, "
+        "slower than FlashAttention): PyTorch's FlashAttention-2 kernels have no softcap."
+    )
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [warning]
 
 
 def test_under_autocast_the_chooser_is_asked_about_one_dtype(monkeypatch):

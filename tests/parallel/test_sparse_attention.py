@@ -164,6 +164,22 @@ def _check_selections(by_cp_rank, cp, batch, total, cu, selections):
             assert chosen == selections[(b, start + offset)], f"cp={cp} rank {rank} token {token}"
 
 
+def test_a_running_top_k_over_many_key_blocks_is_each_document_s_dense_top_k(monkeypatch):
+    """Score blocks of 4 queries by 4 keys (``SCORE_BLOCK_BYTES`` shrunk): a query's keys span up to 8 key
+    blocks, and the candidates kept from the earlier blocks compete with each later one's. The selection is
+    the model's dense top-k of each packed document (cp = 1)."""
+    monkeypatch.setattr("lightning_cp.parallel.key_indexer.SCORE_BLOCK_BYTES", 4 * INDEX_HEADS * 4 * 4)
+    cu = PACKED_CU * 2  # documents of 2 to 30 tokens
+    total = int(cu[-1])
+    inputs = _inputs(1, total)
+    _, selections = _reference(inputs, cu, with_sinks=False)
+    index_q, index_w, index_k = (t[0] for t in inputs[4:7])
+    shard = CPShard.build(CPSplit(1, 0), cu.diff(), "cpu")
+    selected = select_topk_keys(index_q, index_w, index_k, shard, TOPK, INDEX_SCALE)
+    row, _ = shard.sequence_rows()
+    _check_selections({0: [None] * 4 + [selected, row, shard.sequence_lengths]}, 1, 1, total, cu, selections)
+
+
 @pytest.mark.gpu
 def test_on_cuda_in_bf16_the_selection_is_the_cpu_s_and_the_attention_the_fp64_reference():
     """The CUDA path (cp = 1, packed, bf16 q / k / v, fp32 indexer inputs): the same selected keys as the CPU, and

@@ -217,6 +217,10 @@ def test_what_bounds_llama_3_8b_at_1m_on_one_gpu_is_the_plan_s() -> None:
         f"attention output), beside its tiled MLP's transient, {e.mlp / GiB:.1f}"
     )
     assert phrase in _flat(PLAN_DOC), phrase
+    # The same layout under Lightning's default precision, which the printed arguments set otherwise.
+    fp32 = candidate(shape, 2**20, layout, precision="32-true").estimate.peak / GiB
+    phrase = f"Llama-3-8B's one-GPU layout at 1M tokens then needs {fp32:.1f} GiB, not {row['peak']}"
+    assert phrase in _flat(PLAN_DOC), phrase
 
 
 def test_the_host_memory_example_is_the_plan_s() -> None:

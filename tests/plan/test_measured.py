@@ -230,6 +230,24 @@ def test_each_cp_attention_s_step_within_10_percent(
     assert abs(planned_step - tracker.peak) <= TOLERANCE * tracker.peak, (planned_step, tracker.peak)
 
 
+def test_ulysses_replicated_key_value_heads_are_saved_as_planned() -> None:
+    """The tiny Llama's 2 key/value heads as rank 0 of cp = 4: Ulysses' rank holds one query head and one
+    key/value head (replicated on two ranks) of every token. What its forward saves beyond the all-gather's
+    (those K and V, the output brought back) is the plan's difference, within 2%."""
+    saved, planned = {}, {}
+    for attention in ("allgather", "ulysses"):
+        step = _Step(_llama, checkpointing=False, tiled=False, cp=4, attention=AttentionMode(attention))
+        with step.peers.recording():
+            saved[attention] = saved_bytes(step.model, step.hidden)
+        layout = Layout(gpus=4, cp=4, attention=attention)
+        estimated = estimate(step.shape, step.tokens, layout, precision="32-true", device="cpu", flash=False)
+        planned[attention] = estimated.activations
+    assert step.shape.kv_heads < 4
+    measured = saved["ulysses"] - saved["allgather"]
+    expected = planned["ulysses"] - planned["allgather"]
+    assert abs(expected - measured) <= 0.02 * measured, (expected, measured)
+
+
 def test_the_attention_s_peak_falls_with_the_key_value_heads_per_gather_as_planned(monkeypatch) -> None:
     """One attention layer (8 query and 8 key/value heads) as rank 0 of 2: gathering one key/value head per
     round instead of all 8 at once lowers the peak by the plan's ``3 kv (1 - 1/8)``, within 10%. The blocked

@@ -3,6 +3,7 @@ holds the terms themselves against measurement)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,29 @@ def test_attention_transient_is_three_copies_of_a_round_s_kv_or_ulysses_buffers(
         == 2 * tokens * (llama.q_dim + llama.kv_dim) * 2 + tokens * 2 * (llama.q_dim + llama.kv_dim) * 2
     )
     assert ulysses.communication < by_head.communication  # two all-to-alls of the local q, k, v, out
+
+
+@pytest.mark.parametrize("kv_heads", [2, 8], ids=["replicated-kv-heads", "split-kv-heads"])
+def test_ulysses_counts_each_rank_s_key_value_heads_replicated_when_fewer_than_cp(
+    llama: ModelShape, kv_heads: int
+) -> None:
+    """Under Ulysses each of cp = 8 ranks holds every token of ``Hq / cp`` query heads and of
+    ``max(1, Hkv / cp)`` key/value heads: with 2 key/value heads, each of them is replicated on 4 ranks. The
+    saved tensors (beyond the all-gather's: those heads' K and V, and the output brought back), the
+    attention's transient (the heads' side gradients and the all-to-alls' buffers) and the bytes sent count
+    them."""
+    shape = replace(llama, kv_heads=kv_heads)
+    seq, cp, compute = 1 << 20, 8, 2
+    tokens = local_tokens(seq, cp)
+    heads_side_kv = cp * tokens * max(1, kv_heads // cp) * shape.head_dim  # one rank's K (and as much V)
+    gathered = estimate(shape, seq, Layout(gpus=cp, cp=cp))
+    ulysses = estimate(shape, seq, Layout(gpus=cp, cp=cp, attention="ulysses"))
+    extra = tokens * shape.q_dim + 2 * (heads_side_kv - tokens * shape.kv_dim)
+    assert ulysses.activations - gathered.activations == shape.layers * extra * compute
+    exchanged = (2 * tokens * shape.q_dim + 2 * heads_side_kv) * compute  # q, k, v to the heads, out back
+    assert ulysses.attention == 2 * (tokens * shape.q_dim + heads_side_kv) * compute + exchanged
+    all_reduce = 2 * (cp - 1) * shape.params * 4 // cp  # DDP's fp32 gradients
+    assert ulysses.communication - all_reduce == 2 * shape.layers * (exchanged * (cp - 1) // cp)
 
 
 def test_loss_transient_follows_the_chunk(llama: ModelShape) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -161,3 +163,34 @@ def test_a_candidate_s_arguments_are_the_strategy_s_and_the_model_s() -> None:
     }
     plain = Candidate(Layout(8, 2, attention="ulysses"), estimate(llama, 1 << 16, Layout(8, 2)))
     assert plain.arguments(llama) == {"strategy": {"cp": 2, "cp_attention": "ulysses"}, "model": {}}
+
+
+@pytest.mark.parametrize("architecture", ["gpt", "hf"])
+def test_every_layout_s_arguments_are_taken_by_the_classes_its_config_names(
+    architecture: str, shape: ModelShape
+) -> None:
+    """Each layout option is tied to the class that takes it: for every layout tried on 8 GPUs (with a loss
+    chunk), the strategy builds from its arguments, and the module class of the model's architecture (the
+    package GPT's ``GPTModule``, ``transformers``' ``HFCausalLM``) has a parameter for each of its own."""
+    if architecture == "hf":
+        shape = ModelShape.from_hf_config(json.loads((MODELS / "llama3_8b.json").read_text()))
+
+    def named(path: str) -> type:
+        module, name = path.rsplit(".", 1)
+        return getattr(importlib.import_module(module), name)
+
+    built, model_options = set(), set()
+    for found in plan(shape, 1 << 16, 8, precision="bf16-true", loss_chunk=2048):
+        config = found.config(shape)
+        assert config["trainer"]["precision"] == "bf16-true"
+        strategy = config["trainer"]["strategy"]
+        arguments = json.dumps(strategy, sort_keys=True)
+        if arguments not in built:
+            named(strategy["class_path"])(**strategy["init_args"])
+            built.add(arguments)
+        module = named(config["model"]["class_path"])
+        assert module.__name__ == {"gpt": "GPTModule", "hf": "HFCausalLM"}[architecture]
+        init_args = config["model"].get("init_args", {})
+        inspect.signature(module).bind_partial(**init_args)
+        model_options |= set(init_args)
+    assert model_options == {"tiled", "chunk_size"}
