@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_cp.parallel._varlen import Pieces
+from lightning_cp.parallel.offsets import boundaries, starts
 from lightning_cp.parallel.split import CPSplit
 
 Rows = slice | Tensor
@@ -111,7 +112,7 @@ def select_keys(
         return _local_selection(2 * chunk_lengths, window, device)
     c, n = chunk_lengths, len(chunk_lengths)
     local_lengths = 2 * c
-    local_starts = _starts(local_lengths)
+    local_starts = starts(local_lengths)
     local_total = int(local_lengths.sum())
     # Piece (i, h) reads the keys at positions [first[i, h], stop[i, h]) of sequence i (padded positions).
     stop = (torch.tensor(split.kept_chunks) + 1) * c.unsqueeze(1)
@@ -122,7 +123,7 @@ def select_keys(
     upper_first = torch.where(merged, stop[:, 1], first[:, 1])
     intervals = torch.stack([first[:, 0], lower_stop, upper_first, stop[:, 1]], 1).view(n, 2, 2)
     kept = intervals[..., 1] - intervals[..., 0]  # [n, 2] keys of each interval (the second may be empty)
-    key_starts = _starts(kept.sum(1))
+    key_starts = starts(kept.sum(1))
     # Where each piece's range starts in its sequence's kept keys.
     offset = torch.stack([torch.zeros_like(c), torch.where(merged, first[:, 1] - first[:, 0], kept[:, 0])], 1)
     key_first = key_starts.unsqueeze(1) + offset
@@ -154,10 +155,10 @@ def select_row_keys(rows: int, length: int, window: int | None, device: torch.de
 
 def _local_selection(lengths: Tensor, window: int | None, device: torch.device) -> KeySelection:
     """Every sequence (``lengths`` ``[n]`` tokens, back to back) one piece over its own local keys."""
-    starts = _starts(lengths)
+    first = starts(lengths)
     total = int(lengths.sum())
-    pieces = [(a, a + length, a, a + length) for a, length in zip(starts.tolist(), lengths.tolist())]
-    call = _call(starts, lengths, starts, lengths, device)
+    pieces = [(a, a + length, a, a + length) for a, length in zip(first.tolist(), lengths.tolist())]
+    call = _call(first, lengths, first, lengths, device)
     return KeySelection(window=window, pieces=pieces, calls=(call,), order=None, gathered_tokens=total)
 
 
@@ -168,7 +169,7 @@ def _gathered_rows(split: CPSplit, c: Tensor, intervals: Tensor) -> Tensor:
     """
     lengths = (intervals[..., 1] - intervals[..., 0]).flatten()
     total = int(lengths.sum())
-    interval_starts = _starts(lengths)
+    interval_starts = starts(lengths)
     position = torch.arange(total) + (intervals[..., 0].flatten() - interval_starts).repeat_interleave(
         lengths, output_size=total
     )
@@ -183,8 +184,8 @@ def _call(
     return VarlenCall(
         queries=_rows(query_first, query_lengths, device),
         keys=_rows(key_first, key_lengths, device),
-        cu_queries=_to(_boundaries(query_lengths), device),
-        cu_keys=_to(_boundaries(key_lengths), device),
+        cu_queries=_to(boundaries(query_lengths), device),
+        cu_keys=_to(boundaries(key_lengths), device),
         max_queries=int(query_lengths.max()) if len(query_lengths) else 0,
         max_keys=int(key_lengths.max()) if len(key_lengths) else 0,
     )
@@ -197,18 +198,10 @@ def _rows(first: Tensor, lengths: Tensor, device: torch.device) -> Rows:
     if bool((first[1:] == first[:-1] + lengths[:-1]).all()):
         return slice(int(first[0]), int(first[-1] + lengths[-1]))
     total = int(lengths.sum())
-    index = torch.arange(total) + (first - _starts(lengths)).repeat_interleave(lengths, output_size=total)
+    index = torch.arange(total) + (first - starts(lengths)).repeat_interleave(lengths, output_size=total)
     return _to(index, device)
-
-
-def _starts(lengths: Tensor) -> Tensor:
-    return torch.cumsum(lengths, 0) - lengths
 
 
 def _to(x: Tensor, device: torch.device) -> Tensor:
     # From pageable memory, CUDA stages the copy before returning, so no stream synchronization is needed.
     return x.to(device, non_blocking=True)
-
-
-def _boundaries(lengths: Tensor) -> Tensor:
-    return torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)

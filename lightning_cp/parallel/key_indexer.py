@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_cp.parallel.offsets import starts
 from lightning_cp.parallel.sharding import CPShard
 
 SCORE_BLOCK_BYTES = 64 * 2**20
@@ -77,7 +78,7 @@ def select_topk_keys(
     if local == 0 or width == 0:
         return selected
     gathered = shard.group_exchange().all_gather(keys).index_select(0, shard.sequence_order()).float()
-    device_first = shard.device_index(torch.cumsum(lengths, 0) - lengths)[shard.sequence_index]
+    device_first = shard.device_index(starts(lengths))[shard.sequence_index]
     device_row = device_first + shard.token_offset
     heads = queries.shape[1]
     block = max(1, int((SCORE_BLOCK_BYTES // (4 * heads)) ** 0.5))

@@ -43,6 +43,7 @@ from lightning_cp.parallel._key_selection import KeySelection, effective_window,
 from lightning_cp.parallel.attention_mode import AttentionMode
 from lightning_cp.parallel.exchange import GroupExchange
 from lightning_cp.parallel.layout import ProcessGroup
+from lightning_cp.parallel.offsets import boundaries, starts
 from lightning_cp.parallel.split import CPSplit
 
 _PACKED_KEYS = (CU_SEQLENS, CU_SEQLENS_PADDED)
@@ -148,7 +149,7 @@ class CPShard:
         return cls(
             split=split,
             chunk_lengths=local_lengths // 2,
-            cu_seqlens=_cumulative(local_lengths).to(device),
+            cu_seqlens=boundaries(local_lengths).to(device),
             sequence_index=sequence.to(device),
             token_offset=offset.to(device),
         )
@@ -186,7 +187,7 @@ class CPShard:
         if state.rows is None:
             lengths = self.sequence_lengths
             sequence, offset, _ = self.split.positions(lengths)
-            first = (torch.cumsum(lengths, 0) - lengths)[sequence]
+            first = starts(lengths)[sequence]
             state.rows = first + offset, first
         return state.rows
 
@@ -209,10 +210,10 @@ class CPShard:
         state = self._state
         if state.lengths is None:
             lengths = self.sequence_lengths
-            starts = torch.cumsum(lengths, 0) - lengths
+            first_rows = starts(lengths)
             groups = []
             for length in dict.fromkeys(lengths.tolist()):
-                first = starts[lengths == length]
+                first = first_rows[lengths == length]
                 rows = (first[:, None] + torch.arange(length)).flatten()
                 groups.append((length, rows.to(self.cu_seqlens.device, non_blocking=True)))
             state.lengths = groups
@@ -429,14 +430,14 @@ def shard_batch(
     # addressed in the batch's tokens flattened row-major.
     shard = CPShard.build(split, lengths_cpu, device)
     lengths = lengths_cpu.to(device)
-    starts = torch.cumsum(lengths, 0) - lengths
+    first = starts(lengths)
     last = torch.zeros_like(input_ids, dtype=torch.bool)
-    last.view(-1)[starts + lengths - 1] = True
+    last.view(-1)[first + lengths - 1] = True
     labels, target = _shift_targets(input_ids, batch, last, ignore_index)
 
     sequence, offset = shard.sequence_index, shard.token_offset
     valid = offset < lengths[sequence]
-    src = starts[sequence] + offset
+    src = first[sequence] + offset
 
     def gather(value: Tensor, fill: float) -> Tensor:
         return _gather_tokens(value, src, valid, rows, fill)
@@ -476,7 +477,7 @@ def shard_batch(
     )
     if packed:
         out[CU_SEQLENS] = shard.cu_seqlens
-        out[CU_SEQLENS_PADDED] = _cumulative(shard.sequence_lengths).to(device)
+        out[CU_SEQLENS_PADDED] = boundaries(shard.sequence_lengths).to(device)
     return out
 
 
@@ -492,10 +493,6 @@ def _check_group(group: ProcessGroup | GroupExchange | None, split: CPSplit) -> 
             "cp_group together."
         )
     return exchange
-
-
-def _cumulative(lengths: Tensor) -> Tensor:
-    return torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
 
 
 def unshard(

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_cp.parallel.layout import check_size
+from lightning_cp.parallel.offsets import starts
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,7 @@ class CPSplit:
         sequence = torch.repeat_interleave(
             torch.arange(len(lengths), device=lengths.device), local_lengths, output_size=total
         )
-        starts = torch.cumsum(local_lengths, 0) - local_lengths
-        j = torch.arange(total, device=lengths.device) - starts[sequence]
+        j = torch.arange(total, device=lengths.device) - starts(local_lengths)[sequence]
         c = chunk[sequence]
         first, second = self.kept_chunks
         offset = torch.where(j >= c, second * c + (j - c), first * c + j)
@@ -99,7 +99,7 @@ class CPSplit:
         chunk_length = chunk_lengths[sequence]
         chunk = torch.div(position, chunk_length, rounding_mode="floor")
         rank, slot = self.owner(chunk)
-        local_start = (torch.cumsum(local, 0) - local)[sequence]
+        local_start = starts(local)[sequence]
         return rank * int(local.sum()) + local_start + slot * chunk_length + position - chunk * chunk_length
 
     def sequence_order(self, chunk_lengths: Tensor) -> Tensor:
@@ -112,5 +112,5 @@ class CPSplit:
         sequence = torch.repeat_interleave(
             torch.arange(len(padded), device=device), padded, output_size=total
         )
-        position = torch.arange(total, device=device) - (torch.cumsum(padded, 0) - padded)[sequence]
+        position = torch.arange(total, device=device) - starts(padded)[sequence]
         return self.gathered_rows(chunk_lengths, sequence, position)
