@@ -143,7 +143,7 @@ class CPLightningCLI(LightningCLI):
         built = False
         try:
             super().instantiate_classes()
-            check_before_launch(self.model, self.datamodule, self.trainer.strategy)
+            check_before_launch(self.model, self.datamodule, self.trainer.strategy, self.subcommand or "fit")
             self.checkpoint = self._checkpoint_to_load()
             ReportingLauncher.replace(self.trainer)
             built = True

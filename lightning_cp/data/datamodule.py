@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from lightning_cp.data._token_spans import _check_sampled_ids, _check_seq_len
 from lightning_cp.data.collate import collate_packed, collate_padded
@@ -86,7 +86,11 @@ class _CPDataModule(LightningDataModule):
         """The held-out (validation) split, for ``GPTModule.predict_step``'s per-token log-probabilities."""
         return self._loader(self._val, shuffle=False)
 
-    def _loader(self, dataset: Dataset | None, shuffle: bool) -> ResumableDataLoader:
+    def _loader(
+        self, dataset: Dataset | None, shuffle: bool, sampler: Sampler[int] | None = None
+    ) -> ResumableDataLoader:
+        """A loader of ``dataset``, ``shuffle``d, or in the order of a ``sampler`` of the subclass's own
+        (``shuffle=False`` then; Lightning keeps a sampler that is a ``DistributedSampler``)."""
         if dataset is None:
             raise RuntimeError(
                 f"{type(self).__name__} has no datasets yet; call setup('fit') (the Trainer does) before "
@@ -96,6 +100,7 @@ class _CPDataModule(LightningDataModule):
             dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,
+            sampler=sampler,
             collate_fn=self._collate,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,

@@ -27,16 +27,15 @@ its tokens): one longer than ``seq_len`` is refused.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
-import os
 from typing import Any, Literal
 
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from lightning_cp.constants import ADVANTAGES, INPUT_IDS, LOSS_MASK, ROLLOUT_INDEX
+from lightning_cp.constants import INPUT_IDS
 from lightning_cp.data.datamodule import _CPDataModule
 from lightning_cp.data.packing import pack_documents
 from lightning_cp.data.rollout_logprobs import check_logprob_dir, read_logprob_dir
@@ -51,11 +50,18 @@ from lightning_cp.data.rollout_records import (
     rollout_form,
     rollout_row,
 )
-from lightning_cp.data.text import collate_rows
-from lightning_cp.data.text_files import check_file, first_json_record, load_records, record_location
+from lightning_cp.data.rollout_samples import RolloutSamples, collate_rollouts, data_parallel_sampler
+from lightning_cp.data.text_files import (
+    LENGTH,
+    check_file,
+    file_columns,
+    first_json_record,
+    load_records,
+    record_location,
+    tokenize_records,
+)
 from lightning_cp.data.tokenization import (
     RecordError,
-    cache_fingerprint,
     chat_targets,
     load_tokenizer,
     stop_tokens,
@@ -65,7 +71,6 @@ Normalize = Literal["std", "mean"]
 """How rewards become advantages within a group: ``"std"`` (GRPO) or ``"mean"`` (Dr. GRPO)."""
 ADVANTAGE_EPSILON = 1e-4
 """Added to a group's standard deviation (TRL's constant): a group of equal rewards gets advantages 0."""
-_LENGTH = "length"
 _CACHE_VERSION = "1"
 """Bumped when the tokenized columns change meaning, so older caches are not read."""
 
@@ -90,57 +95,6 @@ def grpo_advantages(rewards: np.ndarray, groups: np.ndarray, normalize: Normaliz
         return centered
     std = np.sqrt(np.bincount(inverse, weights=centered**2) / (counts - 1))
     return centered / (std[inverse] + ADVANTAGE_EPSILON)
-
-
-class RolloutSamples(Dataset):
-    """A split's rollouts as samples of the batch contract (the module docstring's layout).
-
-    An item is one rollout's sample (``rows=None``: padded batches) or the samples of one packed row (a list).
-
-    Args:
-        rollouts: the tokenized rollouts (a ``datasets.Dataset``: ``input_ids``, ``prompt_length`` and any
-            ``old_logprobs`` / ``ref_logprobs`` columns).
-        advantages: ``[N]`` every rollout's advantage.
-        logprobs: log-probabilities read from a directory, by batch key: one array per rollout.
-        rows: the rollouts of every packed row, or ``None``.
-    """
-
-    def __init__(
-        self,
-        rollouts: Any,
-        advantages: np.ndarray,
-        logprobs: dict[str, list[np.ndarray]],
-        rows: list[list[int]] | None,
-    ) -> None:
-        self.rollouts, self.advantages, self.logprobs, self.rows = rollouts, advantages, logprobs, rows
-        self._columns = [key for key in LOGPROB_KEYS if key in rollouts.column_names]
-
-    def __len__(self) -> int:
-        return len(self.rollouts) if self.rows is None else len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]:
-        if self.rows is None:
-            return self.sample(index)
-        return [self.sample(rollout) for rollout in self.rows[index]]
-
-    def sample(self, rollout: int) -> dict[str, torch.Tensor]:
-        """Rollout ``rollout``'s sample: ``[L]`` tensors, ``L`` = prompt + completion tokens."""
-        row = self.rollouts[rollout]
-        ids = torch.tensor(row[INPUT_IDS], dtype=torch.int64)
-        prompt = row[PROMPT_LENGTH]
-        completion = torch.zeros(len(ids), dtype=torch.float32)
-        completion[prompt:] = 1.0
-        sample = {
-            INPUT_IDS: ids,
-            LOSS_MASK: completion,
-            ADVANTAGES: completion * float(self.advantages[rollout]),
-            ROLLOUT_INDEX: torch.full_like(ids, rollout),
-        }
-        values = {key: row[key] for key in self._columns} | {k: v[rollout] for k, v in self.logprobs.items()}
-        for key, completion_values in values.items():
-            sample[key] = torch.zeros(len(ids), dtype=torch.float32)
-            sample[key][prompt:] = torch.as_tensor(np.asarray(completion_values, dtype=np.float32))
-        return sample
 
 
 class RolloutDataModule(_CPDataModule):
@@ -168,12 +122,15 @@ class RolloutDataModule(_CPDataModule):
     ``batch_size`` rollouts per batch, right-padded ``[B, S]``. The advantages are computed over the whole
     file before any of this (see the module docstring for GRPO's formula and ``normalize``).
 
-    Loaders: ``train_dataloader`` serves ``path`` (shuffled; under a distributed strategy Lightning's
-    ``DistributedSampler`` over the data-parallel ranks); validation and test serve ``val_path`` (none without
-    it: RL steps on the rollouts it has); ``predict_dataloader`` serves every rollout of ``path`` once,
-    unshuffled (a padded batch: in file order; packed: in the rows' order), which is what
-    :class:`~lightning_cp.callbacks.RolloutLogprobWriter` (``lightning-cp predict``) writes the per-token
-    log-probabilities of and ``old_logprobs`` / ``ref_logprobs`` read back.
+    Loaders: ``train_dataloader`` serves ``path`` (shuffled); validation and test serve ``val_path`` (none
+    without it: RL steps on the rollouts it has). Under a distributed strategy each serves every rollout once
+    per epoch over the data-parallel ranks, where Lightning's ``DistributedSampler`` would repeat some to even
+    the ranks out: a short rank's last batch is a padding token without target, which no loss or metric counts
+    (:mod:`~lightning_cp.data.rollout_samples`), so every step is the unsharded global batch's.
+    ``predict_dataloader`` serves every rollout of ``path`` once, unshuffled (a padded batch: in file order;
+    packed: in the rows' order), which is what :class:`~lightning_cp.callbacks.RolloutLogprobWriter`
+    (``lightning-cp predict``) writes the per-token log-probabilities of and ``old_logprobs`` /
+    ``ref_logprobs`` read back.
 
     Args:
         path: the rollout file.
@@ -189,7 +146,8 @@ class RolloutDataModule(_CPDataModule):
         ref_logprobs: the same, with the reference model's weights, for ``ref_logprobs``.
         val_path: a validation file of rollouts (its own column ``old_logprobs`` / ``ref_logprobs`` only).
         batch_size: packed rows (``packed``) or rollouts per batch on each data-parallel rank.
-        shuffle: shuffle the training rollouts (rows) in a single process.
+        shuffle: shuffle the training rollouts (rows) in a single process (under a distributed strategy they
+            are always shuffled, seeded as Lightning seeds its sampler, the same order for every DP x CP layout).
         pad_id: ``packed=False``: the id written into padding (never a target).
         chat_template_kwargs: text rollouts: variables of every rendering of the chat template.
         cache_dir: where ``datasets`` keeps the read and tokenized files; ``None``: its default.
@@ -240,7 +198,7 @@ class RolloutDataModule(_CPDataModule):
             shuffle=shuffle,
             num_workers=num_workers,
             pad_id=pad_id,
-            collate=collate_rows if packed else None,
+            collate=functools.partial(collate_rollouts, packed=packed, pad_id=pad_id),
         )
         if normalize not in ("std", "mean"):
             raise ValueError(
@@ -262,7 +220,7 @@ class RolloutDataModule(_CPDataModule):
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.save_hyperparameters()
         self.path, self.tokenizer, self.seq_len, self.normalize = path, tokenizer, seq_len, normalize
-        self.val_path, self.cache_dir = val_path, cache_dir
+        self.val_path, self.cache_dir, self.pad_id = val_path, cache_dir, pad_id
         for name, file in (("path", path), ("val_path", val_path)):
             if file is not None:
                 check_file(name, file)
@@ -281,9 +239,17 @@ class RolloutDataModule(_CPDataModule):
         self._train = self._samples("path", self.path, self.logprob_dirs)
         self._val = None if self.val_path is None else self._samples("val_path", self.val_path, {})
 
+    def train_dataloader(self) -> DataLoader:
+        """``path``'s rollouts (rows), each once per epoch on one data-parallel rank: under a distributed
+        strategy an :class:`~lightning_cp.data.rollout_samples.UnrepeatedDistributedSampler` (shuffled, as
+        Lightning shuffles training data), whose short ranks get a batch without targets instead of a
+        repeated rollout; ``shuffle`` alone otherwise."""
+        return self._rollout_loader(self._train, training=True)
+
     def val_dataloader(self) -> DataLoader | list:
-        """``val_path``'s rollouts, or no loader (Lightning then skips validation) without it."""
-        return [] if self.val_path is None else super().val_dataloader()
+        """``val_path``'s rollouts, each once (unshuffled, as :meth:`train_dataloader` splits them), or no
+        loader (Lightning then skips validation) without it."""
+        return [] if self.val_path is None else self._rollout_loader(self._val, training=False)
 
     def test_dataloader(self) -> DataLoader | list:
         """As :meth:`val_dataloader`."""
@@ -292,6 +258,24 @@ class RolloutDataModule(_CPDataModule):
     def predict_dataloader(self) -> DataLoader:
         """Every rollout of ``path`` once, unshuffled (Lightning splits them over the data-parallel ranks)."""
         return self._loader(self._train, shuffle=False)
+
+    def logprob_keys(self, name: str) -> list[str] | None:
+        """The log-prob keys (``old_logprobs``, ``ref_logprobs``) that the batches of ``path`` or ``val_path``
+        (``name``) carry: the directories given (``path`` only) and the file's columns, read without its
+        records (:func:`~lightning_cp.data.text_files.file_columns`). ``None`` where the file is not set, or
+        its columns are known only once it is read (a ``.json`` array)."""
+        file = self.path if name == "path" else self.val_path
+        columns = None if file is None else file_columns(name, file)
+        if columns is None:
+            return None
+        directories = list(self.logprob_dirs) if name == "path" else []
+        return sorted({*self._logprob_columns(name, file, columns), *directories})
+
+    def _rollout_loader(self, dataset: RolloutSamples | None, training: bool) -> DataLoader:
+        sampler = None if dataset is None else data_parallel_sampler(self.trainer, dataset, shuffle=training)
+        if sampler is None:
+            return self._loader(dataset, shuffle=training and self.shuffle)
+        return self._loader(dataset, shuffle=False, sampler=sampler)
 
     def _check_first_record(self, name: str, file: str) -> None:
         """The errors the first record of a JSON-lines file shows, before launch."""
@@ -350,31 +334,25 @@ class RolloutDataModule(_CPDataModule):
                     rows.append(rollout_row(record, form, self.vocab_size, chat, keys))
                 except ValueError as error:
                     raise RecordError(index, str(error)) from None
-            out = {column: [row[column] for row in rows] for column in columns}
-            out[_LENGTH] = [len(ids) for ids in out[INPUT_IDS]]
-            return out
+            return {column: [row[column] for row in rows] for column in columns}
 
         options = json.dumps(
             [form, keys, self.vocab_size, self.chat_template_kwargs], sort_keys=True, default=repr
         )
-        try:
-            return raw.map(
-                tokenize,
-                with_indices=True,
-                batched=True,
-                remove_columns=raw.column_names,
-                new_fingerprint=cache_fingerprint(self.tokenizer, raw._fingerprint, options, _CACHE_VERSION),
-                desc=f"Tokenizing {os.path.basename(file)} (rollouts)",
-            )
-        except RecordError as error:
-            raise ValueError(
-                f"{name}={file!r} {record_location(name, file, error.index)}: {error.reason}"
-            ) from None
+        return tokenize_records(
+            name,
+            file,
+            raw,
+            tokenize,
+            tokenizer=self.tokenizer,
+            key=(options, _CACHE_VERSION),
+            description="rollouts",
+        )
 
     def _samples(self, name: str, file: str, logprob_dirs: dict[str, str]) -> RolloutSamples:
         """``file``'s rollouts checked for length, with advantages and the directories' log-probs, packed."""
         rollouts = self._tokenized(name, file)
-        lengths = np.asarray(rollouts[_LENGTH][:], dtype=np.int64)
+        lengths = np.asarray(rollouts[LENGTH][:], dtype=np.int64)
         too_long = np.flatnonzero(lengths > self.seq_len)
         if len(too_long):
             first = int(too_long[0])
@@ -389,7 +367,7 @@ class RolloutDataModule(_CPDataModule):
             rows = [
                 [piece.document for piece in row] for row in pack_documents(lengths.tolist(), self.seq_len)
             ]
-        return RolloutSamples(rollouts, self._advantages(name, file, rollouts), logprobs, rows)
+        return RolloutSamples(rollouts, self._advantages(name, file, rollouts), logprobs, rows, self.pad_id)
 
     def _advantages(self, name: str, file: str, rollouts: Any) -> np.ndarray:
         """``[N]`` float32: the records' advantages, or GRPO's from their rewards (refusing a group of one)."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,16 +34,15 @@ from lightning_cp.data.collate import collate_packed
 from lightning_cp.data.datamodule import _CPDataModule
 from lightning_cp.data.packing import Piece, pack_documents
 from lightning_cp.data.text_files import (
+    LENGTH,
     check_file,
     check_first_record,
-    check_json_lines,
     load_records,
     record_location,
+    tokenize_records,
 )
 from lightning_cp.data.tokenization import (
-    RecordError,
     TextFormat,
-    cache_fingerprint,
     chat_targets,
     load_tokenizer,
     stop_tokens,
@@ -288,7 +286,7 @@ class TextDataModule(_CPDataModule):
 
     def _pack(self, documents: Any, selected: np.ndarray) -> tuple[PackedRows, PackingSummary]:
         """Pack ``documents[selected]``: chat samples kept, cut or dropped by ``overlong``."""
-        lengths = _column(documents, "length")[selected]
+        lengths = _column(documents, LENGTH)[selected]
         count = len(np.unique(_column(documents, "conversation")[selected]))
         samples, dropped, untrained, truncated = len(selected), 0, 0, 0
         if self.format == "chat":
@@ -339,30 +337,23 @@ class TextDataModule(_CPDataModule):
             else:
                 out = tokenize_texts(tokenizer, values, indices)
                 out["conversation"] = list(indices)
-            out["length"] = [len(ids) for ids in out[INPUT_IDS]]
             if chat:
                 out["first_target"] = [
                     next((i for i, m in enumerate(mask) if m), -1) for mask in out[LOSS_MASK]
                 ]
             return out
 
-        try:
-            documents = raw.map(
-                tokenize,
-                input_columns=self.column,
-                with_indices=True,
-                batched=True,
-                remove_columns=raw.column_names,
-                new_fingerprint=self._fingerprint(raw._fingerprint),
-                desc=f"Tokenizing {os.path.basename(file)} ({self.format})",
-            )
-        except RecordError as error:
-            raise ValueError(
-                f"{name}={file!r} {record_location(name, file, error.index)}: {error.reason}"
-            ) from None
-        except UnicodeDecodeError:  # pyarrow stores a byte that is not UTF-8 unchecked: find its line
-            check_json_lines(name, file)
-            raise
+        options = json.dumps(self.chat_template_kwargs, sort_keys=True, default=repr)
+        documents = tokenize_records(
+            name,
+            file,
+            raw,
+            tokenize,
+            tokenizer=self.tokenizer,
+            key=(self.format, self.column, options, _CACHE_VERSION),
+            description=self.format,
+            column=self.column,
+        )
         if chat and _column(documents, "first_target").max() < 0:
             roles = [message["role"] for message in normalize_messages(raw[0][self.column])]
             raise ValueError(
@@ -371,12 +362,6 @@ class TextDataModule(_CPDataModule):
                 "of role 'assistant' (ShareGPT: from 'gpt'): rename the replies' role, or use format='text'."
             )
         return documents
-
-    def _fingerprint(self, source: str) -> str:
-        """The cache key of a tokenized file: its ``datasets`` fingerprint, the format, column and template
-        variables, the cache version and the tokenizer (:func:`~lightning_cp.data.tokenization.cache_fingerprint`)."""
-        options = json.dumps(self.chat_template_kwargs, sort_keys=True, default=repr)
-        return cache_fingerprint(self.tokenizer, source, self.format, self.column, options, _CACHE_VERSION)
 
 
 _CHAT_TARGETS = {

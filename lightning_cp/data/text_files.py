@@ -1,5 +1,5 @@
-"""The files ``TextDataModule`` and ``RolloutDataModule`` read: checked where they are built, read with
-``datasets``, records located.
+"""The files ``TextDataModule`` and ``RolloutDataModule`` read: checked where they are built, read and
+tokenized once with ``datasets`` (:func:`tokenize_records`, the one path of both), records located.
 
 ``datasets`` reports a JSON file's mistakes without the file or the line (an empty file raises a bare
 ``StopIteration``, a byte that is not UTF-8 a ``UnicodeDecodeError`` of its own buffer, a line that is not
@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from lightning_cp.constants import INPUT_IDS
 from lightning_cp.data.chat_messages import normalize_messages
-from lightning_cp.data.tokenization import not_a_document
+from lightning_cp.data.tokenization import RecordError, cache_fingerprint, not_a_document
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 """File extension -> the ``datasets`` builder that reads it."""
+LENGTH = "length"
+"""The column of a tokenized file that holds each row's number of tokens (:func:`tokenize_records`)."""
 
 
 def check_file(name: str, file: str) -> None:
@@ -81,6 +84,32 @@ def first_json_record(name: str, file: str) -> tuple[str, dict[str, Any]] | None
     return first
 
 
+def file_columns(name: str, file: str) -> list[str] | None:
+    """The columns of ``file`` (the argument ``name``) without reading its records: the keys with a value of
+    a JSON-lines file's first record, the schema of a ``.parquet`` / ``.arrow`` file; ``None`` for a ``.json``
+    array (its first record is not cheap to read).
+
+    Raises:
+        ValueError: as :func:`first_json_record`.
+    """
+    builder = BUILDERS[os.path.splitext(file)[1]]
+    if builder == "parquet":
+        import pyarrow.parquet
+
+        return list(pyarrow.parquet.read_schema(file).names)
+    if builder == "arrow":
+        import pyarrow
+
+        with open(file, "rb") as f:
+            try:  # datasets writes the stream format; the file format is read too
+                return list(pyarrow.ipc.open_stream(f).schema.names)
+            except pyarrow.ArrowInvalid:
+                f.seek(0)
+                return list(pyarrow.ipc.open_file(f).schema.names)
+    first = first_json_record(name, file)
+    return None if first is None else [key for key, value in first[1].items() if value is not None]
+
+
 def load_records(name: str, file: str, cache_dir: str | None) -> Any:
     """``file`` as a ``datasets.Dataset`` (``datasets.load_dataset``; cached in ``cache_dir``).
 
@@ -101,6 +130,55 @@ def load_records(name: str, file: str, cache_dir: str | None) -> Any:
     if len(records) == 0:
         raise _empty(name, file) from None
     return records
+
+
+def tokenize_records(
+    name: str,
+    file: str,
+    raw: Any,
+    tokenize: Callable[[Any, list[int]], dict[str, list]],
+    *,
+    tokenizer: str | None,
+    key: Sequence[str],
+    description: str,
+    column: str | None = None,
+) -> Any:
+    """``raw``, the records of ``file`` (the argument ``name``; :func:`load_records`), tokenized once: a batched
+    ``datasets`` map of ``tokenize(values, indices)`` (``values``: the records' ``column``, or without one the
+    records as a dict of columns; ``indices``: their indices in the file), whose rows hold ``input_ids``, plus
+    each row's length (:data:`LENGTH`). ``datasets`` caches the result under
+    :func:`~lightning_cp.data.tokenization.cache_fingerprint` of ``tokenizer``, the file's fingerprint and
+    ``key`` (every option the rows depend on, and the caller's cache version), so that every rank, and a later
+    run, reads back what an equal file, tokenizer and options gave.
+
+    Raises:
+        ValueError: a record ``tokenize`` refuses (a :class:`~lightning_cp.data.tokenization.RecordError`),
+            naming the file, the record's line and the reason; a JSON line that is not UTF-8 (pyarrow keeps
+            such a byte unchecked, and only the map fails on it), naming its line.
+    """
+
+    def rows(values: Any, indices: list[int]) -> dict[str, list]:
+        out = tokenize(values, indices)
+        out[LENGTH] = [len(ids) for ids in out[INPUT_IDS]]
+        return out
+
+    try:
+        return raw.map(
+            rows,
+            input_columns=column,
+            with_indices=True,
+            batched=True,
+            remove_columns=raw.column_names,
+            new_fingerprint=cache_fingerprint(tokenizer, raw._fingerprint, *key),
+            desc=f"Tokenizing {os.path.basename(file)} ({description})",
+        )
+    except RecordError as error:
+        raise ValueError(
+            f"{name}={file!r} {record_location(name, file, error.index)}: {error.reason}"
+        ) from None
+    except UnicodeDecodeError:
+        check_json_lines(name, file)
+        raise
 
 
 def check_json_lines(name: str, file: str) -> None:

@@ -10,6 +10,7 @@ Groups come from :func:`lightning_cp.parallel.current_layout` (the running strat
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from collections.abc import Mapping
@@ -71,6 +72,10 @@ class CPLossMixin:
             )
             policy_metrics = as_collection(self.configure_policy_metrics(stage), f"{stage}/rl/")
             self._cp_metrics[f"{stage}_policy_metrics"] = policy_metrics
+        # The same metrics over the micro-batches of the running optimizer step: the step values logged.
+        self._cp_metrics["train_policy_step_metrics"] = copy.deepcopy(
+            self._cp_metrics["train_policy_metrics"]
+        )
         if self.log_tokens_per_sec:
             self._cp_metrics["throughput"] = TokensPerSecond(dist_sync_on_step=True)
         self._cp_objective = GlobalTokenObjective()
@@ -90,8 +95,10 @@ class CPLossMixin:
         """The metrics :meth:`policy_loss` logs under ``{stage}/rl/``, by name (default:
         :func:`~lightning_cp.loss.policy.default_policy_metrics`); each ``update`` receives the keyword totals it
         names from :class:`~lightning_cp.loss.policy.PolicyTerms` (a metric whose inputs a batch lacks, ``kl``
-        without ``ref_logprobs``, is skipped). Called once per stage from ``__init__``."""
-        return default_policy_metrics(stage)
+        without ``ref_logprobs``, is skipped). Called once per stage from ``__init__``. A training step value
+        covers the whole optimizer step (every micro-batch of it: ``compute`` of a copy updated since the
+        last optimizer step), so layouts that accumulate differently log the same step curves."""
+        return default_policy_metrics()
 
     def lm_loss(
         self, hidden: Tensor, head: Tensor | OutputHead, batch: Mapping[str, Tensor], **loss_kwargs: Any
@@ -236,8 +243,10 @@ class CPLossMixin:
         return self._cp_objective.auxiliary_loss(value, current_layout())
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Turn the first micro-batch's normalizer into the whole step's (see :mod:`lightning_cp.loss.objective`)."""
+        """Turn the first micro-batch's normalizer into the whole step's (see :mod:`lightning_cp.loss.objective`);
+        the policy metrics' step values start over with the next step."""
         self._cp_objective.rescale_gradients(self.parameters(), self.trainer.accumulate_grad_batches)
+        self._cp_metrics["train_policy_step_metrics"].reset()
         super().on_before_optimizer_step(optimizer)  # type: ignore[misc]
 
     def _cp_loss(
@@ -282,16 +291,23 @@ class CPLossMixin:
         if stage is None:
             return
         training = stage == "train"
+        step_metrics = self._cp_metrics["train_policy_step_metrics"]
         for name, metric in self._cp_metrics[f"{stage}_policy_metrics"].items(keep_base=False):
             wanted = [key for key in inspect.signature(metric.update).parameters if key != "self"]
             if not set(wanted) <= set(totals):
                 continue
             values = {key: totals[key] for key in wanted}
-            if training:
-                metric(**values)
-            else:
-                metric.update(**values)
-            self.log(name, metric, on_step=training, on_epoch=True, prog_bar=name.endswith("/loss"))
+            metric.update(**values)
+            shown = name.endswith("/loss")
+            if not training:
+                self.log(name, metric, on_epoch=True, prog_bar=shown)
+                continue
+            # The step value is the optimizer step's so far (every micro-batch of it, synchronized), where a
+            # metric's forward would give this micro-batch's; Lightning logs the last micro-batch's call.
+            step = step_metrics[name]
+            step.update(**values)
+            self.log(f"{name}_step", step.compute(), on_step=True, on_epoch=False, prog_bar=shown)
+            self.log(f"{name}_epoch", metric, on_step=False, on_epoch=True)
         if training and self.log_tokens_per_sec:
             self._log_throughput(input_token_count(batch))
 

@@ -225,24 +225,23 @@ def policy_terms(
     return PolicyTerms(loss_sum, normalizer, totals)
 
 
-def default_policy_metrics(stage: str) -> dict[str, Metric]:
-    """The metrics logged under ``{stage}/rl/`` by :meth:`~lightning_cp.CPLossMixin.policy_loss`, each the
-    same for every DP x CP layout:
+def default_policy_metrics() -> dict[str, Metric]:
+    """The metrics logged under ``{stage}/rl/`` (a set per stage) by
+    :meth:`~lightning_cp.CPLossMixin.policy_loss`, each the same for every DP x CP layout:
 
     ``loss`` (the aggregated objective, as trained), ``pg_loss`` (its clipped-surrogate part, aggregated
     alike), ``clip_fraction`` (share of targets whose clipped term is taken: their gradient is zero),
     ``ratio_mean`` (token mean of ``r_t``), ``kl`` (token mean of ``kl_t``; only with ``ref_logprobs``),
     ``entropy`` (token mean), ``completion_length`` (mean targets per sequence).
     """
-    sync = {"dist_sync_on_step": stage == "train"}
     return {
-        "loss": PolicyLoss(**sync),
-        "pg_loss": PolicySurrogateLoss(**sync),
-        "clip_fraction": ClipFraction(**sync),
-        "ratio_mean": MeanRatio(**sync),
-        "kl": MeanTokenKL(**sync),
-        "entropy": MeanTokenEntropy(**sync),
-        "completion_length": MeanCompletionLength(**sync),
+        "loss": PolicyLoss(),
+        "pg_loss": PolicySurrogateLoss(),
+        "clip_fraction": ClipFraction(),
+        "ratio_mean": MeanRatio(),
+        "kl": MeanTokenKL(),
+        "entropy": MeanTokenEntropy(),
+        "completion_length": MeanCompletionLength(),
     }
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 import yaml
 
-from lightning_cp import MegatronCPStrategy
+from lightning_cp import MegatronCPStrategy, PolicyObjective
 from lightning_cp.cli.launch_checks import check_before_launch
-from lightning_cp.data import LongRangeDataModule
+from lightning_cp.data import LongRangeDataModule, RolloutDataModule
 from lightning_cp.models import GPTConfig, GPTModule, HFCausalLM
 from tests.test_cli import HF_CPU, _check_one_line
 
@@ -26,9 +26,9 @@ from tests.hf._models import CONFIGS, VOCAB, build
 from tests.hf.test_hybrid import HYBRIDS
 
 
-def _refusal(model, strategy, datamodule=None) -> str | None:
+def _refusal(model, strategy, datamodule=None, subcommand="fit") -> str | None:
     try:
-        check_before_launch(model, datamodule, strategy)
+        check_before_launch(model, datamodule, strategy, subcommand)
     except ValueError as error:
         return str(error)
     return None
@@ -132,22 +132,86 @@ def test_a_gpt_vocabulary_smaller_than_the_data_s_is_refused():
     assert message.endswith("Set the model's vocab_size to at least 65.")
 
 
+def _rollout_file(path, reference: bool) -> str:
+    """Two groups of two token-id rollouts, with the reference model's log-probs or without them."""
+    records = [
+        {"prompt_ids": [1 + g, 2], "completion_ids": [3, 4 + k], "reward": float(k)}
+        | ({"ref_logprobs": [-0.5, -0.25]} if reference else {})
+        for g in range(2)
+        for k in range(2)
+    ]
+    if path.suffix == ".parquet":
+        import pyarrow
+        import pyarrow.parquet
+
+        pyarrow.parquet.write_table(pyarrow.Table.from_pylist(records), path)
+    else:
+        path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return str(path)
+
+
+def test_a_kl_term_without_the_rollouts_reference_log_probs_is_refused(tmp_path):
+    """Where the first step (or the sanity check, for val_path) would fail after launch; predict, which
+    writes those log-probs, and kl_coef=0 are not refused."""
+    pytest.importorskip("datasets")
+    model = HFCausalLM(CONFIGS["llama"], objective=PolicyObjective(kl_coef=0.1))
+    strategy = MegatronCPStrategy(cp=2)
+    bare = _rollout_file(tmp_path / "bare.parquet", reference=False)  # columns from the schema
+    given = _rollout_file(tmp_path / "given.jsonl", reference=True)  # from the first line
+
+    def refusal(path, val_path=None, subcommand="fit", objective=model):
+        data = RolloutDataModule(path, val_path=val_path, cache_dir=str(tmp_path / "cache"))
+        return _refusal(objective, strategy, data, subcommand)
+
+    assert refusal(bare) == (
+        f"model.objective.kl_coef=0.1 needs the reference model's log-probs of every rollout, which "
+        f"data.path={bare!r} does not give (fit reads it): set data.init_args.ref_logprobs to the directory "
+        "lightning-cp predict wrote with the reference weights, or give the file a 'ref_logprobs' column; or set "
+        "kl_coef: 0."
+    )
+    assert f"data.val_path={bare!r} does not give (fit reads it)" in refusal(given, val_path=bare)
+    assert f"data.val_path={bare!r} does not give (validate reads it)" in refusal(given, bare, "validate")
+    assert refusal(given, val_path=given) is None and refusal(bare, given, "validate") is None
+    assert refusal(bare, subcommand="predict") is None
+    assert refusal(bare, bare, objective=HFCausalLM(CONFIGS["llama"], objective=PolicyObjective())) is None
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test"])
+def test_evaluating_rollouts_without_a_validation_file_is_refused(subcommand, tmp_path):
+    """Lightning would find no loader and end with status 0, having evaluated nothing."""
+    pytest.importorskip("datasets")
+    data = RolloutDataModule(_rollout_file(tmp_path / "r.jsonl", reference=False))
+    message = _refusal(
+        GPTModule(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16)), None, data, subcommand
+    )
+    assert message == (
+        f"data.val_path is not set: {subcommand} runs on RolloutDataModule's validation rollouts only (path is "
+        f"the training data), so it would {subcommand} nothing; set data.init_args.val_path to a rollout file."
+    )
+
+
 # --- through the command line: one line, status 2, no rank started -------------------------------------------
 
 
-def _hf_yaml(tmp_path, model_config, strategy_args) -> str:
+def _hf_yaml(tmp_path, model_config, strategy_args, **model_args) -> str:
     tree = yaml.safe_load(HF_CPU.read_text())
-    tree["model"]["init_args"]["config"] = model_config
+    tree["model"]["init_args"].update(config=model_config, **model_args)
     tree["trainer"]["strategy"]["init_args"].update(strategy_args)
     tree["trainer"]["logger"][0]["init_args"]["save_dir"] = str(tmp_path / "logs")
+    if "objective" in model_args:  # reinforcement learning: the policy objective on rollouts
+        rollouts = _rollout_file(tmp_path / "rollouts.jsonl", reference=False)
+        tree["data"] = {"class_path": "lightning_cp.data.RolloutDataModule", "init_args": {"path": rollouts}}
     path = tmp_path / "hf.yaml"
     path.write_text(yaml.safe_dump(tree))
     return str(path)
 
 
-@pytest.mark.parametrize("case", ["ulysses-heads", "pretrained-vocabulary"])
+@pytest.mark.parametrize(
+    "case", ["ulysses-heads", "pretrained-vocabulary", "kl-without-reference", "validate-without-val_path"]
+)
 def test_the_command_refuses_before_any_rank_starts(case, tmp_path, cli_before_launch):
     config = yaml.safe_load(HF_CPU.read_text())["model"]["init_args"]["config"]
+    subcommand = "validate" if case == "validate-without-val_path" else "fit"
     if case == "ulysses-heads":  # 4 processes, cp = 4: the 6 query heads do not split
         path = _hf_yaml(
             tmp_path,
@@ -155,7 +219,13 @@ def test_the_command_refuses_before_any_rank_starts(case, tmp_path, cli_before_l
             {"cp": 4, "cp_attention": "ulysses"},
         )
         expected = "6 query heads and 2 key/value heads do not split over cp=4"
-    else:  # the long-range task's 128 ids against a pretrained 61-token vocabulary
+    elif (
+        case == "pretrained-vocabulary"
+    ):  # the long-range task's 128 ids against a pretrained 61-token vocabulary
         path = _hf_yaml(tmp_path, _pretrained(tmp_path / "llama", VOCAB), {})
         expected = f"data.vocab_size=128 is larger than the model's vocab_size={VOCAB}"
-    assert expected in _check_one_line(*cli_before_launch("fit", "--config", path))
+    else:  # GRPO's KL term on rollouts without reference log-probs; validate with no validation rollouts
+        pytest.importorskip("datasets")
+        path = _hf_yaml(tmp_path, config, {}, objective={"kl_coef": 0.04})
+        expected = "model.objective.kl_coef=0.04 needs" if subcommand == "fit" else "data.val_path is not set"
+    assert expected in _check_one_line(*cli_before_launch(subcommand, "--config", path))

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import itertools
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch import LightningModule
 
 from lightning_cp.constants import (
     ADVANTAGES,
@@ -21,6 +23,8 @@ from lightning_cp.constants import (
     ROLLOUT_INDEX,
 )
 from lightning_cp.data import RolloutDataModule
+from lightning_cp.data.rollout_samples import PADDING
+from tests._trainer import cp_trainer
 
 pytest.importorskip("datasets")
 
@@ -431,3 +435,82 @@ def test_the_advantages_are_grpo_s_over_the_whole_file_not_a_row(tmp_path):
     for batch in rows:
         for index, values in _rollouts_of(batch).items():
             assert values[ADVANTAGES][-1].item() == pytest.approx(expected[index], rel=1e-6)
+
+
+def _trained(batch) -> list[int]:
+    """The rollouts whose targets a batch holds (padding rows of a padded batch have none)."""
+    return batch[ROLLOUT_INDEX][batch[LOSS_MASK] > 0].unique().tolist()
+
+
+def _rank_batches(
+    data: RolloutDataModule, dp: int, epoch: int, training: bool
+) -> tuple[list[list[dict]], list]:
+    """Every data-parallel rank's batches of one epoch, as the strategy's ``distributed_sampler_kwargs``
+    make the loaders, and the epoch's order of the rows (the permutation of the sampler's seed)."""
+    out = []
+    for rank in range(dp):
+        data.trainer = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": dp, "rank": rank})
+        loader = data.train_dataloader() if training else data.val_dataloader()
+        loader.sampler.set_epoch(epoch)
+        out.append(list(loader))
+    data.trainer = None
+    rows = len(loader.dataset)
+    seeded = torch.Generator().manual_seed(loader.sampler.seed + epoch)
+    return out, torch.randperm(rows, generator=seeded).tolist() if training else list(range(rows))
+
+
+@pytest.mark.parametrize(("packed", "dp"), [(False, 2), (True, 3)], ids=["padded-dp2", "packed-dp3"])
+def test_every_rollout_trains_once_per_epoch_whatever_dp(tmp_path, packed, dp):
+    """Where Lightning's DistributedSampler would repeat rows to even the ranks out, a short rank gets a
+    batch without targets or inputs: step k is the k-th chunk of batch_size * dp rows of the epoch's order
+    (the unsharded global batch), each rollout once per epoch, in training and in validation."""
+    path = _write(tmp_path / "r.jsonl", _id_rollouts(False)[:9])
+    data = _module(path, tmp_path, seq_len=12, packed=packed, batch_size=2, val_path=str(path))
+    rows = data._train.rows or [[i] for i in range(9)]
+    assert len(rows) % dp != 0  # Lightning's sampler would repeat rows
+    padding_only = 0
+    for epoch, training in ((0, True), (1, True), (0, False)):
+        ranks, order = _rank_batches(data, dp, epoch, training)
+        assert len({len(batches) for batches in ranks}) == 1  # every rank runs every step
+        for step, batches in enumerate(zip(*ranks, strict=True)):
+            chunk = order[step * 2 * dp : (step + 1) * 2 * dp]
+            expected = sorted(rollout for position in chunk for rollout in rows[position])
+            assert sorted(r for batch in batches for r in _trained(batch)) == expected, (epoch, step)
+            for batch in batches:
+                if not _trained(batch):
+                    padding_only += 1
+                    assert not batch["input_mask"].any() and (batch[ROLLOUT_INDEX] == PADDING).all()
+                    assert batch[ADVANTAGES].eq(0).all() and batch[OLD_LOGPROBS].eq(0).all()
+    assert padding_only > 0
+
+
+class _RolloutRecorder(LightningModule):
+    """Records the rollouts whose targets each training step holds (the weights never change)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.steps: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.steps.append(_trained(batch))
+        return self.layer(batch[LOSS_MASK][:, :1]).sum() * 0.0
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _steps_at_dp2(path: str, cache_dir: str) -> list[list[int]]:
+    module = _RolloutRecorder()
+    data = RolloutDataModule(path, cache_dir=cache_dir, seq_len=12, packed=False, batch_size=2)
+    cp_trainer(1, max_epochs=1).fit(module, datamodule=data)
+    return module.steps
+
+
+def test_the_trainer_keeps_the_sampler_and_trains_each_rollout_once(world2, tmp_path):
+    """Through Lightning at dp=2 (which replaces any sampler that is no DistributedSampler): 9 rollouts in
+    batches of 2 are 3 steps on both ranks, the last one's second rank without targets."""
+    path = _write(tmp_path / "r.jsonl", _id_rollouts(False)[:9])
+    ranks = world2.run(_steps_at_dp2, str(path), str(tmp_path / "cache"))
+    assert [len(steps) for steps in ranks] == [3, 3] and ranks[1][2] == []
+    assert sorted(r for steps in ranks for step in steps for r in step) == list(range(9))

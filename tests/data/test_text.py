@@ -186,6 +186,50 @@ def test_another_tokenizer_is_not_served_from_the_cache(tiny_chat_dir, tmp_path)
     assert len(data._train.documents[document][INPUT_IDS]) > len(first._train.documents[document][INPUT_IDS])
 
 
+def _text_module(tiny_chat_dir, tmp_path, records: list[dict], **options) -> TextDataModule:
+    """A ``format="text"`` module of ``records`` (a file of its own, written once), set up."""
+    file = tmp_path / "documents.jsonl"
+    if not file.exists():  # rewritten, the file would be another to datasets' cache
+        file.write_text("".join(json.dumps(record) + "\n" for record in records))
+    options = {
+        "seq_len": 64,
+        "val_fraction": 1 / len(records),
+        "cache_dir": str(tmp_path / "cache"),
+        **options,
+    }
+    data = TextDataModule(str(file), str(tiny_chat_dir), format="text", **options)
+    data.prepare_data()
+    data.setup("fit")
+    return data
+
+
+def _documents(data: TextDataModule) -> dict[int, list[int]]:
+    """Every document's token ids (none is longer than ``seq_len`` here), train and validation together."""
+    return {document: ids for split in (data._train, data._val) for document, _, ids, _ in _pieces(split)}
+
+
+def test_a_document_that_already_ends_with_eos_gets_no_second_one(tiny_chat_dir, tmp_path):
+    """The contract of format='text' (lightning_cp.data.tokenization): EOS is appended unless the document's
+    last token is one already (its text ends with it, or the tokenizer added it)."""
+    eos = "<|im_end|>"
+    texts = ["plain words", f"ends with its own{eos}", f"an {eos} inside, then words"]
+    data = _text_module(tiny_chat_dir, tmp_path, [{"text": text} for text in texts])
+    eos_id = data._tokenizer.eos_token_id
+    ids = [data._tokenizer(text)["input_ids"] for text in texts]
+    assert ids[1][-1] == eos_id != ids[1][-2] and eos_id in ids[2][:-1]  # the cases are exercised
+    assert _documents(data) == {0: [*ids[0], eos_id], 1: ids[1], 2: [*ids[2], eos_id]}
+
+
+def test_two_columns_of_one_file_are_cached_apart(tiny_chat_dir, tmp_path):
+    """The cache key holds the column: another column of the same file is tokenized, not served the first's."""
+    records = [{"text": f"document number {i}", "summary": f"short {i}"} for i in range(3)]
+    for column in ("text", "summary"):
+        data = _text_module(tiny_chat_dir, tmp_path, records, column=column)
+        documents = _documents(data)
+        decoded = [data._tokenizer.decode(documents[i]) for i in range(3)]
+        assert decoded == [record[column] + "<|im_end|>" for record in records], column
+
+
 class _RowRecorder(_Recorder):
     """Records the first row's token ids of every batch of the data module's training loader."""
 

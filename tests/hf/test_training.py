@@ -14,7 +14,7 @@ from lightning.pytorch import Callback, seed_everything
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy
+from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy, PolicyObjective
 from lightning_cp.data import LongRangeCopyDataset, collate_padded
 from lightning_cp.hf import decoder
 from lightning_cp.memory import tiling
@@ -309,10 +309,13 @@ def test_a_dataloader_iter_step_is_refused_at_setup(world2):
         )
 
 
-def test_predict_step_gives_the_log_probability_of_every_target():
-    # Without a strategy (cp = 1): the batch sharded by hand, against log_softmax of the model's own logits.
+@pytest.mark.parametrize("temperature", [None, 0.7], ids=["lm", "objective-at-0.7"])
+def test_predict_step_gives_the_log_probability_of_every_target(temperature):
+    # Without a strategy (cp = 1): the batch sharded by hand, against log_softmax of the model's own logits,
+    # at the temperature of the objective (the sampler's: RL's old / reference log-probs), else 1.
     seed_everything(0)
-    module = HFCausalLM(CONFIGS["llama"])
+    objective = None if temperature is None else PolicyObjective(temperature=temperature)
+    module = HFCausalLM(CONFIGS["llama"], objective=objective)
     module.configure_model()
     batch = collate_padded([_dataset()[i] for i in range(3)])
     shard = shard_batch(batch, 1, 0)
@@ -320,7 +323,11 @@ def test_predict_step_gives_the_log_probability_of_every_target():
     with torch.no_grad():
         logits = module.model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
     target = shard["labels"] != -100
-    expected = logits.log_softmax(-1).gather(-1, shard["labels"].clamp(min=0)[..., None])[..., 0]
+    expected = (
+        (logits / (temperature or 1.0))
+        .log_softmax(-1)
+        .gather(-1, shard["labels"].clamp(min=0)[..., None])[..., 0]
+    )
     assert target.sum() > 10 and torch.equal(out["labels"], shard["labels"])
     torch.testing.assert_close(out["logprobs"][target], expected[target], rtol=1e-5, atol=1e-5)
     assert (out["logprobs"][~target] == 0).all()

@@ -126,7 +126,9 @@ def _sharded(cp: int, packed: bool, names: list[str]) -> dict:
             dist.all_reduce(param.grad, group=layout.loss_group)
             param.grad /= layout.dp * cp
         metrics = {
-            key.removeprefix("train/rl/"): value.compute().item() for key, value in module.logged.items()
+            key.removeprefix("train/rl/").removesuffix("_epoch"): value.compute().item()
+            for key, value in module.logged.items()
+            if key.endswith("_epoch")
         }
         out[name] = (metrics, module.grads())
     set_current_layout(None)
@@ -277,3 +279,66 @@ def test_the_policy_step_communicates_the_lm_step_s_scalars_and_two_numbers_per_
     for got in world2.run(_collectives):
         assert got["calls"]["lm"] == [2]
         assert sorted(got["calls"]["policy"]) == [2, 2 * got["sequences"]]
+
+
+def test_a_step_value_covers_every_micro_batch_of_its_optimizer_step():
+    """The step value logged at the step's last micro-batch is the whole optimizer step's, and starts over after
+    it; the epoch value covers every step."""
+    module = _Policy()
+    module._trainer = SimpleNamespace(
+        training=True, state=SimpleNamespace(stage=RunningStage.TRAINING), accumulate_grad_batches=2
+    )
+    first, second = ([r for slot in slots for r in slot] for slots in _rollouts(False))
+    epoch = []
+    for step in ([first, second], [second, second]):
+        for micro_batch in step:
+            batch = shard_batch(collate_packed(samples(micro_batch)), 1, 0)
+            module.policy_loss(module.hidden(batch), module.head, batch, OBJECTIVES["grpo"])
+        module.on_before_optimizer_step(None)
+        rollouts = [r for micro_batch in step for r in micro_batch]
+        epoch += rollouts
+        for name, expected in _reference_metrics(module, rollouts).items():
+            got = module.logged[f"train/rl/{name}_step"].item()
+            assert got == pytest.approx(expected, rel=1e-6, abs=1e-8), (len(epoch), name)
+    for name, expected in _reference_metrics(module, epoch).items():
+        assert module.logged[f"train/rl/{name}_epoch"].compute().item() == pytest.approx(
+            expected, rel=1e-6, abs=1e-8
+        )
+
+
+def _reference_metrics(module: _Policy, rollouts: list[Rollout]) -> dict[str, float]:
+    with torch.no_grad():
+        return objective_of_step(rollouts, [module.logits(r.ids) for r in rollouts], OBJECTIVES["grpo"])[1]
+
+
+def _loss_and_reference(
+    objective: PolicyObjective, on_policy: bool = False, untrained: list[Rollout] = ()
+) -> tuple[float, float]:
+    """One packed micro-batch's objective from ``policy_loss`` (evaluation, one process), with the
+    ``untrained`` rollouts (no completion: no target) among its sequences, and the reference's without them."""
+    module = _Policy()
+    rollouts = [r for slot in _rollouts(on_policy)[0] for r in slot]
+    batch = shard_batch(collate_packed(samples([*untrained, *rollouts])), 1, 0)
+    with torch.no_grad():
+        loss = module.policy_loss(module.hidden(batch), module.head, batch, objective).item()
+        logits = [module.logits(r.ids) for r in rollouts]
+        return loss, objective_of_step(rollouts, logits, objective)[0].item()
+
+
+def test_a_zero_upper_clip_is_a_bound_not_the_default():
+    """clip_high=0.0 clips every ratio above 1 (read as unset, it would be clip_low's 0.2)."""
+    zero = PolicyObjective(clip_high=0.0, kl_coef=0.1)
+    loss, expected = _loss_and_reference(zero)
+    assert loss == pytest.approx(expected, rel=1e-5)
+    assert expected != pytest.approx(_loss_and_reference(PolicyObjective(kl_coef=0.1))[1], rel=1e-2)
+
+
+@pytest.mark.parametrize("name", ["gspo", "dr-grpo", "on-policy-seq-mean"])
+def test_a_sequence_without_targets_counts_in_no_normalizer(name):
+    """A sequence-mean counts the sequences that have a target: a prompt without completion (or a data-parallel
+    rank's padding) leaves the objective as it is without it."""
+    on_policy = name in ON_POLICY
+    old = None if on_policy else []
+    untrained = [Rollout([5, 6, 7], [], 0.0, old, []), Rollout([8], [], 0.0, old, [])]
+    loss, expected = _loss_and_reference(OBJECTIVES[name], on_policy, untrained)
+    assert loss == pytest.approx(expected, rel=1e-5)
