@@ -56,13 +56,13 @@ def _measure(config: Any, cp: int, fsdp: bool) -> dict[str, int]:
     from lightning_cp.models import GPT
     from lightning_cp.parallel import groups
     from lightning_cp.strategies import _fsdp
-    from lightning_cp.strategies._modules import resolve_classes
+    from lightning_cp.strategies._modules import default_layer_classes, resolve_classes
 
     layout = groups.initialize(tp=1, cp=cp)
     torch.manual_seed(0)
     model = GPT(config)
     if fsdp:
-        units = resolve_classes("MegatronCPFSDPStrategy", "fsdp_wrap", _fsdp.default_wrap(model), model)
+        units = resolve_classes("MegatronCPFSDPStrategy", "fsdp_wrap", default_layer_classes(model), model)
         wrapped = _fsdp.shard(
             model,
             _fsdp.sharding_mesh(layout.loss_group, "cpu"),

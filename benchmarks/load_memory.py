@@ -56,7 +56,7 @@ def _load(directory: str, method: str) -> int:
 
     from lightning_cp.hf.loading import deferred_loading, load_pretrained, materialize_pretrained
     from lightning_cp.strategies import _fsdp
-    from lightning_cp.strategies._modules import resolve_classes
+    from lightning_cp.strategies._modules import default_layer_classes, resolve_classes
 
     importlib.import_module("transformers.models.llama.modeling_llama")  # code, not loading: before the reset
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
@@ -68,7 +68,7 @@ def _load(directory: str, method: str) -> int:
     else:
         with deferred_loading():
             model = load_pretrained(directory, dtype=torch.float32, attn_implementation="sdpa")
-        units = resolve_classes("load_memory", "fsdp_wrap", _fsdp.default_wrap(model), model)
+        units = resolve_classes("load_memory", "fsdp_wrap", default_layer_classes(model), model)
         mesh = _fsdp.sharding_mesh(dist.group.WORLD, "cpu")
         model = _fsdp.shard(model, mesh, units, _fsdp.mixed_precision_policy("32-true"))
         materialize_pretrained(model, torch.device("cpu"))

@@ -15,7 +15,8 @@ safetensors shard (``max_shard_bytes``). Everything is written into a hidden sta
 output and moved in when complete: a failure (a full disk, a bad tensor) leaves the output as it was. An
 output that already holds weights (the pretrained directory, an earlier export) is refused unless
 ``overwrite=True``, which replaces its whole weight set (:func:`check_output_dir`).
-:class:`ExportHFOnFitEnd` does it at the end of ``fit`` (rank 0, after a checkpoint every rank writes).
+:class:`ExportHFOnFitEnd` does it at the end of ``fit`` (rank 0, from a weights-only checkpoint every rank
+writes into a hidden folder beside the output, removed after).
 """
 
 from __future__ import annotations
@@ -338,10 +339,13 @@ def _nbytes(shape: tuple[torch.Size, torch.dtype], dtype: torch.dtype | None) ->
 
 
 class ExportHFOnFitEnd(Callback):
-    """At the end of ``fit``, save a checkpoint and export it with :func:`export_hf` to ``output_dir``.
+    """At the end of ``fit``, export the trained weights with :func:`export_hf` to ``output_dir``.
 
-    Every rank writes its part of the checkpoint ``<output_dir>.ckpt`` (a file under DDP, a folder under
-    FSDP, no rank gathering the model); rank 0 then exports it while the others wait.
+    Every rank writes its part of a checkpoint of the weights alone (``weights_only``: no optimizer state;
+    a file under DDP, a folder under FSDP, no rank gathering the model) into a new hidden folder beside
+    ``output_dir``; rank 0 exports it and removes the folder, while the others wait. Nothing but the export
+    is left (for a checkpoint to resume from, add Lightning's ``ModelCheckpoint``), and no earlier run's
+    files are in the way.
 
     Args:
         output_dir: the ``save_pretrained`` directory to write.
@@ -353,7 +357,8 @@ class ExportHFOnFitEnd(Callback):
         ValueError: when built, an ``output_dir`` that already holds weights without ``overwrite``
             (:func:`check_output_dir`): before training, not after it.
 
-    Communication: the checkpoint's collectives and the strategy's barrier.
+    Communication: a broadcast of the checkpoint folder's name, the checkpoint's collectives and the
+    strategy's barrier.
     """
 
     def __init__(
@@ -366,14 +371,25 @@ class ExportHFOnFitEnd(Callback):
         self.overwrite = overwrite
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        checkpoint = self.output_dir.with_name(self.output_dir.name + ".ckpt")
-        trainer.save_checkpoint(checkpoint)
+        folder = None
         if trainer.is_global_zero:
-            export_hf(
-                checkpoint,
-                self.output_dir,
-                dtype=self.dtype,
-                tokenizer=self.tokenizer,
-                overwrite=self.overwrite,
+            self.output_dir.parent.mkdir(parents=True, exist_ok=True)
+            folder = tempfile.mkdtemp(
+                prefix=f".{self.output_dir.name}.checkpoint-", dir=self.output_dir.parent
             )
-        trainer.strategy.barrier("export_hf")
+        folder = Path(trainer.strategy.broadcast(folder))
+        try:
+            checkpoint = folder / "weights.ckpt"
+            trainer.save_checkpoint(checkpoint, weights_only=True)
+            if trainer.is_global_zero:
+                export_hf(
+                    checkpoint,
+                    self.output_dir,
+                    dtype=self.dtype,
+                    tokenizer=self.tokenizer,
+                    overwrite=self.overwrite,
+                )
+        finally:
+            if trainer.is_global_zero:
+                shutil.rmtree(folder, ignore_errors=True)
+            trainer.strategy.barrier("export_hf")

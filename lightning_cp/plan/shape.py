@@ -166,7 +166,7 @@ class ModelShape:
         import torch
 
         from lightning_cp.models.gpt import GPT
-        from lightning_cp.strategies._fsdp import default_wrap
+        from lightning_cp.strategies import default_layer_classes
 
         with torch.device("meta"):
             model = GPT(config)
@@ -181,7 +181,7 @@ class ModelShape:
             tied=config.tie_embeddings,
             params=sum(p.numel() for p in model.parameters()),
             architecture="gpt",
-            layer_classes=default_wrap(model),
+            layer_classes=default_layer_classes(model),
         )
 
     @classmethod
@@ -210,7 +210,7 @@ class ModelShape:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from lightning_cp.hf.loading import check_causal_lm_config
-        from lightning_cp.strategies._fsdp import default_wrap
+        from lightning_cp.strategies import default_layer_classes
 
         if not isinstance(config, Mapping):
             path = Path(config) / "config.json"
@@ -265,7 +265,7 @@ class ModelShape:
             top_k=top_k,
             expert_ffn=expert_ffn,
             qk_norm=any(name.rsplit(".", 1)[-1] == "q_norm" for name, _ in model.named_modules()),
-            layer_classes=default_wrap(model),
+            layer_classes=default_layer_classes(model),
             value_head_dim=value_head_dim,
             sparse=_sparse_indexer(text),
         )

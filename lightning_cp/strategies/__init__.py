@@ -4,6 +4,7 @@
 - :class:`MegatronCPFSDPStrategy` (``strategy="megatron_cp_fsdp"``): FSDP2 over the DP x CP ranks.
 - :class:`MegatronCPBase`: what both do (Megatron-core groups, layout, sampling, batch sharding, SIGTERM).
 - :class:`AtomicCheckpointIO`, :func:`consolidate_checkpoint`, :class:`PreemptionCheckpoint`: checkpoints.
+- :func:`default_layer_classes`: the layer classes of a model the strategies take by default (FSDP's units).
 - :func:`register_integration`: how a model library (the package's ``transformers`` support) plugs into
   the strategies' setup (:mod:`lightning_cp.strategies.integrations`).
 """
@@ -11,6 +12,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_cp.checkpoint_format import consolidate_checkpoint
+from lightning_cp.strategies._modules import default_layer_classes
 from lightning_cp.strategies.base import MegatronCPBase
 from lightning_cp.strategies.checkpoint_io import AtomicCheckpointIO
 from lightning_cp.strategies.integrations import ModelIntegration, register_integration
@@ -26,6 +28,7 @@ __all__ = [
     "ModelIntegration",
     "PreemptionCheckpoint",
     "consolidate_checkpoint",
+    "default_layer_classes",
     "register_integration",
 ]
 

@@ -23,6 +23,7 @@ from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixi
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from lightning_cp.parallel.layout import ProcessGroup
 
@@ -44,6 +45,23 @@ def sharding_mesh(group: ProcessGroup, device_type: str) -> DeviceMesh:
     would create one more process group with the same ranks.
     """
     return DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_cp",))
+
+
+def full_tensor(shards: DTensor, mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """The whole tensor of a parameter's ``shards`` on every rank, on the device of ``mesh``'s type.
+
+    ``mesh``: a mesh over the same ranks to gather over instead of the shards' own (whose group a teardown
+    destroyed); ``None``: their own. Shards in host memory (``cpu_offload``, or moved there by Lightning's
+    teardown) are copied to that device first, as the mesh's backend communicates there.
+
+    Communication: an all-gather over the mesh.
+    """
+    mesh = mesh or shards.device_mesh
+    local = shards.to_local().to(mesh.device_type)
+    placed = DTensor.from_local(
+        local, mesh, shards.placements, run_check=False, shape=shards.shape, stride=shards.stride()
+    )
+    return placed.full_tensor()
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
@@ -80,23 +98,6 @@ def to_device_except_parameters(module: nn.Module, device: torch.device) -> None
         module._device = device  # what its ``to(device)`` records
     for child in module.children():
         to_device_except_parameters(child, device)
-
-
-def default_wrap(model: nn.Module) -> tuple[str, ...]:
-    """The units when ``fsdp_wrap`` is not given: the ``_no_split_modules`` the model's modules declare, of the
-    classes it holds.
-
-    Hugging Face models declare their decoder layers there, and so does the package's GPT; the text model of
-    a multimodal composite also declares its vision tower's blocks, which it does not hold (left out). Empty
-    when no module declares any: everything is then in the root unit.
-    """
-    present = {type(module).__name__ for module in model.modules()}
-    names: list[str] = []
-    for module in model.modules():
-        for name in getattr(module, "_no_split_modules", None) or ():
-            if name not in names and name in present:
-                names.append(name)
-    return tuple(names)
 
 
 def untied_token_embeddings(model: nn.Module) -> list[nn.Module]:

@@ -16,6 +16,24 @@ ModuleSpec = str | type[nn.Module]
 """A module class, or its class name (``type(module).__name__``), e.g. ``"LlamaDecoderLayer"``."""
 
 
+def default_layer_classes(model: nn.Module) -> tuple[str, ...]:
+    """The classes of ``model``'s layers as the strategies take them by default (FSDP's units when ``fsdp_wrap``
+    is not given; what ``activation_checkpointing`` names for the memory plan): the ``_no_split_modules`` the
+    model's modules declare, of the classes it holds.
+
+    Hugging Face models declare their decoder layers there, and so does the package's GPT; the text model of
+    a multimodal composite also declares its vision tower's blocks, which it does not hold (left out). Empty
+    when no module declares any: everything is then in the root unit.
+    """
+    present = {type(module).__name__ for module in model.modules()}
+    names: list[str] = []
+    for module in model.modules():
+        for name in getattr(module, "_no_split_modules", None) or ():
+            if name not in names and name in present:
+                names.append(name)
+    return tuple(names)
+
+
 def check_module_specs(
     owner: str, argument: str, value: Sequence[ModuleSpec] | None
 ) -> tuple[ModuleSpec, ...] | None:

@@ -8,16 +8,18 @@ collective over every rank, so every rank must make the same calls, in the same 
 alone would wait forever for the others, which meanwhile start the next step's collectives. Before each
 gather the ranks agree that they all make the call (:class:`OutsideCallAgreement`), in a loop that runs the
 process's signal handlers: a rank that calls alone raises an error naming that rule after
-:data:`OUTSIDE_CALL_TIMEOUT_S`, or at once on SIGTERM, instead of hanging.
+:data:`OUTSIDE_CALL_TIMEOUT_S`, or at once on SIGTERM, instead of hanging, and leaves no collective in
+flight, so that its run ends with the error (the other ranks stop when it has gone).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -31,78 +33,109 @@ or I/O before it, and end a call made on one rank only (``if trainer.is_global_z
 _POLL_S = 0.05
 """The longest sleep between two looks at the agreement (the process's signal handlers run in between)."""
 
+_ARRIVED = "arrived"
+"""The store key counting every rank's calls."""
+_CLOSED = "closed"
+"""The store key counting the ranks that closed the agreement (their run ended)."""
+
 
 class OutsideCallAgreement:
     """Every rank's confirmation, before the root unit is gathered for a call outside the step, that every
     other rank makes the call too.
 
+    The ranks count their calls in a key of the default process group's store (a TCP store, not a
+    collective): the ``k``-th call of each rank returns once the count reaches ``k * world_size``. A rank
+    that gives up leaves nothing in flight, so its run can end at once: a collective left waiting for a peer
+    that never joins it would block the process in its teardown and at its exit, while the other ranks wait
+    in the next step's collectives.
+
     Args:
-        group: a gloo group over the ranks FSDP shards over (see :meth:`over_world`); ``None`` for one rank.
+        store: a store every rank reaches, of this agreement alone (see :meth:`over_world`); ``None`` for
+            one rank.
+        world_size: the number of ranks that make every call.
         stopping: whether this rank was asked to stop (SIGTERM): the wait then ends with the error at once.
         timeout_s: how long to wait for the other ranks.
     """
 
     def __init__(
         self,
-        group: dist.ProcessGroup | None,
+        store: dist.Store | None,
+        world_size: int,
         stopping: Callable[[], bool],
         timeout_s: float = OUTSIDE_CALL_TIMEOUT_S,
     ) -> None:
-        self.group = group
+        self.store = store
+        self.world_size = world_size
         self.stopping = stopping
         self.timeout_s = timeout_s
+        self._calls = 0
 
     @classmethod
     def over_world(cls, stopping: Callable[[], bool]) -> OutsideCallAgreement:
-        """An agreement over every rank of the default process group (none is needed for one process).
+        """An agreement over every rank of the default process group (none is needed for one process), in
+        the group's store under a name rank 0 draws (also on an NCCL world the wait never queues behind the
+        training's collectives).
 
-        Its group is a new gloo group, also on an NCCL world: the wait polls a CPU collective that never
-        queues behind the training's.
-
-        Communication: the collective creation of the group (every rank must call this).
+        Communication: a broadcast of the name over the default group (every rank must call this).
         """
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return cls(None, stopping)
-        return cls(dist.new_group(backend="gloo"), stopping, OUTSIDE_CALL_TIMEOUT_S)
+            return cls(None, 1, stopping)
+        name = [uuid.uuid4().hex]
+        dist.broadcast_object_list(name, src=0)
+        shared = dist.distributed_c10d._get_default_store()  # the default group's: every rank reaches it
+        store = dist.PrefixStore(f"lightning_cp/outside_call/{name[0]}/", shared)
+        return cls(store, dist.get_world_size(), stopping)
 
     def __call__(self) -> None:
         """Return once every rank has made this call; raise if one does not.
 
-        Communication: an all-reduce of one integer over :attr:`group` (gloo, CPU), polled.
+        Communication: an increment of one counter in :attr:`store`, then reads of it (and of whether a
+        rank has closed the agreement), polled.
 
         Raises:
             RuntimeError: the other ranks did not make the call within :attr:`timeout_s`, stopped taking
-                part (their run ended), or this rank received SIGTERM while waiting. The group is unusable
-                after it: the run must end.
+                part (their run ended, or the store's host, rank 0, is gone), or this rank received SIGTERM
+                while waiting. The run must end.
         """
-        if self.group is None:
+        if self.store is None:
             return
-        work = dist.all_reduce(torch.ones(1, dtype=torch.int32), group=self.group, async_op=True)
+        self._calls += 1
+        arrived = self._add(_ARRIVED, 1)
         deadline = time.monotonic() + self.timeout_s
         pause = 1e-4
-        while not work.is_completed():
+        while arrived < self._calls * self.world_size:
+            if self._add(_CLOSED, 0):
+                self._refuse("they stopped taking part")
             if self.stopping():
                 self._refuse("SIGTERM arrived while this rank waited for them")
             if time.monotonic() > deadline:
                 self._refuse(f"none came within {self.timeout_s:.0f} s")
             time.sleep(pause)  # a signal's Python handler runs here, not inside a blocking wait
             pause = min(2 * pause, _POLL_S)
-        try:
-            work.wait()
-        except RuntimeError:
-            self._refuse("they stopped taking part")
+            arrived = self._add(_ARRIVED, 0)
 
     def close(self) -> None:
-        """Destroy the group (an all-reduce still in flight after an error is dropped, not waited for)."""
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+        """Tell a rank still waiting for a call that this one will not make it; release the store.
 
-    def _refuse(self, reason: str) -> None:
-        world = dist.get_world_size(self.group)
+        Communication: an increment in :attr:`store` (skipped when its host is gone); no rank waits.
+        """
+        if self.store is None:
+            return
+        with contextlib.suppress(RuntimeError):
+            self.store.add(_CLOSED, 1)
+        self.store = None
+
+    def _add(self, key: str, amount: int) -> int:
+        assert self.store is not None
+        try:
+            return self.store.add(key, amount)
+        except RuntimeError:  # the store's host (rank 0's process) is gone
+            self._refuse("they stopped taking part")
+
+    def _refuse(self, reason: str) -> NoReturn:
         raise RuntimeError(
-            f"rank {dist.get_rank()} of {world} called the model outside the training step (a forward or "
-            f"generate in a callback or hook) and waited for the other ranks to make the same call: {reason}. "
+            f"rank {dist.get_rank()} of {self.world_size} called the model outside the training step (a forward "
+            f"or generate in a callback or hook) and waited for the other ranks to make the same call: {reason}. "
             "Under MegatronCPFSDPStrategy every rank must make the same calls outside the step, in the same "
             "order, because each gathers the root unit's sharded parameters from every rank: call it on every "
             "rank, not under `if trainer.is_global_zero` (and generate on prompts that differ by rank with "

@@ -16,12 +16,19 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_cp.checkpoint_format import load_sharded, save_sharded
 from lightning_cp.strategies import _fsdp
-from lightning_cp.strategies._modules import ModuleSpec, check_module_specs, resolve_classes
+from lightning_cp.strategies._modules import (
+    ModuleSpec,
+    check_module_specs,
+    default_layer_classes,
+    resolve_classes,
+)
 from lightning_cp.strategies._outside_step import OutsideCallAgreement, callable_outside_the_step
 from lightning_cp.strategies.base import MegatronCPBase, broadcast_from_first
 from lightning_cp.strategies.integrations import integrations
@@ -165,7 +172,7 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         if not on_meta:
             self.model_to_device()
         _fsdp.forget_meshes()  # also what a collective after the last teardown cached (a save after fit)
-        wrap = self.fsdp_wrap if self.fsdp_wrap is not None else _fsdp.default_wrap(self.model)
+        wrap = self.fsdp_wrap if self.fsdp_wrap is not None else default_layer_classes(self.model)
         units = resolve_classes(type(self).__name__, "fsdp_wrap", wrap, self.model)
         embeddings = _fsdp.untied_token_embeddings(self.model) if self.fsdp_wrap is None else []
         policy = _fsdp.mixed_precision_policy(str(self.precision_plugin.precision))
@@ -254,14 +261,37 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole weights on global rank 0 (CPU), an empty dict elsewhere: every parameter gathered from
         its shards, one at a time, then copied to rank 0's host memory (no rank holds the model whole on
-        the device). Every rank must call it.
+        the device). Every rank must call it: in a callback during ``fit``, or after ``fit`` returns (the
+        trained weights; the strategy's groups are gone then, so the shards are gathered over the default
+        process group, which spans the same ranks in the same order: ``tp`` is 1).
 
-        Communication: an all-gather of each parameter over DP x CP.
+        Communication: an all-gather of each parameter over DP x CP (after ``fit``, over the default group).
+
+        Raises:
+            RuntimeError: after ``fit``, when the default process group has been destroyed as well.
         """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.lightning_module, options=options)
+        mesh = self._gathering_mesh()
+        full = {}
+        for name, value in get_model_state_dict(self.lightning_module).items():  # this rank's shards
+            whole = _fsdp.full_tensor(value, mesh) if isinstance(value, DTensor) else value
+            if self.global_rank == 0:
+                full[name] = whole.detach().cpu()
+        return full
+
+    def _gathering_mesh(self) -> DeviceMesh | None:
+        """The mesh to gather the shards over: their own (``None``) while set up; after teardown, which
+        destroyed their group, one over the default process group (the same ranks)."""
+        if self._layout is not None:
+            return None
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "MegatronCPFSDPStrategy.full_state_dict() after the process group was destroyed: the shards "
+                "cannot be gathered any more. Call it on every rank before destroy_process_group(), or in a "
+                "callback during fit (e.g. on_train_end)."
+            )
+        return _fsdp.sharding_mesh(dist.group.WORLD, self.root_device.type)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

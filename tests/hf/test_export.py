@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_cp import MegatronCPFSDPStrategy, export_hf
+from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy, export_hf
 from lightning_cp.cli import main as cli_main
 from lightning_cp.data import collate_padded
 from lightning_cp.hf import ExportHFOnFitEnd
@@ -91,6 +91,7 @@ def test_export_in_bf16_with_small_shards_and_the_cli(world2, tmp_path, capsys):
     assert status == 0 and str(output) in capsys.readouterr().out
     index = json.loads((output / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
+    assert {tensor.dtype for tensor in stored_tensors(output).values()} == {torch.bfloat16}
     model = assert_logits_of(output, rows, torch.bfloat16)
     assert model.dtype == torch.bfloat16
 
@@ -109,29 +110,41 @@ def test_cli_reports_a_bad_checkpoint_as_one_line(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("lightning-cp export-hf: error: ") and "missing.ckpt" in err[0]
 
 
-def _fit_with_export(directory, output):
-    """Fine-tune with the model state on the host (``cpu_offload``: the pretrained shards read into host
-    memory), then export at the end of fit."""
+def _fit_with_export(directory, output, fsdp):
+    """Fine-tune under FSDP with the model state on the host (``cpu_offload``: the pretrained shards read
+    into host memory) or under DDP, exporting at the end of fit over any earlier export; return the trained
+    weights (``full_state_dict`` after fit: rank 0's, ``{}`` on the other)."""
     torch.manual_seed(2)
     data = [{"input_ids": torch.randint(0, VOCAB, (SEQ,))} for _ in range(8)]
+    strategy = MegatronCPFSDPStrategy(cp=2, cpu_offload=True) if fsdp else MegatronCPStrategy(cp=2)
     trainer = quiet_trainer(
-        devices=2,
-        strategy=MegatronCPFSDPStrategy(cp=2, cpu_offload=True),
-        max_steps=2,
-        callbacks=[ExportHFOnFitEnd(str(output))],
+        devices=2, strategy=strategy, max_steps=2, callbacks=[ExportHFOnFitEnd(str(output), overwrite=True)]
     )
     loader = DataLoader(data, batch_size=2, collate_fn=collate_padded)
     trainer.fit(HFCausalLM(str(directory), lr=3e-2), loader)
+    return trainer.strategy.full_state_dict()
 
 
-def test_export_at_the_end_of_fit_of_an_offloaded_run(world2, tmp_path):
+def test_the_end_of_fit_export_of_an_fsdp_then_a_ddp_run_leaves_the_trained_weights_only(world2, tmp_path):
+    """The same export written by an FSDP run, then by a DDP run: each holds its run's trained weights (as
+    ``full_state_dict`` gathers them after fit, on rank 0 alone, in host memory), and nothing else is left
+    beside it: no checkpoint, no optimizer state (before the change ``export.ckpt`` stayed, with the
+    optimizer state, and the DDP run failed writing its file where the FSDP run had left that folder)."""
     directory = save_pretrained("qwen3", tmp_path / "qwen3")
     output = tmp_path / "export"
-    world2.run(_fit_with_export, directory, output)
-    checkpoint = tmp_path / "export.ckpt"
-    assert checkpoint.is_dir()  # the FSDP checkpoint the export was read from, beside it
-    rows = _trained_rows(world2, directory, checkpoint, cp=2, fsdp=True)
-    assert_logits_of(output, rows)
+    pretrained = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32
+    ).state_dict()
+    for fsdp in (True, False):
+        weights, other = world2.run(_fit_with_export, directory, output, fsdp)
+        assert other == {}
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["export", "qwen3"]
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).state_dict()
+        assert {f"model.{name}" for name in loaded} <= weights.keys()
+        for name, tensor in loaded.items():
+            trained = weights[f"model.{name}"]
+            assert trained.device.type == "cpu" and torch.equal(tensor, trained), name
+        assert not torch.equal(loaded["model.norm.weight"], pretrained["model.norm.weight"])
 
 
 def _checkpoint_of(model, config, path):
@@ -187,6 +200,27 @@ def test_an_output_that_holds_weights_is_refused_unless_overwrite_replaces_the_w
     shards = {name for name in _files(pretrained) if name.endswith(".safetensors")}
     assert shards == set(index["weight_map"].values()) and len(shards) > 1  # the earlier shard is gone
     _assert_loads(pretrained, retrained)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_cli_dtype_is_the_dtype_of_every_stored_tensor(dtype, tmp_path, capsys):
+    """An fp32 checkpoint exported with ``--dtype``: every stored tensor (not only the config and the loader's
+    cast) in that dtype, holding the fp32 weights rounded to it, and the index's size counted in it."""
+    pretrained = save_pretrained("llama", tmp_path / "llama")
+    torch.manual_seed(5)
+    trained = build("llama", "sdpa")
+    checkpoint = _checkpoint_of(trained, str(pretrained), tmp_path / "trained.ckpt")
+    assert cli_main(["export-hf", str(checkpoint), str(tmp_path / "export"), "--dtype", dtype]) == 0
+    capsys.readouterr()
+    stored = stored_tensors(tmp_path / "export")
+    cast = getattr(torch, dtype)
+    expected = {name: tensor.to(cast) for name, tensor in trained.state_dict().items()}
+    assert stored.keys() == expected.keys()
+    for name, tensor in stored.items():
+        assert tensor.dtype == cast and torch.equal(tensor, expected[name]), name
+    index = json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in stored.values())
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["dtype"] == dtype
 
 
 def test_a_failed_export_leaves_the_output_as_it_was(tmp_path, monkeypatch):

@@ -24,8 +24,8 @@ from torchmetrics import MeanMetric
 
 from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy
 from lightning_cp.models import GPTModule
-from lightning_cp.strategies import _fsdp, consolidate_checkpoint
-from lightning_cp.strategies._fsdp import default_wrap, mixed_precision_policy
+from lightning_cp.strategies import _fsdp, consolidate_checkpoint, default_layer_classes
+from lightning_cp.strategies._fsdp import mixed_precision_policy
 from tests._trainer import cp_trainer as _trainer
 from tests._trainer import quiet_trainer
 from tests.strategies.test_megatron_cp import (
@@ -447,13 +447,13 @@ def test_the_default_units_are_the_no_split_modules_the_model_declares():
         "VisionBlock",
     ]  # as Hugging Face models declare
     module = GPTModule(CONFIG)
-    assert default_wrap(module) == ("_Block",)  # the package GPT's blocks, without strategies importing it
+    assert default_layer_classes(module) == ("_Block",)  # the package GPT's, without strategies importing it
     module.extra = decoder
     module.layer = LlamaDecoderLayer(2, 2)
     # Each name once, in the order found; a class the model does not hold (a composite's vision blocks, in
     # its text model's list) left out.
-    assert default_wrap(module) == ("_Block", "LlamaDecoderLayer")
-    assert default_wrap(torch.nn.Linear(2, 2)) == ()
+    assert default_layer_classes(module) == ("_Block", "LlamaDecoderLayer")
+    assert default_layer_classes(torch.nn.Linear(2, 2)) == ()
 
 
 def test_an_untied_token_embedding_is_a_unit_of_its_own_and_a_tied_one_stays_in_the_root():
@@ -531,12 +531,14 @@ def _fit_on_one_gpu(cpu_offload):
     try:
         trainer.fit(GPTModule(CONFIG, lr=LR), _loader(GLOBAL_BATCH, False))
         backends = set(dist.get_backend_config().split(","))
+        # After the teardown, which moved the shards to the host: gathered over NCCL all the same.
+        weights = trainer.strategy.full_state_dict()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         os.environ.clear()
         os.environ.update(environment)
-    return recorder.losses, probe, backends
+    return recorder.losses, probe, backends, weights
 
 
 @pytest.mark.gpu
@@ -544,13 +546,62 @@ def test_cpu_offload_keeps_no_model_state_on_the_gpu_between_steps_and_trains_th
     """Between steps every parameter, gradient and AdamW tensor is in host memory, the parameter shards
     pinned (FSDP's copies to the GPU run asynchronously from them); the same look sees them on the GPU
     without ``cpu_offload``, whose losses are the same."""
-    losses, probe, backends = _fit_on_one_gpu(cpu_offload=True)
+    losses, probe, backends, weights = _fit_on_one_gpu(cpu_offload=True)
     assert {(kind, device) for kind, device, _ in probe.state} == {(kind, "cpu") for kind in _STATE_KINDS}
     assert all(pinned for kind, _, pinned in probe.state if kind == "parameter")
     assert probe.module_device == "cuda"  # what the step creates goes where its batch is
     assert backends == {"cpu:gloo", "cuda:nccl"}
-    on_device_losses, on_device, _ = _fit_on_one_gpu(cpu_offload=False)
+    on_device_losses, on_device, _, on_device_weights = _fit_on_one_gpu(cpu_offload=False)
     assert {device for kind, device, _ in on_device.state if kind != "step"} == {"cuda"}  # AdamW's step: host
+    # full_state_dict after fit: every tensor in host memory, either way.
+    assert weights.keys() == on_device_weights.keys() == GPTModule(CONFIG).state_dict().keys()
+    assert {t.device.type for t in [*weights.values(), *on_device_weights.values()]} == {"cpu"}
     # The host's AdamW and clipping norm round in another order than the GPU's; a weight's bf16 copy may
     # round the other way: far below a 1% error.
     assert losses == pytest.approx(on_device_losses, rel=1e-3)
+
+
+class _EagerOptimizerState(GPTModule):
+    """``GPTModule`` with Adagrad, whose state (each parameter's running sum of squares) exists from the
+    optimizer's construction on: a move of the optimizer state at setup moves tensors."""
+
+    def configure_optimizers(self):
+        return torch.optim.Adagrad(self.parameters(), lr=LR)
+
+
+def _optimizer_state_moves():
+    """One step under ``MegatronCPFSDPStrategy(cpu_offload=True)``: the device types Lightning's mover of an
+    optimizer's state (``_optimizer_to_device``, which every strategy's move goes through) was asked for while
+    the optimizer had state, until training ended and after (Lightning's teardown)."""
+    import lightning.fabric.utilities.optimizer as fabric_optimizer
+    import lightning.pytorch.strategies.strategy as base_strategy
+
+    moves, phase = {"training": [], "teardown": []}, ["training"]
+    original = fabric_optimizer._optimizer_to_device
+
+    def recording(optimizer, device):
+        if optimizer.state:
+            moves[phase[0]].append(torch.device(device).type)
+        original(optimizer, device)
+
+    class _TrainingEnds(Callback):
+        def on_train_end(self, trainer, pl_module):
+            phase[0] = "teardown"
+
+    fabric_optimizer._optimizer_to_device = base_strategy._optimizer_to_device = recording
+    try:
+        seed_everything(0)
+        strategy = MegatronCPFSDPStrategy(cpu_offload=True)
+        trainer = _trainer(1, strategy=strategy, max_steps=1, callbacks=[_TrainingEnds()])
+        trainer.fit(_EagerOptimizerState(CONFIG), _loader(GLOBAL_BATCH, False))
+    finally:
+        fabric_optimizer._optimizer_to_device = base_strategy._optimizer_to_device = original
+    return moves
+
+
+def test_under_cpu_offload_the_optimizer_state_is_never_moved_to_the_compute_device(world1):
+    """The optimizer's state stays with the parameter shards in host memory: from setup (the optimizer's state
+    exists then) to the end of training nothing moves it to the compute device, which here is the host too,
+    so the mover's calls are what shows it (Lightning's teardown moving it to the host is one, which shows
+    they are seen; without ``cpu_offload`` the setup's move to the compute device is another)."""
+    assert world1.run(_optimizer_state_moves) == [{"training": [], "teardown": ["cpu"]}]

@@ -9,7 +9,9 @@ the gathered weights (``full_state_dict``) in one process.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
 import threading
 import time
 
@@ -23,7 +25,9 @@ from lightning_cp.models import GPTModule
 from lightning_cp.models.gpt import GPT
 from lightning_cp.strategies._outside_step import OutsideCallAgreement
 from tests._trainer import cp_trainer
+from tests.cli.test_rank_failures import fit_arguments
 from tests.strategies.test_megatron_cp import CONFIG, _dataset, _loader
+from tests.test_cli import CONSOLE_SCRIPT, REPO
 
 _IDS = torch.randint(0, CONFIG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(7))
 _POSITIONS = torch.arange(9).expand(2, 9)
@@ -62,7 +66,13 @@ def _fit_calling_between_steps(cpu_offload):
     strategy = MegatronCPFSDPStrategy(cp=2, cpu_offload=cpu_offload)
     trainer = cp_trainer(2, strategy=strategy, max_steps=2, callbacks=[calls])
     trainer.fit(GPTModule(CONFIG, lr=1e-2), _loader(2, False, _dataset()))
-    return {"weights": calls.weights, "outputs": calls.outputs, "gathers": calls.gathers}
+    after_fit = trainer.strategy.full_state_dict()  # the teardown destroyed the groups of the shards' mesh
+    return {
+        "weights": calls.weights,
+        "after_fit": after_fit,
+        "outputs": calls.outputs,
+        "gathers": calls.gathers,
+    }
 
 
 @pytest.mark.parametrize("cpu_offload", [False, True], ids=["on-device", "cpu-offload"])
@@ -73,6 +83,13 @@ def test_each_outermost_call_gathers_the_root_once_and_equals_the_gathered_model
     per_rank = world2.run(_fit_calling_between_steps, cpu_offload)
     for rank in per_rank:
         assert rank["gathers"] == [2, 2]  # two calls per step
+    # full_state_dict: the whole weights on rank 0 only, in host memory, also after fit (the last step's).
+    assert per_rank[1]["weights"] == [{}, {}] and per_rank[1]["after_fit"] == {}
+    final = per_rank[0]["after_fit"]
+    assert final.keys() == per_rank[0]["weights"][-1].keys() == GPTModule(CONFIG).state_dict().keys()
+    for name, tensor in final.items():
+        assert type(tensor) is torch.Tensor and tensor.device.type == "cpu", name
+        torch.testing.assert_close(tensor, per_rank[0]["weights"][-1][name], rtol=0, atol=0)
     for step, weights in enumerate(per_rank[0]["weights"]):
         reference = GPT(CONFIG)
         reference.load_state_dict({name.removeprefix("model."): value for name, value in weights.items()})
@@ -146,3 +163,45 @@ def test_a_rank_left_alone_stops_waiting_after_the_timeout(world2):
     assert other is None
     assert "none came within 1 s" in error and "every rank must make the same calls" in error
     assert 1.0 <= seconds < 2.5
+
+
+def test_a_call_on_rank_zero_alone_during_training_ends_the_whole_run(tmp_path):
+    """``lightning-cp fit`` on 2 ranks, cp=2: after step 2 rank 0 alone calls the model while rank 1 goes on to
+    step 3's all-gathers. Rank 0 refuses after the (shortened) wait and the run ends with its error. Before the
+    change rank 0 then hung in its teardown (destroying the agreement's group, whose all-reduce rank 1 never
+    joined) and rank 1 in its all-gather, past any timeout and SIGTERM: here the subprocess timeout."""
+    callback = {
+        "class_path": "tests.cli._failing_rank.CallOnOneRank",
+        "init_args": {"rank": 0, "step": 2, "timeout_s": 2.0},
+    }
+    fsdp = [
+        "--trainer.strategy",
+        "lightning_cp.MegatronCPFSDPStrategy",
+        "--trainer.strategy.init_args.cp",
+        "2",
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    started = time.monotonic()
+    result = subprocess.run(
+        [str(CONSOLE_SCRIPT), *fit_arguments(tmp_path, 2, [callback]), *fsdp],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
+    seconds = time.monotonic() - started
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert re.search(
+        r"^lightning-cp: rank 0 of 2 \(pid \d+\) failed: RuntimeError: rank 0 of 2 called the model outside "
+        r"the training step .* none came within 2 s",
+        result.stderr,
+        re.MULTILINE,
+    ), output[-3000:]
+    assert seconds < 75
