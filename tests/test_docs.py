@@ -135,3 +135,133 @@ def test_readme_and_the_usage_table_name_every_strategy_argument():
     assert not unlisted, (
         f"docs/usage.md's configuration table lists the strategies' init_args; add {unlisted}"
     )
+
+
+# --- docs/api.md's signatures against the code -----------------------------------------------------------
+
+_API_ROW = re.compile(r"^\| (?P<cell>[^|]+?) \|", re.MULTILINE)
+_API_ITEM = re.compile(r"`(?P<name>[A-Za-z_][\w.]*)(?:\((?P<args>[^`]*)\))?`")
+
+
+def _resolve(name: str) -> object | None:
+    """The object a dotted name gives: an attribute of the longest importable module before its last part
+    (``lightning_cp.ops.cross_entropy`` is the function the package exports, not its module), else the module
+    the whole name imports, else ``None``."""
+    import importlib
+
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attribute in parts[cut:]:
+            found = getattr(found, attribute, None)
+        if found is not None:
+            return found
+        break
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _listed(arguments: str) -> list[str]:
+    """The comma-separated items of a documented argument list, brackets kept whole."""
+    items, depth, current = [], 0, ""
+    for char in arguments:
+        depth += char in "([{"
+        depth -= char in ")]}"
+        if char == "," and depth == 0:
+            items.append(current.strip())
+            current = ""
+        else:
+            current += char
+    return [*items, current.strip()] if current.strip() else items
+
+
+def _parameters(target: object) -> tuple[list[str], bool]:
+    """The named parameters of a function, or of a class's ``__init__`` and those its ``**kwargs`` reach up
+    its bases; and whether the signature ends in ``**kwargs``."""
+    import inspect
+
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    functions = (
+        [c.__init__ for c in inspect.getmro(target) if "__init__" in vars(c)]
+        if inspect.isclass(target)
+        else [target]
+    )
+    names: list[str] = []
+    for function in functions:
+        parameters = inspect.signature(function).parameters.values()
+        names += [p.name for p in parameters if p.kind not in variadic and p.name not in ("self", *names)]
+        if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters):
+            return names, False
+    return names, True
+
+
+def api_signature_problems(text: str) -> list[str]:
+    """Where docs/api.md's first column gives a call whose arguments are not the code's: a name that is not a
+    parameter, or (a list without ``...`` or ``**``) a parameter left out. A short name is looked up beside the
+    previous name of its cell (``OutputHead.from_linear`` after ``lightning_cp.ops.OutputHead``)."""
+    import inspect
+
+    problems = []
+    for row in _API_ROW.finditer(text):
+        beside = None
+        for item in _API_ITEM.finditer(row["cell"]):
+            name = item["name"]
+            if name.split(".")[0] in ("strategy", "trainer", "batch"):  # an instance, not an import
+                continue
+            candidates = [name] if name.startswith(PACKAGE) else [f"{beside}.{name}"] * bool(beside)
+            found = next(((c, t) for c in [*candidates, f"{PACKAGE}.{name}"] if (t := _resolve(c))), None)
+            if found is None:
+                if item["args"] is not None:
+                    problems.append(f"{name}: nothing of that name")
+                continue
+            full, target = found
+            beside = full if inspect.ismodule(target) else full.rsplit(".", 1)[0]
+            if item["args"] is None:
+                continue
+            actual, open_ended = _parameters(target)
+            listed = _listed(item["args"])
+            names = [a.partition("=")[0].strip() for a in listed if a not in ("*", "...") and a[0] != "*"]
+            unknown = [n for n in names if n not in actual]
+            if unknown and not open_ended:
+                problems.append(f"{name}: {unknown} are not its parameters")
+            own = _parameters(target.__init__ if inspect.isclass(target) else target)[0]
+            closed = not any(a == "..." or a.startswith("**") for a in listed)
+            if closed and (left_out := [n for n in own if n not in names]):
+                problems.append(f"{name}: leaves out {left_out}")
+    return problems
+
+
+def test_the_api_checker_sees_a_left_out_and_an_unknown_argument():
+    assert api_signature_problems("| `lightning_cp.load_pretrained(path, dtype=None)` | x |") == [
+        "lightning_cp.load_pretrained: leaves out ['attn_implementation']"
+    ]
+    assert api_signature_problems("| `lightning_cp.ops.OutputHead(weight, scale)` | x |")[0].endswith(
+        "['scale'] are not its parameters"
+    )
+    assert api_signature_problems("| `lightning_cp.data.pack_documents_twice(x)` | x |")
+
+
+def test_every_call_in_the_api_table_has_the_code_s_arguments():
+    problems = api_signature_problems((ROOT / "docs" / "api.md").read_text())
+    assert not problems, f"docs/api.md's signatures have drifted: {problems}"
+
+
+def _usage_error_lines() -> list[str]:
+    """The example errors of docs/usage.md's Configuration section."""
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    return re.findall(r"^lightning-cp: error: .*$", _section("Configuration", usage), re.MULTILINE)
+
+
+@pytest.mark.parametrize(
+    "args", [["--trainer.max_steps", "abc"], ["--trainer.devices", "3"]], ids=["type", "divisibility"]
+)
+def test_usage_s_example_errors_are_what_the_cli_prints(args, cli_before_launch):
+    status, _, err = cli_before_launch(
+        "fit", "--config", str(ROOT / "examples/configs/cpu_long_range.yaml"), *args
+    )
+    assert status == 2 and err.strip() in _usage_error_lines()
