@@ -189,7 +189,7 @@ def layer_step(
 
 def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Measure one length in this (fresh) process: the tracked and resident peaks, the time, the plan."""
-    from lightning_cp.plan.memory import local_tokens
+    from lightning_cp.plan import local_tokens
     from lightning_cp.plan.sparse import sparse_layer_bytes
 
     torch.set_num_threads(spec["threads"])

@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from lightning_cp.plan import Candidate, Layout, ModelShape, layouts, max_seq_len, plan
-from lightning_cp.plan.memory import PRECISIONS
+from lightning_cp.plan.activations import PRECISIONS
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20}
 _MEMORY_UNITS = {"GB": 10**9, "GIB": 2**30, "": 10**9}

@@ -23,7 +23,7 @@ Two kernels (:func:`use_flash` chooses, and logs its choice once):
   query's is padded with zeros to the larger one (scores and outputs are unchanged). They have no
   softcap.
 - the exact torch kernel (any device and dtype, computing in fp32): queries in blocks, each block's
-  ``[heads, block, keys]`` scores bounded by ``_SCORE_BUDGET_BYTES`` and recomputed in the backward, so
+  ``[heads, block, keys]`` scores bounded by ``SCORE_BLOCK_BYTES`` and recomputed in the backward, so
   memory is ``O(Tq + Tk)`` plus one block whatever the lengths (with a window, a block spans only the
   keys its queries reach). It is the CPU path (FlexAttention has no CPU backward), and on CUDA the path
   for fp32, for softcapping and for GPUs older than Ampere (a V100, a T4).
@@ -41,7 +41,7 @@ from torch import Tensor
 
 _log = logging.getLogger(__name__)
 
-_SCORE_BUDGET_BYTES = 64 * 2**20
+SCORE_BLOCK_BYTES = 64 * 2**20
 """fp32 scores of one query block (the torch kernel): a few such temporaries at a time."""
 
 _FLASH_CAPABILITY = (8, 0)
@@ -182,12 +182,12 @@ def flash_backward(
 
 
 def _block_rows(queries: int, keys: int, heads: int, window: int | None) -> int:
-    """Queries per block: their ``[heads, rows, keys spanned]`` fp32 scores fit ``_SCORE_BUDGET_BYTES``.
+    """Queries per block: their ``[heads, rows, keys spanned]`` fp32 scores fit ``SCORE_BLOCK_BYTES``.
 
     A block of ``rows`` queries spans at most ``keys`` keys, and with a window at most
     ``rows + window - 1``: the larger of the two row counts that fit is taken.
     """
-    cells = _SCORE_BUDGET_BYTES // (4 * heads)
+    cells = SCORE_BLOCK_BYTES // (4 * heads)
     rows = cells // keys
     if window is not None:  # the largest rows with rows * (rows + window - 1) <= cells
         reach = window - 1

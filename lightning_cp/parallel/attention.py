@@ -30,6 +30,7 @@ import math
 import torch
 from torch import Tensor
 
+from lightning_cp.parallel import _varlen
 from lightning_cp.parallel._allgather_attention import allgather_attention, local_attention
 from lightning_cp.parallel._ulysses_attention import ulysses_attention
 from lightning_cp.parallel.sharding import CPShard
@@ -117,6 +118,13 @@ def context_parallel_attention(
         if selected is not None:
             return sparse_attention(q, k, v, selected, cp_shard, scale, sinks)
         return _attention(q, k, v, cp_shard, scale, window, softcap, sinks)
+
+
+def blocked_kernel_score_bytes() -> int:
+    """Bytes of the fp32 ``[heads, block, keys]`` score block the exact blocked kernel (CPU, and CUDA without
+    FlashAttention) computes at a time, which bounds its query blocks; its backward holds two. What the memory
+    plan counts (``lightning_cp.plan``), read from the kernel."""
+    return _varlen.SCORE_BLOCK_BYTES
 
 
 def compute_dtype(q: Tensor, k: Tensor, v: Tensor) -> torch.dtype:

@@ -4,14 +4,9 @@ Pure arithmetic over a :class:`ModelShape` (no model is built but on the ``meta`
 what they were measured against are in docs/design.md, "Memory plan". ``lightning-cp plan`` prints it.
 """
 
-from lightning_cp.plan.memory import (
-    Layout,
-    MemoryEstimate,
-    Precision,
-    estimate,
-    local_tokens,
-    saved_per_token,
-)
+from lightning_cp.plan.activations import Precision, local_tokens, saved_per_token
+from lightning_cp.plan.layout import Layout
+from lightning_cp.plan.memory import MemoryEstimate, estimate
 from lightning_cp.plan.search import Candidate, layouts, max_seq_len, plan
 from lightning_cp.plan.shape import ModelShape
 

@@ -6,16 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_cp.parallel.layout import heads_split
-from lightning_cp.plan.memory import (
-    TRANSIENTS,
-    Layout,
-    MemoryEstimate,
-    Precision,
-    estimate,
-    local_tokens,
-    loss_chunk_tokens,
-)
+from lightning_cp.plan.activations import Precision, local_tokens
+from lightning_cp.plan.layout import Layout
+from lightning_cp.plan.memory import TRANSIENTS, MemoryEstimate, estimate
 from lightning_cp.plan.shape import Architecture, ModelShape
+from lightning_cp.plan.terms import loss_chunk_tokens
 
 MIN_LOSS_CHUNK = 1024
 """The smallest chunk (tokens) the plan gives the fused loss to lower the peak: a ``[1024, d] x [d, vocab]``

@@ -114,12 +114,12 @@ def _problem(packed, rows=PADDED_SHAPE[0]):
 
 @contextlib.contextmanager
 def _score_budget(budget):
-    saved = _varlen._SCORE_BUDGET_BYTES
-    _varlen._SCORE_BUDGET_BYTES = budget or saved
+    saved = _varlen.SCORE_BLOCK_BYTES
+    _varlen.SCORE_BLOCK_BYTES = budget or saved
     try:
         yield
     finally:
-        _varlen._SCORE_BUDGET_BYTES = saved
+        _varlen.SCORE_BLOCK_BYTES = saved
 
 
 def _run_variants(packed, budget, rows=PADDED_SHAPE[0], flash=False, mode=None):
@@ -239,7 +239,7 @@ def test_the_eager_reference_window_is_sdpa_with_transformers_sliding_window_mas
 
 
 def test_blocks_respect_the_score_budget_and_cover_every_visible_key(monkeypatch):
-    monkeypatch.setattr(_varlen, "_SCORE_BUDGET_BYTES", 4 * HEADS * 40)
+    monkeypatch.setattr(_varlen, "SCORE_BLOCK_BYTES", 4 * HEADS * 40)
     pieces = [(0, 7, 0, 7), (7, 12, 7, 30), (12, 13, 30, 51), (13, 40, 51, 78)]
     for window in (None, 1, 3, 6, 25):
         covered = set()

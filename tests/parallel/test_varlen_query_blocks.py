@@ -1,7 +1,7 @@
 """The CPU attention kernel when a piece's queries span several blocks of scores.
 
 The blocked torch kernel (``parallel/_varlen.py``) walks each piece's queries in blocks whose
-``[heads, block, keys]`` scores fit ``_SCORE_BUDGET_BYTES`` (64 MiB): at test sizes one block holds a
+``[heads, block, keys]`` scores fit ``SCORE_BLOCK_BYTES`` (64 MiB): at test sizes one block holds a
 whole piece, so the blocks' key gradients are never summed. Here the budget is shrunk so that every piece
 spans several blocks, the last one ragged. The reference is ``scaled_dot_product_attention`` on each
 whole sequence (causal, K/V heads repeated by hand), in float64.
@@ -40,7 +40,7 @@ def _blocks_per_piece(pieces: _varlen.Pieces) -> list[int]:
 
 
 def test_torch_kernel_matches_sdpa_when_pieces_span_several_query_blocks(monkeypatch):
-    monkeypatch.setattr(_varlen, "_SCORE_BUDGET_BYTES", BUDGET_BYTES)
+    monkeypatch.setattr(_varlen, "SCORE_BLOCK_BYTES", BUDGET_BYTES)
     g = torch.Generator().manual_seed(0)
     # (queries, keys) of each piece: its queries are the last ones of a sequence of `keys` tokens, as for
     # a CP chunk (bottom-right causal); the first piece is a whole sequence.
@@ -99,13 +99,13 @@ def _cp_attention_with_a_small_budget() -> list[torch.Tensor]:
     layout = groups.initialize(tp=1, cp=2)
     batch = _packed(_inputs(), layout.cp_rank, layout.cp_group)
     q, k, v = (batch[name].transpose(1, 2).contiguous().requires_grad_() for name in ("q", "k", "v"))
-    budget = _varlen._SCORE_BUDGET_BYTES
-    _varlen._SCORE_BUDGET_BYTES = 4 * HEADS  # one query per block: every piece of 2 or more spans several
+    budget = _varlen.SCORE_BLOCK_BYTES
+    _varlen.SCORE_BLOCK_BYTES = 4 * HEADS  # one query per block: every piece of 2 or more spans several
     try:
         out = context_parallel_attention(q, k, v, cp_shard=batch["cp_shard"])
         out.backward(batch["dout"].transpose(1, 2))
     finally:
-        _varlen._SCORE_BUDGET_BYTES = budget
+        _varlen.SCORE_BLOCK_BYTES = budget
     return [t.detach().transpose(1, 2) for t in (out, q.grad, k.grad, v.grad)]
 
 

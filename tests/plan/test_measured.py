@@ -25,7 +25,6 @@ from lightning_cp.parallel.attention_mode import AttentionMode
 from lightning_cp.parallel.sharding import shard_batch
 from lightning_cp.parallel.simulated import SimulatedCPGroup
 from lightning_cp.plan import Layout, ModelShape, estimate
-from lightning_cp.plan import memory as plan_memory
 from lightning_cp.strategies._modules import apply_checkpointing
 from tests.plan._measure import PeakTracker, hf_model, llama, saved_bytes
 
@@ -252,8 +251,7 @@ def test_the_attention_s_peak_falls_with_the_key_value_heads_per_gather_as_plann
     """One attention layer (8 query and 8 key/value heads) as rank 0 of 2: gathering one key/value head per
     round instead of all 8 at once lowers the peak by the plan's ``3 kv (1 - 1/8)``, within 10%. The blocked
     kernel's score blocks are kept small (1 MiB) so that the sequence-sized K/V copies dominate."""
-    monkeypatch.setattr(_varlen, "_SCORE_BUDGET_BYTES", 2**20)
-    monkeypatch.setattr(plan_memory, "CPU_SCORE_BLOCK_BYTES", 2**20)
+    monkeypatch.setattr(_varlen, "SCORE_BLOCK_BYTES", 2**20)
     heads, dim, tokens, cp = 8, 32, 4096, 2
     shape = ModelShape(
         hidden=heads * dim,

@@ -18,8 +18,7 @@ import pytest
 
 from lightning_cp.parallel import key_indexer
 from lightning_cp.parallel import sparse_attention as sparse_kernel
-from lightning_cp.plan import Layout, ModelShape, estimate
-from lightning_cp.plan.memory import local_tokens
+from lightning_cp.plan import Layout, ModelShape, estimate, local_tokens
 from lightning_cp.plan.search import attentions
 from lightning_cp.plan.sparse import sparse_layer_bytes
 

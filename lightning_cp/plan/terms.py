@@ -1,0 +1,301 @@
+"""The terms of one training step's per-rank memory, one function each, for :func:`~lightning_cp.plan.estimate`.
+
+Each function counts what the package's code holds for one term of :class:`~lightning_cp.plan.MemoryEstimate`
+(see docs/design.md, "Memory plan"), from a :class:`Step`: the model, the layout, the dtypes and this rank's
+tokens. The block sizes of the kernels are read from the kernels (:func:`~lightning_cp.parallel.attention.
+blocked_kernel_score_bytes`, :func:`~lightning_cp.parallel.attention_mode.gathered_bytes_per_head`), not
+re-derived.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_cp.memory.tiling import auto_tile_tokens
+from lightning_cp.ops._plan import chunk_budget, chunk_tokens
+from lightning_cp.parallel.attention import blocked_kernel_score_bytes
+from lightning_cp.parallel.attention_mode import gathered_bytes_per_head
+from lightning_cp.plan.activations import (
+    Precision,
+    norm_bytes,
+    qk_norm_bytes,
+    residual_bytes,
+    saved_per_token,
+)
+from lightning_cp.plan.layout import Layout
+from lightning_cp.plan.shape import ModelShape
+from lightning_cp.plan.sparse import sparse_layer_bytes
+
+TOKEN_BYTES = 8
+"""Saved per token outside the layers: the embedding's int64 ids."""
+
+
+def loss_chunk_tokens(shape: ModelShape, tokens: int, device: str = "cuda") -> int:
+    """The fused loss's automatic chunk (tokens) for ``tokens`` local tokens: the rule of
+    :func:`lightning_cp.ops._plan.auto_chunk_size` without its cap by the device's free memory, which only
+    the running process knows."""
+    return chunk_tokens(tokens, shape.vocab, chunk_budget(device, shape.vocab))
+
+
+@dataclass(frozen=True)
+class Step:
+    """What every term of one step's estimate reads: the model, the layout, the dtypes, the local tokens."""
+
+    shape: ModelShape
+    layout: Layout
+    precision: Precision
+    device: str
+    flash: bool
+    tokens: int
+    """This rank's tokens (the sequence padded to ``2 * cp`` chunks, over ``cp``)."""
+
+    @property
+    def padded(self) -> int:
+        """The whole sequence, padded: every rank's tokens."""
+        return self.tokens * self.layout.cp
+
+    @property
+    def master(self) -> int:
+        """Bytes of a master weight, gradient or AdamW state element."""
+        return 2 if self.precision == "bf16-true" else 4
+
+    @property
+    def compute(self) -> int:
+        """Bytes of an element the forward and backward compute in."""
+        return 4 if self.precision == "32-true" else 2
+
+    @property
+    def dtypes(self) -> dict[str, int]:
+        return {
+            "residual_bytes": residual_bytes(self.precision, self.layout.fsdp),
+            "compute_bytes": self.compute,
+        }
+
+    @property
+    def ulysses(self) -> bool:
+        return self.layout.attention == "ulysses" and self.layout.cp > 1
+
+    @property
+    def local_grads(self) -> int:
+        """An attention layer's local ``dq``, ``dout``, ``dk`` and ``dv``."""
+        shape = self.shape
+        return self.tokens * (shape.q_dim + shape.out_dim + shape.kv_dim + shape.v_dim) * self.compute
+
+    @property
+    def ulysses_sent(self) -> int:
+        """Bytes an Ulysses layer's all-to-alls move per direction: ``q``, ``k``, ``v`` to the heads and the
+        output back (the key/value heads replicated when ``Hkv < cp``)."""
+        shape = self.shape
+        replicated = max(shape.kv_heads, self.layout.cp) * shape.head_dim
+        return self.tokens * (2 * shape.q_dim + 2 * replicated) * self.compute
+
+
+@dataclass(frozen=True)
+class ModelState:
+    parameters: int
+    gradients: int
+    optimizer: int
+    gathered: int
+    host: int
+    host_transfer: int
+
+
+def model_state(step: Step) -> ModelState:
+    """The weights, gradients and AdamW state (sharded under FSDP, on the host under ``cpu_offload``), DDP's
+    bucket copy, and what FSDP gathers for the step."""
+    shape, layout, compute = step.shape, step.layout, step.compute
+    params = shape.params
+    shard = math.ceil(params / (layout.gpus if layout.fsdp else 1)) * step.master
+    buckets = params * step.master if (not layout.fsdp and layout.gpus > 1) else 0
+    gathered = 0
+    if layout.fsdp:
+        root = params - shape.layers * shape.layer_params
+        if not shape.tied:  # an untied token embedding is a unit of its own, gathered only to use it
+            root -= shape.vocab * shape.hidden
+        gathered = root * compute + shape.layer_params * (3 * compute + 4)
+    if not layout.cpu_offload:
+        return ModelState(shard, shard + buckets, 2 * shard, gathered, 0, 0)
+    # The state on the host; a unit's shard copied in before each gather; the shards in for the forward and
+    # the backward, the gradients out.
+    gathered += math.ceil(shape.layer_params / layout.gpus) * step.master
+    return ModelState(0, 0, 0, gathered, shard + (shard + buckets) + 2 * shard, 3 * shard)
+
+
+@dataclass(frozen=True)
+class LayerSaved:
+    attention_layer: int
+    """What an attention layer saves."""
+    mixer_layer: int
+    """What a hybrid's mixer layer saves (0 without one)."""
+    weight_copies: int
+    """Autocast's bf16 copies of a layer's weights (DDP's ``bf16-mixed``), which its projections save."""
+    layer_input: int
+    """A layer's input: what a checkpointed layer saves."""
+
+
+def layer_saved(step: Step) -> LayerSaved:
+    shape, layout, tokens, compute = step.shape, step.layout, step.tokens, step.compute
+    dtypes = step.dtypes
+    per_token = saved_per_token(shape, cp=layout.cp, tiled=layout.tiled, ulysses=step.ulysses, **dtypes)
+    attention_layer = tokens * per_token
+    mixer_layer = 0
+    if (
+        shape.mixer is not None
+    ):  # a hybrid's other layers: the attention's tensors replaced by the mixer's (fp32)
+        attention_part = (shape.q_dim + shape.out_dim + shape.kv_dim + shape.v_dim + shape.heads) * compute
+        attention_part += qk_norm_bytes(shape, layout.tiled, compute)
+        mixer_layer = attention_layer - tokens * attention_part
+        mixer_layer += math.ceil(tokens * shape.mixer.saved_per_token(step.device)) * 4
+    weight_copies = shape.layer_params * compute if step.precision == "bf16-mixed" and not layout.fsdp else 0
+    layer_input = tokens * shape.hidden * dtypes["residual_bytes"]
+    return LayerSaved(attention_layer, mixer_layer, weight_copies, layer_input)
+
+
+def activations(step: Step, layer: LayerSaved) -> tuple[int, int, int]:
+    """``(on the device, on the host, copied between them)``: what the forward saves for the backward."""
+    shape, layout, tokens = step.shape, step.layout, step.tokens
+    stream = step.dtypes["residual_bytes"]
+    # The final norm's saved tensors (its output goes to the fused loss, which saves none of it).
+    final_norm = stream * shape.hidden if layout.tiled else norm_bytes(shape.hidden, stream)
+    final = tokens * (TOKEN_BYTES + final_norm)
+    if layout.offload:
+        return final, shape.layers * layer.layer_input, 2 * shape.layers * layer.layer_input
+    if layout.checkpointing:
+        return final + shape.layers * layer.layer_input, 0, 0
+    mixer_layers = shape.mixer.layers if shape.mixer is not None else 0
+    saved = final + shape.attention_layers * layer.attention_layer + mixer_layers * layer.mixer_layer
+    return saved + shape.layers * layer.weight_copies, 0, 0
+
+
+def attention_transient(step: Step) -> int:
+    """One dense attention layer's backward: its local gradients and, under CP, a round's gathered K/V copies
+    (and the blocked kernel's score blocks), or Ulysses' side gradients and buffers."""
+    shape, layout, tokens, compute = step.shape, step.layout, step.tokens, step.compute
+    if shape.dense_attention_layers == 0:
+        return 0
+    if layout.cp == 1:
+        return step.local_grads  # the fused SDPA kernel: its gradients, no K/V copy
+    if step.ulysses:  # the heads' side gradients and the exchange's buffers (the heads' K/V among the saved)
+        # (A whole sequence on one rank runs the fused SDPA kernel where FlashAttention does not: no blocks.)
+        replicated = max(shape.kv_heads, layout.cp) * shape.head_dim
+        return 2 * tokens * (shape.q_dim + replicated) * compute + step.ulysses_sent
+    # A round's K/V copies at the backward's peak, as the rounds' budget counts them.
+    per_round = layout.gathered_kv_heads(shape.kv_heads)
+    per_head = gathered_bytes_per_head(step.padded, shape.head_dim, shape.v_head_dim, compute)
+    attention = per_round * per_head + step.local_grads
+    if not step.flash:  # a score block and its softmax gradient, for a piece of tokens / 2 queries
+        heads = shape.heads * per_round // shape.kv_heads  # a round's query heads
+        attention += 2 * min(blocked_kernel_score_bytes(), 4 * heads * (tokens // 2) * step.padded)
+    return attention
+
+
+@dataclass(frozen=True)
+class SparseTerms:
+    selections: int = 0
+    backward: int = 0
+    indexer: int = 0
+    index_sent: int = 0
+    """Bytes of every indexer layer's key all-gather, forward."""
+
+
+def sparse_terms(step: Step) -> SparseTerms:
+    """DeepSeek Sparse Attention's layers (the K/V all-gather's, not Ulysses): their kept selections, one
+    layer's attention backward and selection, and the indexer keys sent."""
+    shape, layout = step.shape, step.layout
+    if shape.sparse is None:
+        return SparseTerms()
+    sparse = sparse_layer_bytes(
+        shape, step.tokens, layout.cp, layout.gathered_kv_heads(shape.kv_heads), step.compute
+    )
+    index_sent = ring(layout.cp, step.padded * shape.sparse.head_dim * step.compute)
+    return SparseTerms(
+        selections=shape.sparse.indexer_layers * sparse.selection,
+        backward=sparse.backward,
+        indexer=sparse.indexer,
+        index_sent=shape.sparse.indexer_layers * index_sent,
+    )
+
+
+def mixer_transient(step: Step) -> int:
+    """A hybrid mixer layer's backward: its kernels' gradients (as large as what they saved) beside the
+    exchange's buffers (what is sent, received and put in sequence order). (On the CPU, the torch kernels'
+    backward peaks at about a third of what they saved, measured.)"""
+    mixer, tokens = step.shape.mixer, step.tokens
+    assert mixer is not None
+    exchanged = tokens * mixer.exchanged_per_token(step.layout.cp) * step.compute
+    saved = tokens * mixer.saved_per_token(step.device) * (1 / 3 if step.device == "cpu" else 1)
+    return math.ceil(saved) * 4 + 3 * exchanged
+
+
+def mlp_transient(step: Step) -> int:
+    """One layer's MLP backward: its intermediates' gradients, or one tile's forward and backward."""
+    shape, tokens, compute = step.shape, step.tokens, step.compute
+    if not step.layout.tiled:
+        return (2 if shape.architecture == "hf" else 1) * tokens * shape.mlp_width * compute
+    tile = auto_tile_tokens(tokens, shape.hidden)
+    mlp = (7 if shape.architecture == "hf" else 4) * tile * shape.mlp_width * compute
+    mlp += 2 * tokens * shape.hidden * compute  # the incoming gradient and the tiles' input gradient
+    if shape.experts:  # the router's input gradient, and its sum with the experts' (measured on the CPU)
+        mlp += 2 * tokens * shape.hidden * compute
+    return mlp
+
+
+def loss_transient(step: Step, loss_chunk: int | None) -> int:
+    """The fused loss: its input (the final norm's output), its preallocated input and head-weight gradients,
+    and two fp32 ``[chunk, vocab]`` blocks."""
+    shape, tokens = step.shape, step.tokens
+    chunk = loss_chunk or loss_chunk_tokens(shape, tokens, step.device)
+    head = shape.vocab * shape.hidden
+    return (
+        2 * min(chunk, tokens) * shape.vocab * 4
+        + 2 * tokens * shape.hidden * step.compute
+        + head * step.master
+    )
+
+
+def recompute(step: Step, layer: LayerSaved, attention_layer_transient: int, mlp: int) -> int:
+    """A checkpointed layer's backward: its recomputed tensors besides its largest own transient (an attention
+    layer's ``attention_layer_transient``; a mixer layer's MLP, since its kernels free what they saved as
+    their backward runs, measured). The first norm saves the layer's input itself (already saved, or back
+    from the host) when tiled or in an fp32 stream, else an fp32 copy of it."""
+    layout, shape = step.layout, step.shape
+    if not layout.checkpointing:
+        return 0
+    shared = (layout.tiled or step.dtypes["residual_bytes"] == 4) and not layout.offload
+    rebuilt = layer.weight_copies - (layer.layer_input if shared else 0)
+    return rebuilt + max(
+        layer.attention_layer + attention_layer_transient if shape.attention_layers else 0,
+        layer.mixer_layer + mlp if shape.mixer is not None else 0,
+    )
+
+
+def communication(step: Step, index_sent: int) -> int:
+    """Bytes this rank sends: the wrapper's (DDP's all-reduce, FSDP's gathers and reduce-scatter), the K/V
+    all-gathers and their gradients' reduce-scatters (ring volumes) or Ulysses' all-to-alls, the indexer keys,
+    the hybrid mixers' all-to-alls; recomputation repeats the forward's."""
+    shape, layout, compute = step.shape, step.layout, step.compute
+    params = shape.params
+    if layout.fsdp:
+        communication = 2 * ring(layout.gpus, params * compute) + ring(layout.gpus, params * 4)
+    else:
+        communication = 2 * ring(layout.gpus, params * step.master)
+    recomputed = 1 if layout.checkpointing else 0
+    gathering = shape.attention_layers  # the layers whose K/V are all-gathered (sparse ones always)
+    if step.ulysses:  # two all-to-alls forward, two backward, two more to recompute
+        sent = step.ulysses_sent * (layout.cp - 1) // layout.cp
+        gathering -= shape.dense_attention_layers
+        communication += (2 + recomputed) * shape.dense_attention_layers * sent
+    kv = step.padded * (shape.kv_dim + shape.v_dim) * compute
+    communication += (3 + recomputed) * gathering * ring(layout.cp, kv)  # forward, backward, reduced
+    communication += (1 + recomputed) * index_sent  # the indexer keys, forward (recomputed)
+    if shape.mixer is not None:  # two all-to-alls forward, two backward, two more to recompute
+        exchanged = step.tokens * shape.mixer.exchanged_per_token(layout.cp) * compute
+        communication += (2 + recomputed) * shape.mixer.layers * (exchanged * (layout.cp - 1) // layout.cp)
+    return communication
+
+
+def ring(group: int, nbytes: int) -> int:
+    """Bytes one rank sends in a ring all-gather or reduce-scatter of ``nbytes`` over ``group`` ranks
+    (an all-reduce is two of them)."""
+    return (group - 1) * nbytes // group
