@@ -37,3 +37,7 @@ TARGET_KEYS = (ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS)
 """Per-token values about a target token. Before sharding they sit on the token itself, like ``labels``;
 ``shard_batch`` shifts them with the labels, so that after it the value at ``t`` belongs to the label at ``t``
 (0 where there is no target)."""
+
+ATTN_IMPLEMENTATION = "lightning_cp"
+"""The attention implementation to give ``transformers``: ``from_pretrained(..., attn_implementation="lightning_cp")``
+(:mod:`lightning_cp.hf` registers it)."""

@@ -23,7 +23,8 @@ No module here imports ``transformers`` when it is imported; it is an optional d
 (``pip install lightning-cp[hf]``).
 """
 
-from lightning_cp.hf.attention import ATTN_IMPLEMENTATION, hf_context_parallel_attention
+from lightning_cp.constants import ATTN_IMPLEMENTATION
+from lightning_cp.hf.attention import hf_context_parallel_attention
 from lightning_cp.hf.causal_lm import decoder, output_head
 from lightning_cp.hf.check import check_attention_is_context_parallel
 from lightning_cp.hf.export import ExportHFOnFitEnd, export_hf

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_cp.hf.attention import ATTN_IMPLEMENTATION
+from lightning_cp.constants import ATTN_IMPLEMENTATION
 from lightning_cp.hf.indexers import REFUSED as REFUSED_INDEXERS
 from lightning_cp.hf.mixers import REFUSED, check_token_mixers_split
 

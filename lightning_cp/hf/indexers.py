@@ -44,7 +44,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_cp.constants import CP_SHARD
-from lightning_cp.hf.attention import SELECTION_OF, DeferredMask
+from lightning_cp.hf.attention import SELECTION_OF
+from lightning_cp.hf.masks import DeferredMask
 from lightning_cp.hf.mixers._adapter import kernels
 from lightning_cp.parallel.key_indexer import select_topk_keys
 from lightning_cp.parallel.sharding import CPShard

@@ -18,12 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_cp.hf.attention import ATTN_IMPLEMENTATION, guard_sharded_calls
+from lightning_cp.constants import ATTN_IMPLEMENTATION
 from lightning_cp.hf.indexers import adapt_indexers
 from lightning_cp.hf.loading import causal_lm_config, deferred_loading, materialize_pretrained
 from lightning_cp.hf.mixers import adapt_token_mixers
 from lightning_cp.hf.probe import check_configs, holds_transformers_models, probe_models, transformers_models
 from lightning_cp.hf.registration import UnsupportedAttentionClasses
+from lightning_cp.hf.sharded_calls import guard_sharded_calls
 from lightning_cp.parallel.attention_mode import AttentionMode
 from lightning_cp.parallel.layout import ParallelLayout
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_cp.hf.attention import ATTN_IMPLEMENTATION
+from lightning_cp.constants import ATTN_IMPLEMENTATION
 from lightning_cp.hf.composite import StoredNames, is_composite, text_config
 from lightning_cp.hf.indexers import REFUSED as INDEXER_REFUSALS
 

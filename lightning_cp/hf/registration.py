@@ -24,7 +24,9 @@ from collections.abc import Callable, Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 
-from lightning_cp.hf.attention import ATTN_IMPLEMENTATION, hf_context_parallel_attention, mask_for_hf
+from lightning_cp.constants import ATTN_IMPLEMENTATION
+from lightning_cp.hf.attention import hf_context_parallel_attention
+from lightning_cp.hf.masks import mask_for_hf
 
 
 class UnsupportedAttentionClasses(ValueError):

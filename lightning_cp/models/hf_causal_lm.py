@@ -10,8 +10,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_cp.constants import CP_SHARD, INPUT_IDS, INPUT_MASK, POSITION_IDS
-from lightning_cp.hf.attention import ATTN_IMPLEMENTATION
+from lightning_cp.constants import ATTN_IMPLEMENTATION, CP_SHARD, INPUT_IDS, INPUT_MASK, POSITION_IDS
 from lightning_cp.hf.causal_lm import decoder, output_head
 from lightning_cp.hf.loading import causal_lm_config, check_causal_lm_config, load_pretrained
 from lightning_cp.hf.registration import UnsupportedAttentionClasses

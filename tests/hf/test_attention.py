@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_cp.hf import check_attention_is_context_parallel, decoder
-from lightning_cp.hf.attention import hf_context_parallel_attention, mask_for_hf
+from lightning_cp.hf.attention import hf_context_parallel_attention
+from lightning_cp.hf.masks import mask_for_hf
 from lightning_cp.models import GPTConfig, GPTModule, HFCausalLM
 from lightning_cp.parallel import shard_batch, unshard
 from tests.hf._models import CONFIGS, VARIANTS, VOCAB, assert_grads_close, build, build_variant
@@ -172,7 +173,8 @@ def test_import_registers_lazily():
         "assert 'transformers.modeling_utils' not in sys.modules\n"
         "from transformers import AttentionInterface\n"
         "from transformers.masking_utils import AttentionMaskInterface\n"
-        "from lightning_cp.hf.attention import hf_context_parallel_attention, mask_for_hf\n"
+        "from lightning_cp.hf.attention import hf_context_parallel_attention\n"
+        "from lightning_cp.hf.masks import mask_for_hf\n"
         "assert AttentionInterface._global_mapping['lightning_cp'] is hf_context_parallel_attention\n"
         "assert AttentionMaskInterface._global_mapping['lightning_cp'] is mask_for_hf\n"
     )

@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_cp.hf import decoder, output_head
-from lightning_cp.hf.attention import guard_sharded_calls
 from lightning_cp.hf.mixers import adapt_token_mixers
+from lightning_cp.hf.sharded_calls import guard_sharded_calls
 from lightning_cp.parallel import context_parallel_attention, groups, shard_batch
 from lightning_cp.parallel.attention_mode import AttentionMode
 from lightning_cp.parallel.layout import current_layout, set_current_layout
