@@ -61,6 +61,7 @@ from _report import CASE, STATUS, Column, publish, ratio_column, shape_column
 from torch import Tensor
 
 from lightning_cp.parallel import CPShard, CPSplit, shard_batch
+from lightning_cp.parallel._key_selection import shard_keys
 from lightning_cp.parallel.exchange import GroupExchange
 from lightning_cp.parallel.simulated import SimulatedCPGroup, rank_attention
 
@@ -266,7 +267,7 @@ _FLASH_PEERS = {
 def _flash_peer_builder(name: str) -> Callable[[_Problem], Callable[[], Tensor]]:
     def build(p: _Problem) -> Callable[[], Tensor]:
         varlen = importlib.import_module(_FLASH_PEERS[name][0]).flash_attn_varlen_func
-        exchange, keys, kv_heads = p.kv_exchange(), p.shard.keys(p.shape.window), p.shape.kv_heads
+        exchange, keys, kv_heads = p.kv_exchange(), shard_keys(p.shard, p.shape.window), p.shape.kv_heads
         # FlashAttention's window: (left, right) keys beside the query's own, passed only with --window.
         window = {} if p.shape.window is None else {"window_size": (p.shape.window - 1, 0)}
 
@@ -429,7 +430,7 @@ def _selected_kv_bytes(shape: Shape, rank: int, itemsize: int) -> int:
     """Bytes of the keys and values the rank's pieces attend to (``ours`` selects them from the gathered
     ``cp * T_local``): what one layer's K/V take on the rank besides the gathered copy."""
     shard = CPShard.build(CPSplit(shape.cp, rank), torch.tensor(shape.document_lengths()), "cpu")
-    return shard.keys(shape.window).num_keys * 2 * shape.kv_heads * shape.head_dim * itemsize
+    return shard_keys(shard, shape.window).num_keys * 2 * shape.kv_heads * shape.head_dim * itemsize
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:

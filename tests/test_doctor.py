@@ -31,10 +31,9 @@ from lightning_cp.doctor._compare import MAX_TOLERANCE, CheckResult, compare, re
 from lightning_cp.doctor.attention import attention_checks
 from lightning_cp.doctor.loss import loss_checks
 from lightning_cp.doctor.mixers import mixer_checks
-from lightning_cp.parallel import _varlen
+from lightning_cp.parallel import _key_selection, _varlen
 from lightning_cp.parallel.attention_mode import AttentionMode
 from lightning_cp.parallel.exchange import GroupExchange
-from lightning_cp.parallel.sharding import CPShard
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("lightning-cp")
 CPU = torch.device("cpu")
@@ -104,13 +103,13 @@ def test_doctor_passes_on_the_gpu_with_flash_attention_and_triton(capsys):
 
 
 def test_a_wrong_key_order_in_the_attention_layout_fails_the_attention_checks(run_doctor, monkeypatch):
-    keys = CPShard.keys
+    select = _key_selection.select_keys
 
-    def shifted_keys(shard, window=None):  # every piece reads its keys one position late
-        selection = keys(shard, window)
+    def shifted_keys(*args):  # every piece reads its keys one position late
+        selection = select(*args)
         return dataclasses.replace(selection, order=selection.order.roll(1))
 
-    monkeypatch.setattr(CPShard, "keys", shifted_keys)
+    monkeypatch.setattr(_key_selection, "select_keys", shifted_keys)
     status, lines = run_doctor()
 
     assert status == 1

@@ -34,7 +34,8 @@ from lightning_cp.constants import CP_SHARD
 from lightning_cp.hf.masks import DeferredMask
 from lightning_cp.hf.sharded_calls import MASK_WITH_SHARD, WITHOUT_SHARD
 from lightning_cp.parallel.attention import context_parallel_attention
-from lightning_cp.parallel.sharding import CPShard, sharded_under_cp
+from lightning_cp.parallel.shard import CPShard
+from lightning_cp.parallel.sharding import sharded_under_cp
 
 SELECTION_OF = "_lightning_cp_selection_of"
 """The attribute an adapted sparse-attention indexer (:mod:`lightning_cp.hf.indexers`) sets on the keys it

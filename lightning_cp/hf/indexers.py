@@ -48,7 +48,7 @@ from lightning_cp.hf.attention import SELECTION_OF
 from lightning_cp.hf.masks import DeferredMask
 from lightning_cp.hf.mixers._adapter import kernels
 from lightning_cp.parallel.key_indexer import select_topk_keys
-from lightning_cp.parallel.sharding import CPShard
+from lightning_cp.parallel.shard import CPShard
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_cp.parallel.attention import context_parallel_attention
-from lightning_cp.parallel.sharding import CPShard
+from lightning_cp.parallel.shard import CPShard
 
 
 @dataclass(frozen=True)

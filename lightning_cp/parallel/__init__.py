@@ -14,7 +14,8 @@ strategy makes current).
 from lightning_cp.parallel.attention import context_parallel_attention
 from lightning_cp.parallel.exchange import GroupExchange
 from lightning_cp.parallel.layout import ParallelLayout, current_layout
-from lightning_cp.parallel.sharding import CPShard, shard_batch, unshard
+from lightning_cp.parallel.shard import CPShard
+from lightning_cp.parallel.sharding import shard_batch, unshard
 from lightning_cp.parallel.split import CPSplit
 
 __all__ = [

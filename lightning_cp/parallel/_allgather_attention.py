@@ -33,10 +33,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_cp.parallel import _flash_calls, _varlen
-from lightning_cp.parallel._key_selection import KeySelection, select_row_keys
+from lightning_cp.parallel._key_selection import KeySelection, select_row_keys, shard_keys
 from lightning_cp.parallel.attention_mode import gathered_bytes_per_head
 from lightning_cp.parallel.exchange import GroupExchange
-from lightning_cp.parallel.sharding import CPShard
+from lightning_cp.parallel.shard import CPShard
 
 
 def allgather_attention(
@@ -63,7 +63,7 @@ def allgather_attention(
     exchange = shard.group_exchange()
     if batch * local_len == 0:
         return q.new_empty((batch, heads, local_len, v.shape[-1]))
-    keys = shard.keys(window)
+    keys = shard_keys(shard, window)
     per_round = k.shape[1]
     if keys.order is not None:
         per_head = gathered_bytes_per_head(keys.gathered_tokens, k.shape[-1], v.shape[-1], k.element_size())
@@ -98,7 +98,7 @@ def local_attention(
         )
     if batch * length == 0:
         return q.new_empty((batch, heads, length, v.shape[-1]))
-    keys = select_row_keys(batch, length, window, q.device) if shard is None else shard.keys(window)
+    keys = select_row_keys(batch, length, window, q.device) if shard is None else shard_keys(shard, window)
     out = AllGatherAttention.apply(
         token_major(q),
         token_major(k),

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from lightning_cp.parallel._varlen import Pieces
 from lightning_cp.parallel.offsets import boundaries, starts
+from lightning_cp.parallel.shard import CPShard
 from lightning_cp.parallel.split import CPSplit
 
 Rows = slice | Tensor
@@ -146,6 +147,19 @@ def select_keys(
         order=_to(order, device),
         gathered_tokens=split.cp_size * local_total,
     )
+
+
+def shard_keys(shard: CPShard, window: int | None = None) -> KeySelection:
+    """Which gathered keys every piece of ``shard`` attends to: causal, or within a sliding ``window`` of
+    tokens. Built on the CPU on the first call for each (effective) window and kept on the shard for the batch
+    (:meth:`CPShard.cached <lightning_cp.parallel.shard.CPShard.cached>`), so every layer with that window
+    reuses it; the index tensors on the shard's device."""
+    longest = int(shard.sequence_lengths.max()) if shard.num_sequences else 0
+    return shard.cached(_shard_selection, effective_window(window, longest))
+
+
+def _shard_selection(shard: CPShard, window: int | None) -> KeySelection:
+    return select_keys(shard.split, shard.chunk_lengths, window, shard.cu_seqlens.device)
 
 
 def select_row_keys(rows: int, length: int, window: int | None, device: torch.device) -> KeySelection:

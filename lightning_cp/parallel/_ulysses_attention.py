@@ -14,8 +14,14 @@ from __future__ import annotations
 from torch import Tensor
 
 from lightning_cp.parallel._allgather_attention import local_attention, token_major
-from lightning_cp.parallel.head_parallel import head_slices, shared_heads, to_heads, to_tokens
-from lightning_cp.parallel.sharding import CPShard
+from lightning_cp.parallel.head_parallel import (
+    head_slices,
+    shared_heads,
+    to_heads,
+    to_tokens,
+    whole_sequences,
+)
+from lightning_cp.parallel.shard import CPShard
 
 
 def ulysses_attention(
@@ -51,7 +57,7 @@ def ulysses_attention(
     )
     own_sinks = None if sinks is None else sinks.index_select(0, shard.device_index(query_heads[rank]))
     out = local_attention(
-        rows(qs), rows(ks), rows(vs), shard.whole_sequences(), scale, window, softcap, own_sinks
+        rows(qs), rows(ks), rows(vs), whole_sequences(shard), scale, window, softcap, own_sinks
     )
     out = to_tokens(shard, out[0].transpose(0, 1))  # [T_local, Hq, Dv]
     return out.reshape(batch, local_len, heads, -1).transpose(1, 2)

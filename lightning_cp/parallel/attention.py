@@ -33,7 +33,7 @@ from torch import Tensor
 from lightning_cp.parallel import _varlen
 from lightning_cp.parallel._allgather_attention import allgather_attention, local_attention
 from lightning_cp.parallel._ulysses_attention import ulysses_attention
-from lightning_cp.parallel.sharding import CPShard
+from lightning_cp.parallel.shard import CPShard
 from lightning_cp.parallel.sparse_attention import sparse_attention
 
 
@@ -71,7 +71,7 @@ def context_parallel_attention(
             of a sequence sees key ``j`` iff ``i - window < j <= i`` (``window=1``: itself only). ``None``:
             full causal attention. Per call, so per layer: models that alternate windowed and global layers
             pass it on the windowed ones. Each piece's keys start at its window
-            (:meth:`CPShard.keys <lightning_cp.parallel.CPShard.keys>`, built once per batch and window).
+            (``_key_selection.shard_keys``, built once per batch and window).
         softcap: attention logit softcapping (Gemma-2's ``attn_logit_softcapping``), a positive number:
             scores become ``softcap * tanh(scale * q . k / softcap)`` before the mask and the softmax.
         sinks: ``[Hq]`` attention sinks (gpt-oss's ``sinks``, passed as ``s_aux``): one learned logit per

@@ -33,7 +33,9 @@ from torch import Tensor
 
 from lightning_cp.parallel.exchange import GroupExchange
 from lightning_cp.parallel.layout import heads_split
-from lightning_cp.parallel.sharding import CPShard
+from lightning_cp.parallel.offsets import starts
+from lightning_cp.parallel.shard import CPShard
+from lightning_cp.parallel.split import CPSplit
 
 
 def head_slices(heads: int, cp: int, name: str = "heads") -> Tensor:
@@ -126,12 +128,12 @@ def for_each_sequence(
     ``[n, L, ...]`` (``n`` sequences of ``L`` tokens) and returns one ``[n, L, ...]`` tensor or a sequence of
     them; the results are put back in sequence order. A padded batch (rows of one length) is one call; a packed
     row, one call per distinct document length (the rows of each length built once per batch:
-    :meth:`CPShard.sequences_by_length <lightning_cp.parallel.CPShard.sequences_by_length>`). No state
+    :func:`sequences_by_length`). No state
     crosses a sequence boundary.
     """
     outputs: list[Tensor] = []
     single = True
-    for length, rows in shard.sequences_by_length():  # rows [n * L]
+    for length, rows in sequences_by_length(shard):  # rows [n * L]
         result = function(*(t.index_select(0, rows).unflatten(0, (-1, length)) for t in tensors))
         single = isinstance(result, Tensor)
         results = [result] if single else list(result)
@@ -163,3 +165,33 @@ def _exchange_bytes(exchange: GroupExchange, tensors: Sequence[Tensor]) -> tuple
     received = exchange.all_to_all(torch.cat(as_bytes, dim=-1))
     parts = received.split([b.shape[-1] for b in as_bytes], dim=-1)
     return tuple(part.contiguous().view(t.dtype) for part, t in zip(parts, tensors, strict=True))
+
+
+def sequences_by_length(shard: CPShard) -> list[tuple[int, Tensor]]:
+    """``(L, rows)`` for each distinct padded sequence length ``L`` of ``shard`` (its ``sequence_lengths``), in
+    order of first appearance: ``rows`` ``[n * L]`` int64 on the shard's device, the positions of those ``n``
+    sequences' tokens in sequence order (:meth:`CPShard.sequence_order`), sequence after sequence. Built on the
+    CPU once per batch (:meth:`CPShard.cached`)."""
+    return shard.cached(_sequences_by_length)
+
+
+def _sequences_by_length(shard: CPShard) -> list[tuple[int, Tensor]]:
+    lengths = shard.sequence_lengths
+    first_rows = starts(lengths)
+    groups = []
+    for length in dict.fromkeys(lengths.tolist()):
+        first = first_rows[lengths == length]
+        rows = (first[:, None] + torch.arange(length)).flatten()
+        groups.append((length, rows.to(shard.cu_seqlens.device, non_blocking=True)))
+    return groups
+
+
+def whole_sequences(shard: CPShard) -> CPShard:
+    """The shard of one rank holding every sequence of ``shard`` whole (cp = 1), each padded to its ``2 * cp``
+    chunks: the tokens :func:`to_heads` gives a rank, in that order, as one packed row. Once per batch
+    (:meth:`CPShard.cached`)."""
+    return shard.cached(_whole_sequences)
+
+
+def _whole_sequences(shard: CPShard) -> CPShard:
+    return CPShard.build(CPSplit(1, 0), shard.sequence_lengths, shard.cu_seqlens.device)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from lightning_cp.parallel.offsets import starts
-from lightning_cp.parallel.sharding import CPShard
+from lightning_cp.parallel.shard import CPShard
 
 SCORE_BLOCK_BYTES = 64 * 2**20
 """Bytes of one block of indexer scores (fp32, every indexer head): the bound on the selection's working memory
@@ -63,14 +63,14 @@ def select_topk_keys(
 
     Returns:
         ``[T_local, n]`` int64 with ``n = min(topk, longest sequence)``: each query's selected keys as rows in
-        sequence order (:meth:`CPShard.sequence_rows <lightning_cp.parallel.CPShard.sequence_rows>`), ``-1``
+        sequence order (:func:`sequence_rows`), ``-1``
         where it has fewer than ``n`` keys.
 
     Communication: one all-gather of ``keys`` over the shard's CP group (``[cp * T_local, D_i]``); none without
     CP. No gradient (the models select under ``torch.no_grad``).
     """
     local = queries.shape[0]
-    row, first = shard.sequence_rows()  # on the CPU: each query block's span of keys without a device sync
+    row, first = sequence_rows(shard)  # on the CPU: each query block's span of keys without a device sync
     lengths = shard.sequence_lengths
     longest = int(lengths.max()) if shard.num_sequences else 0
     width = min(topk, longest)
@@ -126,3 +126,18 @@ def _best_keys(
         best, taken = candidates.topk(min(width, candidates.shape[1]), dim=1)
         best_rows = candidate_rows.gather(1, taken)
     return best, best_rows
+
+
+def sequence_rows(shard: CPShard) -> tuple[Tensor, Tensor]:
+    """``(row, first)``, each ``[T_local]`` int64 on the CPU: the row in sequence order
+    (:meth:`CPShard.sequence_order`'s numbering) of every local token of ``shard``, and the row of its
+    sequence's first token. From the chunk lengths alone (no device synchronization), the same on every rank
+    for the same token; once per batch (:meth:`CPShard.cached`)."""
+    return shard.cached(_sequence_rows)
+
+
+def _sequence_rows(shard: CPShard) -> tuple[Tensor, Tensor]:
+    lengths = shard.sequence_lengths
+    sequence, offset, _ = shard.split.positions(lengths)
+    first = starts(lengths)[sequence]
+    return first + offset, first

@@ -27,8 +27,10 @@ import torch
 from torch import Tensor
 
 from lightning_cp.parallel._allgather_attention import AllGatherAttention
+from lightning_cp.parallel._key_selection import shard_keys
 from lightning_cp.parallel.exchange import GroupExchange
-from lightning_cp.parallel.sharding import CPShard, shard_batch, unshard
+from lightning_cp.parallel.shard import CPShard
+from lightning_cp.parallel.sharding import shard_batch, unshard
 
 
 class SimulatedCPGroup:
@@ -151,7 +153,7 @@ def rank_attention(
     Returns:
         ``[T_local, Hq, D]``, differentiable w.r.t. ``q``, ``k``, ``v``.
     """
-    keys, exchange = shard.keys(window), shard.group_exchange()
+    keys, exchange = shard_keys(shard, window), shard.group_exchange()
     return AllGatherAttention.apply(q, k, v, None, keys, exchange, scale, None, k.shape[1])
 
 

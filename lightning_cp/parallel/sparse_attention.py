@@ -24,7 +24,7 @@ from lightning_cp.parallel import _varlen
 from lightning_cp.parallel._allgather_attention import head_rounds, token_major
 from lightning_cp.parallel.attention_mode import gathered_bytes_per_head
 from lightning_cp.parallel.exchange import GroupExchange
-from lightning_cp.parallel.sharding import CPShard
+from lightning_cp.parallel.shard import CPShard
 
 SELECTED_BLOCK_BYTES = 64 * 2**20
 """Bytes of one block's selected keys and values (fp32, one round's heads): the bound on the working memory of

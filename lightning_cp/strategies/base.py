@@ -38,7 +38,8 @@ from lightning_cp.parallel.layout import (
     data_parallel_size,
     set_current_layout,
 )
-from lightning_cp.parallel.sharding import CPShard, shard_batch
+from lightning_cp.parallel.shard import CPShard
+from lightning_cp.parallel.sharding import shard_batch
 from lightning_cp.strategies._modules import (
     ModuleSpec,
     apply_checkpointing,

@@ -1,4 +1,4 @@
-"""The keys CP attention selects for every query piece (``CPShard.keys``), causal and with a sliding window.
+"""The keys CP attention selects for every query piece (``shard_keys``), causal and with a sliding window.
 
 The reference is a plain loop over every query of a piece: the keys of its padded sequence it may see by
 the definition (``p - window < j <= p``), never the index arithmetic under test.
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_cp.parallel import CPShard, CPSplit, shard_batch
-from lightning_cp.parallel._key_selection import select_row_keys
+from lightning_cp.parallel._key_selection import select_row_keys, shard_keys
 
 
 def _expected_piece_keys(lengths, cp, rank, window):
@@ -47,7 +47,7 @@ def test_cp_shard_finds_every_key_of_every_piece(cp, packed, window):
     gathered = torch.cat([s["token_id"].flatten() for s in shards])  # all_gather order: rank-major
     for rank, shard in enumerate(shards):
         layout = shard["cp_shard"]
-        selection = layout.keys(window)
+        selection = shard_keys(layout, window)
         expected, distinct = _expected_piece_keys(lengths if packed else [total] * rows, cp, rank, window)
         local = shard["token_id"].flatten().tolist()
         ordered = gathered.tolist() if selection.order is None else gathered[selection.order].tolist()
@@ -83,13 +83,13 @@ def _rows(rows):
 
 def test_a_selection_is_built_once_per_shard_and_window():
     shard = CPShard.build(CPSplit(2, 1), torch.tensor([40, 7]), "cpu")  # padded lengths 40 and 8
-    assert shard.keys(5) is shard.keys(5)
-    assert shard.keys(5) is not shard.keys(6) and shard.keys(5) is not shard.keys()
-    assert shard.keys(5).window == 5 and shard.keys().window is None
+    assert shard_keys(shard, 5) is shard_keys(shard, 5)
+    assert shard_keys(shard, 5) is not shard_keys(shard, 6) and shard_keys(shard, 5) is not shard_keys(shard)
+    assert shard_keys(shard, 5).window == 5 and shard_keys(shard).window is None
     # A window as long as the longest padded sequence changes nothing: it is the causal selection.
-    assert shard.keys(40) is shard.keys() and shard.keys(10**9) is shard.keys()
-    assert shard.keys(39).window == 39
-    assert shard.keys(3).num_keys < shard.keys().num_keys
+    assert shard_keys(shard, 40) is shard_keys(shard) and shard_keys(shard, 10**9) is shard_keys(shard)
+    assert shard_keys(shard, 39).window == 39
+    assert shard_keys(shard, 3).num_keys < shard_keys(shard).num_keys
 
 
 def test_without_a_shard_each_row_is_one_piece_of_local_keys():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_cp.parallel import CPShard, CPSplit, context_parallel_attention, groups, shard_batch, unshard
-from lightning_cp.parallel.key_indexer import select_topk_keys
+from lightning_cp.parallel.key_indexer import select_topk_keys, sequence_rows
 from lightning_cp.parallel.sparse_attention import sparse_attention
 
 HEADS, KV_HEADS, DIM, VALUE_DIM = 4, 2, 8, 6
@@ -107,7 +107,7 @@ def _run(packed, with_sinks):
         local_sinks = sinks.clone().requires_grad_() if with_sinks else None
         out = sparse_attention(lq, lk, lv, selected.int(), shard, DIM**-0.5, local_sinks)
         out.backward(ldout)
-        row, _ = shard.sequence_rows()
+        row, _ = sequence_rows(shard)
         sink_grad = local_sinks.grad if with_sinks else None
         results[cp] = (
             rank,
@@ -176,7 +176,7 @@ def test_a_running_top_k_over_many_key_blocks_is_each_document_s_dense_top_k(mon
     index_q, index_w, index_k = (t[0] for t in inputs[4:7])
     shard = CPShard.build(CPSplit(1, 0), cu.diff(), "cpu")
     selected = select_topk_keys(index_q, index_w, index_k, shard, TOPK, INDEX_SCALE)
-    row, _ = shard.sequence_rows()
+    row, _ = sequence_rows(shard)
     _check_selections({0: [None] * 4 + [selected, row, shard.sequence_lengths]}, 1, 1, total, cu, selections)
 
 

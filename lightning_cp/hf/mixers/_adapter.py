@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_cp.hf.mixers.kinds import MixerShape
-from lightning_cp.parallel.sharding import CPShard
+from lightning_cp.parallel.shard import CPShard
 
 
 class MixerAdapter(Protocol):

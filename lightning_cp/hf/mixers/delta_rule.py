@@ -32,7 +32,7 @@ from lightning_cp.parallel.head_parallel import (
     to_heads,
     to_tokens,
 )
-from lightning_cp.parallel.sharding import CPShard
+from lightning_cp.parallel.shard import CPShard
 
 
 @dataclass

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from lightning_cp.hf.mixers._adapter import channel_rows, depthwise_conv, tokens
 from lightning_cp.hf.mixers.kinds import ShortConvShape
 from lightning_cp.parallel.head_parallel import for_each_sequence, head_slices, to_heads, to_tokens
-from lightning_cp.parallel.sharding import CPShard
+from lightning_cp.parallel.shard import CPShard
 
 
 class ShortConvAdapter:
