@@ -44,13 +44,21 @@ def _fit_with_a_failing_rank(tmp_path, rank: int, how: str, devices: int = 2) ->
         "class_path": "tests.cli._failing_rank.FailRank",
         "init_args": {"rank": rank, "step": 2, "how": how},
     }
+    return run_fit(tmp_path, devices, [callback])
+
+
+def run_fit(
+    tmp_path, devices: int, callbacks: list[dict], *extra: str, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """The console script's ``fit`` of :func:`fit_arguments` and ``extra`` arguments, in a process of its own
+    (its ranks started by Lightning's launcher), its output captured; fails the test after ``timeout``."""
     return subprocess.run(
-        [str(CONSOLE_SCRIPT), *fit_arguments(tmp_path, devices, [callback])],
+        [str(CONSOLE_SCRIPT), *fit_arguments(tmp_path, devices, callbacks), *extra],
         cwd=REPO,
         env=_ENV,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         check=False,
     )
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 
@@ -25,9 +24,8 @@ from lightning_cp.models import GPTModule
 from lightning_cp.models.gpt import GPT
 from lightning_cp.strategies._outside_step import OutsideCallAgreement
 from tests._trainer import cp_trainer
-from tests.cli.test_rank_failures import fit_arguments
+from tests.cli.test_rank_failures import run_fit
 from tests.strategies.test_megatron_cp import CONFIG, _dataset, _loader
-from tests.test_cli import CONSOLE_SCRIPT, REPO
 
 _IDS = torch.randint(0, CONFIG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(7))
 _POSITIONS = torch.arange(9).expand(2, 9)
@@ -180,21 +178,8 @@ def test_a_call_on_rank_zero_alone_during_training_ends_the_whole_run(tmp_path):
         "--trainer.strategy.init_args.cp",
         "2",
     ]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
     started = time.monotonic()
-    result = subprocess.run(
-        [str(CONSOLE_SCRIPT), *fit_arguments(tmp_path, 2, [callback]), *fsdp],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=90,
-        check=False,
-    )
+    result = run_fit(tmp_path, 2, [callback], *fsdp, timeout=90)
     seconds = time.monotonic() - started
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-3000:]
