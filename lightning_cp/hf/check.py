@@ -11,8 +11,8 @@ from typing import Any
 from torch import nn
 
 from lightning_cp.constants import ATTN_IMPLEMENTATION
-from lightning_cp.hf.indexers import REFUSED as REFUSED_INDEXERS
 from lightning_cp.hf.mixers import REFUSED, check_token_mixers_split
+from lightning_cp.hf.sparse_kinds import REFUSED as REFUSED_INDEXERS
 
 # RoPE scalings whose frequencies depend on the longest position a forward sees (transformers'
 # dynamic_rope_update): under CP no rank sees the whole sequence, and the padding CP adds moves it.
@@ -108,7 +108,7 @@ def check_config_is_context_parallel(model: nn.Module, where: str, cp: int) -> N
 def check_token_mixers(model: nn.Module, where: str, cp: int) -> None:
     """Raise if a token mixer of the ``transformers`` model ``model`` cannot train exactly under ``cp`` ranks: a
     class no adapter makes context-parallel (:data:`~lightning_cp.hf.mixers.REFUSED`: Mamba1; the sparse-attention
-    indexers of :data:`~lightning_cp.hf.indexers.REFUSED`) under ``cp > 1``,
+    indexers of :data:`~lightning_cp.hf.sparse_kinds.REFUSED`) under ``cp > 1``,
     or an adapted mixer whose heads do not split over ``cp``
     (:func:`~lightning_cp.hf.mixers.check_token_mixers_split`). Reads the module classes and sizes only (a
     ``meta`` build will do). Local, no communication.

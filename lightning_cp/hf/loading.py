@@ -41,7 +41,7 @@ from torch import nn
 
 from lightning_cp.constants import ATTN_IMPLEMENTATION
 from lightning_cp.hf.composite import StoredNames, is_composite, text_config
-from lightning_cp.hf.indexers import REFUSED as INDEXER_REFUSALS
+from lightning_cp.hf.sparse_kinds import REFUSED as INDEXER_REFUSALS
 
 _PRETRAINED_SOURCE = "_lightning_cp_pretrained"
 """Attribute of a model built on the meta device: the directory whose weights fill it after sharding, and
@@ -200,8 +200,8 @@ def _check_model_type(model_type: str, owner: str) -> None:
 
 def _refused_indexer(model_type: str) -> str:
     """For a family whose modeling module defines a sparse-attention indexer CP does not compute
-    (:data:`~lightning_cp.hf.indexers.REFUSED`: GLM-5-Next, Mistral-Large-4), the clause that says so: its text
-    model would be refused at setup even with a causal-LM class. Else ``""``."""
+    (:data:`~lightning_cp.hf.sparse_kinds.REFUSED`: GLM-5-Next, Mistral-Large-4), the clause that says so: its
+    text model would be refused at setup even with a causal-LM class. Else ``""``."""
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
     folder = model_type_to_module_name(model_type)

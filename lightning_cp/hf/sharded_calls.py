@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_cp.adaptation import add_hooks
 from lightning_cp.constants import CP_SHARD
 from lightning_cp.parallel.sharding import sharded_under_cp
 
@@ -57,12 +58,8 @@ def guard_sharded_calls(module: nn.Module) -> None:
     if modeling is None:  # transformers never loaded: no model of it can exist
         return
     for model in module.modules():
-        if isinstance(model, modeling.PreTrainedModel) and not getattr(model, _GUARDED, False):
-            model.register_forward_pre_hook(_guard_sharded_call, with_kwargs=True)
-            setattr(model, _GUARDED, True)
-
-
-_GUARDED = "_lightning_cp_guards_sharded_calls"
+        if isinstance(model, modeling.PreTrainedModel):
+            add_hooks(model, "sharded_calls", pre=_guard_sharded_call, with_kwargs=True)
 
 
 def _guard_sharded_call(

@@ -36,6 +36,8 @@ from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed._composable import checkpoint
 
+from lightning_cp.adaptation import add_hooks
+
 MIN_OFFLOAD_BYTES = 2**16
 """Saved inputs smaller than this stay on the device: a copy costs more than it saves (default ``min_bytes``)."""
 
@@ -143,9 +145,8 @@ class ActivationOffload:
             if hooks is not None:
                 hooks.__exit__(None, None, None)
 
-        module.register_forward_pre_hook(enter, prepend=True)
-        module.register_forward_hook(leave, always_call=True)
-        self.modules.append(name)
+        if add_hooks(module, "offload", pre=enter, post=leave, prepend=True):
+            self.modules.append(name)
 
     def _forget_dead_tensors(self) -> None:
         """Drop the dedupe entries of tensors that no longer exist (their storage may be reused)."""

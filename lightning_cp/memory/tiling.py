@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_cp.adaptation import applied, replace_forward
+
 
 def auto_tile_tokens(tokens: int, model_dim: int) -> int:
     """Tokens per tile: ``tokens`` in ``ceil(tokens / model_dim)`` tiles of equal size (the last one
@@ -206,9 +208,9 @@ def _tile(
     """Tile each ``(name, module, inputs)``: its forward replaced by ``wrapper`` (:class:`_TiledForward`: over
     tiles of its ``inputs`` token-aligned tensors)."""
     for _, module, inputs in found:
-        if not getattr(module, "_lightning_cp_tiled", False):
-            module.forward = (wrapper or _TiledForward)(module.forward, tile_tokens, inputs)
-            module._lightning_cp_tiled = True
+        if "tiling" not in applied(module):
+            tiled = (wrapper or _TiledForward)(module.forward, tile_tokens, inputs)
+            replace_forward(module, "tiling", tiled, bind=False)
     return [qualified for qualified, _, _ in found]
 
 

@@ -26,6 +26,8 @@ select another of the tied keys than the unsharded model does. Every other selec
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -35,6 +37,15 @@ from lightning_cp.parallel.shard import CPShard
 SCORE_BLOCK_BYTES = 64 * 2**20
 """Bytes of one block of indexer scores (fp32, every indexer head): the bound on the selection's working memory
 besides the gathered indexer keys and the running top-k (``[T_local, topk]`` values and rows)."""
+ROWS_DTYPE = torch.int64
+"""The dtype of the selected rows: the result's and the running top-k's."""
+
+
+def score_block_tokens(heads: int) -> int:
+    """Queries per block of the selection, and keys per block of a query block's scores: the side ``b`` of the
+    ``[b, heads, b]`` fp32 scores that fit :data:`SCORE_BLOCK_BYTES` (at least 1). Read when called, so the
+    memory plan (:mod:`lightning_cp.plan.sparse`) counts the blocks this module runs."""
+    return max(1, math.isqrt(SCORE_BLOCK_BYTES // (4 * heads)))
 
 
 @torch.no_grad()
@@ -74,14 +85,13 @@ def select_topk_keys(
     lengths = shard.sequence_lengths
     longest = int(lengths.max()) if shard.num_sequences else 0
     width = min(topk, longest)
-    selected = torch.full((local, width), -1, dtype=torch.int64, device=queries.device)
+    selected = torch.full((local, width), -1, dtype=ROWS_DTYPE, device=queries.device)
     if local == 0 or width == 0:
         return selected
     gathered = shard.group_exchange().all_gather(keys).index_select(0, shard.sequence_order()).float()
     device_first = shard.device_index(starts(lengths))[shard.sequence_index]
     device_row = device_first + shard.token_offset
-    heads = queries.shape[1]
-    block = max(1, int((SCORE_BLOCK_BYTES // (4 * heads)) ** 0.5))
+    block = score_block_tokens(queries.shape[1])
     for start in range(0, local, block):
         stop = min(start + block, local)
         best, best_rows = _best_keys(
@@ -113,10 +123,10 @@ def _best_keys(
     own) and their rows."""
     first, last = bounds
     best = queries.new_empty((queries.shape[0], 0))
-    best_rows = torch.empty((queries.shape[0], 0), dtype=torch.int64, device=queries.device)
+    best_rows = torch.empty((queries.shape[0], 0), dtype=ROWS_DTYPE, device=queries.device)
     for start in range(span[0], span[1], block):
         stop = min(start + block, span[1])
-        rows = torch.arange(start, stop, device=queries.device)
+        rows = torch.arange(start, stop, dtype=ROWS_DTYPE, device=queries.device)
         # [b, H, D] x [k, D] -> [b, H, k]: the models' matmul, activation, then the weighted sum over heads.
         scores = torch.relu(torch.matmul(queries, keys[start:stop].T) * scale)
         scores = torch.matmul(weights.unsqueeze(1), scores).squeeze(1)

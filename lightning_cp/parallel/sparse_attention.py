@@ -31,6 +31,13 @@ SELECTED_BLOCK_BYTES = 64 * 2**20
 the attention besides the gathered keys and values of a round."""
 
 
+def query_block_tokens(width: int, kv_heads: int, dims: int) -> int:
+    """Queries per block of the attention: their ``width`` selected keys and values, ``kv_heads`` heads of
+    ``dims`` dims together (``D + Dv``) in fp32, within :data:`SELECTED_BLOCK_BYTES` (at least 1). Read when
+    called, so the memory plan (:mod:`lightning_cp.plan.sparse`) counts the blocks this module runs."""
+    return max(1, SELECTED_BLOCK_BYTES // max(1, 4 * width * kv_heads * dims))
+
+
 def sparse_attention(
     q: Tensor,
     k: Tensor,
@@ -209,7 +216,7 @@ def _probabilities(
 
 def _blocks(selected_shape: torch.Size, kv_heads: int, dims: int) -> list[slice]:
     """Query blocks whose selected keys and values (``kv_heads`` heads of ``dims`` dims together, fp32) take at
-    most :data:`SELECTED_BLOCK_BYTES`."""
+    most :data:`SELECTED_BLOCK_BYTES` (:func:`query_block_tokens`)."""
     tokens, width = selected_shape
-    size = max(1, SELECTED_BLOCK_BYTES // max(1, 4 * width * kv_heads * dims))
+    size = query_block_tokens(width, kv_heads, dims)
     return [slice(start, min(start + size, tokens)) for start in range(0, tokens, size)]

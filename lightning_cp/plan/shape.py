@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from lightning_cp.hf.sparse_kinds import SparseIndexer, indexer_kind
+
 if TYPE_CHECKING:
     from lightning_cp.hf.mixers.kinds import MixerKind, MixerShape
     from lightning_cp.models.gpt import GPTConfig
@@ -47,26 +49,6 @@ class TokenMixer:
         """Elements the two all-to-alls of one layer's forward send per local token
         (:meth:`~lightning_cp.hf.mixers.kinds.MixerShape.exchanged_per_token`)."""
         return self.shape.exchanged_per_token(cp)
-
-
-@dataclass(frozen=True)
-class SparseIndexer:
-    """DeepSeek Sparse Attention's sizes (DeepSeek-V3.2, GLM-5 and the families built like them): each query
-    attends to the ``topk`` keys a lightning indexer of ``heads`` heads of ``head_dim`` dims (one key of
-    ``head_dim`` per token) selects (:mod:`lightning_cp.parallel.key_indexer`,
-    :mod:`lightning_cp.parallel.sparse_attention`)."""
-
-    topk: int
-    """Keys each query attends to (``index_topk``)."""
-    heads: int
-    """Indexer query heads (``index_n_heads``)."""
-    head_dim: int
-    """Dims of an indexer head and of its one key per token (``index_head_dim``)."""
-    layers: int
-    """Layers whose attention is sparse."""
-    indexer_layers: int
-    """Of those, the layers with a full indexer (``indexer_types`` ``"full"``); the others (``"shared"``)
-    reuse the previous full layer's selection."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +93,8 @@ class ModelShape:
     """Dimension of one value head where it differs from :attr:`head_dim` (multi-head latent attention's
     ``v_head_dim``); ``None``: :attr:`head_dim`."""
     sparse: SparseIndexer | None = None
-    """DeepSeek Sparse Attention's sizes, for a model whose attention reads only the keys an indexer selects."""
+    """DeepSeek Sparse Attention's sizes, for a model whose attention reads only the keys an indexer selects
+    (:class:`~lightning_cp.hf.sparse_kinds.SparseIndexer`)."""
 
     @property
     def mlp_width(self) -> int:
@@ -198,7 +181,8 @@ class ModelShape:
         short-convolution layers are :attr:`mixer` (the modules the package adapts, found on the ``meta``
         build). Multi-head latent attention (``qk_nope_head_dim``) is planned as the attention receives it:
         every query head with a key of ``qk_nope + qk_rope`` dims and a value of ``v_head_dim``; DeepSeek
-        Sparse Attention (``index_topk``) as :attr:`sparse`. A multimodal composite's text model is planned.
+        Sparse Attention as :attr:`sparse`, sized as the family of the indexers found on the ``meta`` build
+        describes it (:mod:`lightning_cp.hf.sparse_kinds`). A multimodal composite's text model is planned.
 
         Raises:
             ValueError: no ``config.json`` in the directory, no ``model_type``, or a config ``HFCausalLM``
@@ -267,25 +251,16 @@ class ModelShape:
             qk_norm=any(name.rsplit(".", 1)[-1] == "q_norm" for name, _ in model.named_modules()),
             layer_classes=default_layer_classes(model),
             value_head_dim=value_head_dim,
-            sparse=_sparse_indexer(text),
+            sparse=_sparse_indexer(model, text),
         )
 
 
-def _sparse_indexer(text: Any) -> SparseIndexer | None:
-    """DeepSeek Sparse Attention's sizes of a config with ``index_topk`` (its ``indexed_attention`` layers, and
-    of those the ``"full"`` ones of ``indexer_types``), or ``None``."""
-    if not getattr(text, "index_topk", None):
-        return None
-    layer_types = getattr(text, "layer_types", None) or ["indexed_attention"] * text.num_hidden_layers
-    layers = sum(kind == "indexed_attention" for kind in layer_types)
-    indexer_types = getattr(text, "indexer_types", None) or ["full"] * layers
-    return SparseIndexer(
-        topk=text.index_topk,
-        heads=text.index_n_heads,
-        head_dim=text.index_head_dim,
-        layers=layers,
-        indexer_layers=sum(kind == "full" for kind in indexer_types),
-    )
+def _sparse_indexer(model: Any, text: Any) -> SparseIndexer | None:
+    """The DeepSeek Sparse Attention sizes of ``model`` (a ``meta`` build of the config ``text``) as its indexers'
+    family describes them (:meth:`~lightning_cp.hf.sparse_kinds.IndexerKind.sizes`), or ``None`` without an
+    indexer the package adapts."""
+    kind = next(filter(None, map(indexer_kind, model.modules())), None)
+    return None if kind is None else kind.sizes(text)
 
 
 def _mlp_sizes(text: Any) -> tuple[int, int, int, int | None]:

@@ -1,9 +1,12 @@
 """Per-rank bytes of one DeepSeek Sparse Attention layer under CP: the indexer's selection and the attention over it.
 
 The terms count what :func:`~lightning_cp.parallel.key_indexer.select_topk_keys` and
-:func:`~lightning_cp.parallel.sparse_attention.sparse_attention` hold, with their block sizes read from those
-modules (:data:`~lightning_cp.parallel.key_indexer.SCORE_BLOCK_BYTES`,
-:data:`~lightning_cp.parallel.sparse_attention.SELECTED_BLOCK_BYTES`) when called. ``T`` is the rank's local
+:func:`~lightning_cp.parallel.sparse_attention.sparse_attention` hold, with the block sizes and dtypes those
+modules and the indexers' adapter use, read from them when called
+(:func:`~lightning_cp.parallel.key_indexer.score_block_tokens`,
+:data:`~lightning_cp.parallel.key_indexer.ROWS_DTYPE`,
+:func:`~lightning_cp.parallel.sparse_attention.query_block_tokens`,
+:data:`~lightning_cp.hf.indexers.SELECTION_DTYPE`); none is restated here. ``T`` is the rank's local
 tokens, ``K = cp * T`` the gathered (padded) sequence, ``n = min(topk, K)`` the keys each query attends to, ``h``
 the key/value heads of one all-gather round; ``tests/plan/test_sparse.py`` and
 ``benchmarks/sparse_attention.py`` hold them against the CPU.
@@ -11,17 +14,12 @@ the key/value heads of one all-gather round; ``tests/plan/test_sparse.py`` and
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from lightning_cp.hf.indexers import SELECTION_DTYPE
 from lightning_cp.parallel import key_indexer
 from lightning_cp.parallel import sparse_attention as sparse_kernel
 from lightning_cp.plan.shape import ModelShape
-
-INDEX_BYTES = 4
-"""The selection a layer keeps for its backward is int32 (``[T, n]``), as the attention receives it."""
-ROWS_BYTES = 8
-"""The indexer's running top-k rows and its result are int64."""
 
 
 @dataclass(frozen=True)
@@ -78,22 +76,23 @@ def sparse_layer_bytes(
     round_dims = heads_per_round * (shape.head_dim + shape.v_head_dim)
     round_heads = shape.heads * heads_per_round // shape.kv_heads
     upcast = compute_bytes if compute_bytes < 4 else 0  # a compute-dtype copy made before an fp32 one
-    selection = INDEX_BYTES * tokens * width
+    rows_bytes = key_indexer.ROWS_DTYPE.itemsize
+    selection = SELECTION_DTYPE.itemsize * tokens * width
     output = tokens * shape.out_dim * compute_bytes + 4 * shape.heads * tokens
 
     # The indexer: keys gathered (compute dtype) and put in order, then fp32; query blocks of its scores.
     index_keys = gathered * sparse.head_dim
-    block = max(1, math.isqrt(key_indexer.SCORE_BLOCK_BYTES // (4 * sparse.heads)))
+    block = key_indexer.score_block_tokens(sparse.heads)
     queries, keys = min(block, tokens), min(block, gathered)
     # A key block's two fp32 score blocks, or the top-k of its candidates (fp32 values, int64 rows: the
     # previous block's still held while the next are made), beside the running best (values, rows, order),
     # the previous query block's result (values, rows) and the key block's weighted scores and mask.
     candidates = queries * (width + keys)
-    scores = 2 * 4 * queries * sparse.heads * keys + (4 + ROWS_BYTES) * candidates
-    running = (4 + 2 * ROWS_BYTES) * candidates
-    held = 5 * queries * keys + (2 * 4 + 3 * ROWS_BYTES) * queries * width
+    scores = 2 * 4 * queries * sparse.heads * keys + (4 + rows_bytes) * candidates
+    running = (4 + 2 * rows_bytes) * candidates
+    held = 5 * queries * keys + (2 * 4 + 3 * rows_bytes) * queries * width
     query_copy = queries * sparse.heads * sparse.head_dim * (4 if upcast else 0)
-    indexer = ROWS_BYTES * tokens * width + max(
+    indexer = rows_bytes * tokens * width + max(
         index_keys * (compute_bytes + 4),
         4 * index_keys + query_copy + held + max(scores, running),
         selection,
@@ -102,9 +101,9 @@ def sparse_layer_bytes(
     # The attention: a round's K/V gathered and in sequence order; blocks of selected keys and values (fp32).
     round_kv = gathered * round_dims * compute_bytes
     round_grads = gathered * round_dims * 4
-    size = max(1, sparse_kernel.SELECTED_BLOCK_BYTES // max(1, 4 * width * round_dims))
+    size = sparse_kernel.query_block_tokens(width, heads_per_round, shape.head_dim + shape.v_head_dim)
     selected = min(size, tokens) * width
-    block_scores = 3 * 4 * selected * round_heads + (ROWS_BYTES + 1) * selected
+    block_scores = 3 * 4 * selected * round_heads + (rows_bytes + 1) * selected
     one_side = selected * heads_per_round * max(shape.head_dim, shape.v_head_dim)
     forward = max(2 * round_kv, round_kv + one_side * (4 + upcast) + block_scores)
     block_kv = selected * round_dims * 4

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lightning_cp.adaptation import applied
 from lightning_cp.cli import main
 from lightning_cp.models.gpt import GPTConfig
 from lightning_cp.plan import ModelShape, layouts, max_seq_len
@@ -174,7 +175,7 @@ def test_the_printed_arguments_are_a_fit_config_of_the_planned_layout(
         built = _built(
             {**parsed["model"], "init_args": {**init_args, "config": GPTConfig(**init_args["config"])}}
         )
-        assert built.model.blocks[0].mlp._lightning_cp_tiled
+        assert "tiling" in applied(built.model.blocks[0].mlp)
     else:
         assert _built(parsed["model"]).hparams.tiled
 

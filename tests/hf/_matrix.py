@@ -19,6 +19,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+from lightning_cp.adaptation import applied
 from lightning_cp.hf import check_models
 from lightning_cp.memory import tiling
 from lightning_cp.models import HFCausalLM
@@ -77,7 +78,7 @@ def _case(model_type: str, fields: dict, *, reference: bool, layout, tiled: bool
         return {"refused": str(error)}
     except Exception as error:  # noqa: BLE001 - reported as the family's crash
         return {"crash": f"setup: {type(error).__name__}: {error}"}
-    tiled_modules = [n for n, m in module.model.named_modules() if getattr(m, "_lightning_cp_tiled", False)]
+    tiled_modules = [n for n, m in module.model.named_modules() if "tiling" in applied(m)]
     out: dict = {"tiled": tiled_modules}
     initial = copy.deepcopy(module.model.state_dict())
     try:

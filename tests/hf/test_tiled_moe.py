@@ -13,6 +13,7 @@ from lightning.pytorch import Callback, seed_everything
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_cp import MegatronCPStrategy
+from lightning_cp.adaptation import applied
 from lightning_cp.data import LongRangeCopyDataset, collate_padded
 from lightning_cp.memory import tiling
 from lightning_cp.models import HFCausalLM
@@ -90,7 +91,7 @@ def _fit_tiled(cp):
     module = HFCausalLM(CONFIG, lr=LR, tiled=True)
     seed_everything(0)
     module.configure_model()
-    assert getattr(module.model.model.layers[0].mlp.experts, "_lightning_cp_tiled", False)
+    assert "tiling" in applied(module.model.model.layers[0].mlp.experts)
     recorder = _Record()
     trainer = cp_trainer(cp, max_steps=STEPS, callbacks=[recorder], strategy=MegatronCPStrategy(cp=cp))
     loader = DataLoader(_data(), batch_size=BATCH, collate_fn=collate_padded)

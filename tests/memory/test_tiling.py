@@ -15,6 +15,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
+from lightning_cp.adaptation import applied
 from lightning_cp.memory import (
     auto_tile_tokens,
     tile_experts,
@@ -362,7 +363,7 @@ def test_tile_mlps_leaves_a_mixture_of_experts_whole():
     )
     model = Qwen3MoeForCausalLM(config)
     assert tile_mlps(model) == ["model.layers.1.mlp"]
-    assert not getattr(model.model.layers[0].mlp, "_lightning_cp_tiled", False)
+    assert "tiling" not in applied(model.model.layers[0].mlp)
 
 
 class _ListOfExperts(nn.Module):

@@ -5,17 +5,21 @@ One rank of a CP group runs one sparse attention layer's work (``benchmarks/spar
 allocate as NCCL's, their rows zeros), its peak counted by storage (every tensor the step creates, inputs
 left out), against :func:`lightning_cp.plan.sparse.sparse_layer_bytes`. The kernels' bounded blocks are made
 small (1 MiB) so that the terms that grow with the tokens, which the blocks are beside at long context, are
-what the measurement sees at a few thousand tokens.
+what the measurement sees at a few thousand tokens; blocked by other rules of the kernels' own, the plan follows
+(it reads their block sizes, never restates them). A sparse model's sizes are read through its family's
+description (:mod:`lightning_cp.hf.sparse_kinds`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from lightning_cp.hf import sparse_kinds
 from lightning_cp.parallel import key_indexer
 from lightning_cp.parallel import sparse_attention as sparse_kernel
 from lightning_cp.plan import Layout, ModelShape, estimate, local_tokens
@@ -85,6 +89,39 @@ def test_the_plan_holds_at_cp_4_with_more_heads_and_fewer_keys(bench):
     )
     planned = sparse_layer_bytes(shape, local_tokens(2048, 4), 4, heads_per_round=4, compute_bytes=4)
     assert _measured(bench, shape, 2048, cp=4) == pytest.approx(planned.peak, rel=TOLERANCE)
+
+
+# Queries (and keys) per score block of the indexer, queries per block of the attention: 256 and 12 at 1 MiB.
+_OTHER_BLOCKS = {
+    "key_indexer": (key_indexer, "score_block_tokens", lambda heads: 512),
+    "sparse_attention": (sparse_kernel, "query_block_tokens", lambda width, kv_heads, dims: 64),
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(_OTHER_BLOCKS))
+def test_the_plan_counts_the_blocks_the_kernels_run(bench, monkeypatch, kernel):
+    """A kernel that blocks by another rule moves the measured peak by half or more; the plan, which reads the
+    kernels' block sizes, moves with it."""
+    module, name, rule = _OTHER_BLOCKS[kernel]
+    monkeypatch.setattr(module, name, rule)
+    shape = bench.layer_shape(
+        heads=4, qk_head_dim=48, v_head_dim=32, index_heads=4, index_head_dim=32, topk=64
+    )
+    planned = sparse_layer_bytes(shape, local_tokens(2048, 4), 4, heads_per_round=4, compute_bytes=4)
+    assert _measured(bench, shape, 2048, cp=4) == pytest.approx(planned.peak, rel=TOLERANCE)
+
+
+def test_the_shape_reads_a_family_through_its_description(monkeypatch):
+    """The plan sizes a sparse model as its indexers' family description says (the config keys it names), and a
+    model whose indexer no description names has no sparse attention to plan."""
+    pytest.importorskip("transformers")
+    hy_v4 = sparse_kinds.INDEXERS["HYV4Indexer"]
+    other_keys = dataclasses.replace(hy_v4, topk_key="index_head_dim", selection_key="no_such_key")
+    monkeypatch.setitem(sparse_kinds.INDEXERS, "HYV4Indexer", other_keys)
+    sparse = ModelShape.from_hf_config(_HY_V4).sparse
+    assert (sparse.topk, sparse.layers, sparse.indexer_layers) == (16, 6, 6)
+    monkeypatch.delitem(sparse_kinds.INDEXERS, "HYV4Indexer")
+    assert ModelShape.from_hf_config(_HY_V4).sparse is None
 
 
 def test_the_shape_reads_the_indexer_and_mla_heads_from_the_config():

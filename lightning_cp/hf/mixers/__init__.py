@@ -29,11 +29,11 @@ Falcon-H1, Zamba2), :mod:`.short_conv` (LFM2, LFM2-MoE, LFM3).
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_cp.adaptation import replace_forward
 from lightning_cp.constants import CP_SHARD
 from lightning_cp.hf.mixers import delta_rule, mamba2, short_conv
 from lightning_cp.hf.mixers._adapter import MixerAdapter
@@ -50,8 +50,6 @@ REFUSED: dict[str, str] = dict.fromkeys(
 )
 """Token mixer classes that no adapter makes exact under CP, by class name: why (the end of a sentence that
 starts with the module's name). Refused from the model's structure alone, before any weights are read."""
-
-_ADAPTED = "_lightning_cp_adapted_mixer"
 
 
 def mixer_shape(module: nn.Module) -> MixerShape | None:
@@ -77,9 +75,7 @@ def adapt_token_mixers(model: nn.Module, cp: int) -> list[str]:
     for name, module in model.named_modules():
         if type(module).__name__ not in ADAPTERS:
             continue
-        if not getattr(module, _ADAPTED, False):
-            module.forward = types.MethodType(_forward, module)
-            setattr(module, _ADAPTED, True)
+        replace_forward(module, "token_mixer", _forward)
         adapted.append(name)
     return adapted
 
