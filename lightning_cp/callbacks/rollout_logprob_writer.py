@@ -1,12 +1,11 @@
 """Write the per-token log-probabilities of a rollout file's completions, one list per rollout, as
-:class:`~lightning_cp.data.RolloutDataModule` reads them back (``old_logprobs`` / ``ref_logprobs``)."""
+:class:`~lightning_cp.data.RolloutDataModule` reads them back (``old_logprobs`` / ``ref_logprobs``), in the
+format of :mod:`lightning_cp.rollout_logprob_format`."""
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -16,13 +15,14 @@ from typing_extensions import override
 from lightning_cp.callbacks.logprob_writer import reassemble
 from lightning_cp.constants import IGNORE_INDEX, INPUT_IDS, INPUT_MASK, ROLLOUT_INDEX
 from lightning_cp.parallel.layout import current_layout
+from lightning_cp.rollout_logprob_format import LogprobEntry, LogprobPartWriter, part_path
 
 
 class RolloutLogprobWriter(BasePredictionWriter):
     """Takes ``predict_step`` outputs ``{"logprobs": [B, S_local], "labels": [B, S_local]}`` of batches that
     carry ``rollout_index`` (:class:`~lightning_cp.data.RolloutDataModule`'s) and writes
     ``<output_dir>/logprobs.dp<r>.jsonl`` per data-parallel rank ``r``, one line per rollout it predicted, as
-    they are predicted (nothing is held beyond a batch; the file gets its name when predict ends)::
+    they are predicted (nothing is held beyond a batch)::
 
         {"rollout": i, "tokens": [...], "logprobs": [...]}
 
@@ -33,7 +33,8 @@ class RolloutLogprobWriter(BasePredictionWriter):
     ``predict_step``: ``logprobs[t]`` is the label's, token ``t + 1``'s, wherever ``labels[t] != -100``).
     ``lightning-cp predict`` adds one, writing under the first logger's directory, when the data module is a
     ``RolloutDataModule``; pass the directory as ``RolloutDataModule(ref_logprobs=...)`` or
-    ``old_logprobs=...``.
+    ``old_logprobs=...``. A part is named when predict ends; until then (and after a failed run) it is
+    ``logprobs.dp<r>.jsonl.partial``, which a reader does not read.
 
     Communication: two all-gathers over the CP group per batch (none at ``cp = 1``), the full sequences
     reassembled as :class:`~lightning_cp.callbacks.TokenLogprobWriter` does; only CP rank 0 and TP rank 0 of
@@ -46,14 +47,13 @@ class RolloutLogprobWriter(BasePredictionWriter):
     def __init__(self, output_dir: str | Path) -> None:
         super().__init__(write_interval="batch")
         self.output_dir = Path(output_dir)
-        self._file: TextIO | None = None
+        self._part: LogprobPartWriter | None = None
 
     @override
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         layout = current_layout()
         if layout.cp_rank == 0 and layout.tp_rank == 0:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            self._file = open(self._partial(layout.dp_rank), "w")  # noqa: SIM115 (open until predict ends)
+            self._part = LogprobPartWriter(self.output_dir, layout.dp_rank)
 
     @override
     def write_on_batch_end(
@@ -76,38 +76,28 @@ class RolloutLogprobWriter(BasePredictionWriter):
         columns = (batch[INPUT_IDS], prediction["labels"], batch[ROLLOUT_INDEX], batch[INPUT_MASK].long())
         ints = reassemble(torch.stack(columns, dim=-1), batch, layout.cp_group).cpu()
         logprobs = reassemble(prediction["logprobs"], batch, layout.cp_group).cpu()
-        if self._file is None:
+        if self._part is None:
             return
         tokens, labels, rollout, real = ints.unbind(-1)
         real = real.bool()
         for index in rollout[real].unique().tolist():
             mine = real & (rollout == index)
-            entry = {
-                "rollout": index,
-                "tokens": tokens[mine].tolist(),
-                "logprobs": logprobs[mine & (labels != IGNORE_INDEX)].float().tolist(),
-            }
-            self._file.write(json.dumps(entry) + "\n")
+            targets = logprobs[mine & (labels != IGNORE_INDEX)]
+            self._part.write(LogprobEntry(index, tokens[mine].tolist(), targets.float().tolist()))
 
     @override
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-            dp_rank = current_layout().dp_rank
-            os.replace(self._partial(dp_rank), self.path(dp_rank))  # a reader never sees half a part
+        if self._part is not None:
+            self._part.commit()
+            self._part = None
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Close the part, left as ``.partial`` (which a reader does not read)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._part is not None:
+            self._part.abandon()
+            self._part = None
 
     def path(self, dp_rank: int) -> Path:
         """The file of data-parallel rank ``dp_rank``."""
-        return self.output_dir / f"logprobs.dp{dp_rank}.jsonl"
-
-    def _partial(self, dp_rank: int) -> Path:
-        """Where the part is written until predict ends."""
-        return self.path(dp_rank).with_name(self.path(dp_rank).name + ".partial")
+        return part_path(self.output_dir, dp_rank)

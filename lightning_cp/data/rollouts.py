@@ -16,7 +16,7 @@ together (:data:`~lightning_cp.constants.TARGET_KEYS`), so after it the value at
 the label at ``t``, which is token ``t + 1``: the position that *predicts* ``c_j`` carries ``c_j``'s advantage
 and log-probabilities. ``rollout_index`` is not shifted (it names the rollout of token ``t``).
 ``old_logprobs`` / ``ref_logprobs`` are present only when the rollouts carry them (a column of the file, or a
-directory ``lightning-cp predict`` wrote: :mod:`lightning_cp.data.rollout_logprobs`).
+directory ``lightning-cp predict`` wrote: :mod:`lightning_cp.rollout_logprob_format`).
 
 Advantages from rewards are GRPO's, over the whole file before any split, packing or data-parallel sharding:
 for each group (a prompt's completions), ``A = (r - mean(group)) / (std(group) + 1e-4)`` with the unbiased
@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 from lightning_cp.constants import INPUT_IDS
 from lightning_cp.data.datamodule import _CPDataModule
 from lightning_cp.data.packing import pack_documents
-from lightning_cp.data.rollout_logprobs import check_logprob_dir, read_logprob_dir
+from lightning_cp.data.rollout_logprobs import read_logprob_dir
 from lightning_cp.data.rollout_records import (
     GROUP,
     IS_REWARD,
@@ -66,6 +66,7 @@ from lightning_cp.data.tokenization import (
     load_tokenizer,
     stop_tokens,
 )
+from lightning_cp.rollout_logprob_format import check_logprob_dir
 
 Normalize = Literal["std", "mean"]
 """How rewards become advantages within a group: ``"std"`` (GRPO) or ``"mean"`` (Dr. GRPO)."""

@@ -178,7 +178,8 @@ class CPLossMixin:
                 ``advantages``, optional ``old_logprobs`` and ``ref_logprobs``, each ``[B, S_local]`` and
                 shifted with the labels by ``shard_batch`` (:class:`~lightning_cp.data.RolloutDataModule`
                 makes such batches), and ``cp_shard``.
-            objective: the objective (clip bounds, ratio level, KL and entropy terms, aggregation, temperature).
+            objective: the objective (policy loss, clip bounds, ratio level, KL and entropy terms, aggregation,
+                temperature).
             **loss_kwargs: ``chunk_size`` / ``impl`` of :func:`lightning_cp.ops.token_logprobs`.
 
         Returns:

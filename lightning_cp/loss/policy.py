@@ -12,7 +12,7 @@ sequence ``i`` (a row, or a packed document), with ``L_i`` the number of targets
 
     ratio    "token":    r_t = exp(logp_t - old_t)
              "sequence": r_t = sg(s_i) * exp(logp_t - sg(logp_t)),  s_i = exp(sum_{t in i} (logp_t - old_t) / L_i)
-    policy_t = -min(r_t * A_t, clip(r_t, 1 - clip_low, 1 + clip_high) * A_t)
+    policy_t = -min(r_t * A_t, clip(r_t, 1 - clip_low, 1 + clip_high) * A_t)      (loss "ppo")
     kl_t     "k1": logp_t - ref_t;  "k2": (logp_t - ref_t)^2 / 2;  "k3": exp(ref_t - logp_t) - (ref_t - logp_t) - 1
     loss_t   = policy_t + kl_coef * kl_t - entropy_coef * entropy_t
 
@@ -28,7 +28,9 @@ DP and CP rank, every gradient-accumulation micro-batch):
                            with the largest completion length as the constant)
 =========================  ===============================================================================
 
-Sequences without a target count in none. Under CP a sequence's tokens sit on several ranks, so ``s_i`` and
+The policy loss and the aggregation are looked up by name (:mod:`lightning_cp.loss.policy_registry`,
+where a user registers others); :func:`policy_terms` is the frame they all run in. Sequences without a
+target count in none. Under CP a sequence's tokens sit on several ranks, so ``s_i`` and
 ``L_i`` are taken from the sequence's sums over the CP group (one all-reduce of ``2 * n`` numbers, ``n``
 sequences, as the language-model metrics already do) and the global normalizer from one all-reduce over DP x
 CP (:class:`~lightning_cp.loss.objective.GlobalTokenObjective`, which also turns the first micro-batch's
@@ -57,17 +59,22 @@ from lightning_cp.loss.metrics import (
     PolicySurrogateLoss,
     sequence_totals,
 )
+from lightning_cp.loss.policy_registry import (
+    AggregationInputs,
+    PolicyTokens,
+    aggregation_named,
+    policy_loss_named,
+    token_normalizer_aggregations,
+)
 from lightning_cp.parallel.layout import ParallelLayout
 
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 RatioLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3"]
-_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 @dataclass(frozen=True)
 class PolicyObjective:
-    """The clipped policy-gradient objective and how it is aggregated (the module docstring's formulas).
+    """The policy-gradient objective and how it is aggregated (the module docstring's formulas).
 
     Args:
         clip_low: ``r_t`` is clipped below at ``1 - clip_low`` (PPO's epsilon).
@@ -78,16 +85,20 @@ class PolicyObjective:
             optional, and only logged when present).
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (Schulman's estimators of ``KL(pi || ref)``; GRPO uses k3).
         entropy_coef: weight of the entropy bonus (subtracted).
-        aggregation: ``"token-mean"``, ``"seq-mean-token-mean"`` or ``"seq-mean-token-sum"``.
+        aggregation: ``"token-mean"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum"``, or one registered
+            with :func:`~lightning_cp.loss.register_aggregation`.
         token_normalizer: ``"seq-mean-token-sum"``'s constant per sequence (Dr. GRPO: the largest completion
-            length the sampler allowed); must stay 1 with the other aggregations.
+            length the sampler allowed); must stay 1 with aggregations that do not read it.
         temperature: the sampling temperature of the rollouts: the log-probs are those of
             ``softmax(logits / temperature)``, the distribution the completions were drawn from.
+        loss: the per-token policy loss, by its registered name: ``"ppo"``, PPO's clipped surrogate, or one
+            registered with :func:`~lightning_cp.loss.register_policy_loss`.
 
     Raises:
-        ValueError: a clip bound that is negative or not finite (or ``clip_low >= 1``), an unknown ratio,
-            estimator or aggregation, a negative coefficient, a ``token_normalizer`` that is not positive or
-            is set for another aggregation, a temperature that is not positive.
+        ValueError: a clip bound that is negative or not finite (or ``clip_low >= 1``), an unknown ratio or
+            estimator, a loss or aggregation that is not registered (the message lists those that are), a
+            negative coefficient, a ``token_normalizer`` that is not positive or is set for an aggregation
+            that does not read it, a temperature that is not positive.
     """
 
     clip_low: float = 0.2
@@ -96,9 +107,10 @@ class PolicyObjective:
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
-    aggregation: Aggregation = "token-mean"
+    aggregation: str = "token-mean"
     token_normalizer: float = 1.0
     temperature: float = 1.0
+    loss: str = "ppo"
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.clip_low) and 0.0 <= self.clip_low < 1.0):
@@ -110,22 +122,25 @@ class PolicyObjective:
         for name, value, allowed in (
             ("ratio", self.ratio, ("token", "sequence")),
             ("kl_estimator", self.kl_estimator, ("k1", "k2", "k3")),
-            ("aggregation", self.aggregation, _AGGREGATIONS),
         ):
             if value not in allowed:
                 raise ValueError(
                     f"PolicyObjective({name}={value!r}) is not one of {', '.join(map(repr, allowed))}."
                 )
+        policy_loss_named(self.loss)
+        aggregation_named(self.aggregation)
         for name in ("kl_coef", "entropy_coef"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0.0):
                 raise ValueError(f"PolicyObjective({name}={value}) must be a finite number >= 0.")
         if not (math.isfinite(self.token_normalizer) and self.token_normalizer > 0.0):
             raise ValueError(f"PolicyObjective(token_normalizer={self.token_normalizer}) must be > 0.")
-        if self.token_normalizer != 1.0 and self.aggregation != "seq-mean-token-sum":
+        readers = token_normalizer_aggregations()
+        if self.token_normalizer != 1.0 and self.aggregation not in readers:
             raise ValueError(
                 f"PolicyObjective(token_normalizer={self.token_normalizer}) only applies to "
-                f"aggregation='seq-mean-token-sum', not {self.aggregation!r}: leave it at 1."
+                f"{' / '.join(f'aggregation={name!r}' for name in readers)}, not {self.aggregation!r}: "
+                "leave it at 1."
             )
         if not (math.isfinite(self.temperature) and self.temperature > 0.0):
             raise ValueError(f"PolicyObjective(temperature={self.temperature}) must be > 0 (the sampler's).")
@@ -179,7 +194,6 @@ def policy_terms(
     """
     _check_batch(batch, objective)
     valid = batch[LABELS].reshape(-1) != IGNORE_INDEX
-    advantage = _token_values(batch, ADVANTAGES)
     old = _token_values(batch, OLD_LOGPROBS) if OLD_LOGPROBS in batch else logprobs.detach()
     log_ratio = torch.where(valid, logprobs - old, 0.0)
     shard = batch[CP_SHARD]
@@ -190,14 +204,24 @@ def policy_terms(
         layout.cp_group,
     )
     sequence_targets = per_sequence[:, 1]
-    token_targets = sequence_targets[shard.sequence_index].float()
     if objective.ratio == "sequence":
         mean_log_ratio = (per_sequence[:, 0] / sequence_targets.clamp(min=1))[shard.sequence_index].float()
         log_ratio = torch.where(valid, mean_log_ratio + logprobs - logprobs.detach(), 0.0)
-    ratio = torch.exp(log_ratio)
-    clipped_ratio = ratio.clamp(1.0 - objective.clip_low, 1.0 + objective.upper_clip)
-    unclipped_loss, clipped_loss = -ratio * advantage, -clipped_ratio * advantage
-    surrogate = torch.maximum(unclipped_loss, clipped_loss)
+    tokens = PolicyTokens(logprobs, old, log_ratio, _token_values(batch, ADVANTAGES), valid)
+    policy = policy_loss_named(objective.loss)(tokens, objective)
+    _check_per_token(f"loss={objective.loss!r}", "loss", policy.loss, valid)
+    # Off target a loss's terms are nobody's: zeroed here, so that no registered loss has to.
+    surrogate = torch.where(valid, policy.loss, 0.0)
+    clipped = torch.zeros_like(valid) if policy.clipped is None else valid & policy.clipped
+    # sequence_targets is the CP group's sum, the same on every peer: CP rank 0 alone counts the sequences.
+    sequences = (
+        (sequence_targets > 0).sum() if layout.cp_rank == 0 else valid.new_zeros((), dtype=torch.int64)
+    )
+    weights, normalizer = aggregation_named(objective.aggregation)(
+        AggregationInputs(valid, sequence_targets[shard.sequence_index].float(), valid.sum(), sequences),
+        objective,
+    )
+    _check_per_token(f"aggregation={objective.aggregation!r}", "weights", weights, valid)
     loss = surrogate - objective.entropy_coef * entropy
     totals = {}
     if REF_LOGPROBS in batch:
@@ -206,18 +230,13 @@ def policy_terms(
         )
         loss = loss + objective.kl_coef * kl
         totals["kl_sum"] = kl.detach().double().sum()
-    weight = _token_weights(valid, token_targets, objective.aggregation)
-    loss_sum = (weight * loss).sum()
-    sequences = (sequence_targets > 0).sum() if layout.cp_rank == 0 else sequence_targets.new_zeros(())
-    normalizer = (
-        valid.sum() if objective.aggregation == "token-mean" else sequences * objective.token_normalizer
-    )
+    loss_sum = (weights * loss).sum()
     totals |= {
         "objective_sum": loss_sum.detach().double(),
         "objective_normalizer": normalizer.double(),
-        "surrogate_sum": (weight * surrogate).detach().double().sum(),
-        "clipped_count": (valid & (clipped_loss > unclipped_loss)).sum().double(),
-        "ratio_sum": torch.where(valid, ratio.detach(), 0.0).double().sum(),
+        "surrogate_sum": (weights * surrogate).detach().double().sum(),
+        "clipped_count": clipped.sum().double(),
+        "ratio_sum": torch.where(valid, log_ratio.detach().exp(), 0.0).double().sum(),
         "entropy_sum": entropy.detach().double().sum(),
         "valid_count": valid.sum().double(),
         "sequence_count": sequences.double(),
@@ -261,6 +280,15 @@ def _check_batch(batch: Mapping[str, Tensor], objective: PolicyObjective) -> Non
         )
 
 
+def _check_per_token(registered: str, field: str, values: Tensor, valid: Tensor) -> None:
+    """A registered function's per-token result must have one value per token (no silent broadcast)."""
+    if values.shape != valid.shape:
+        raise ValueError(
+            f"PolicyObjective({registered}) returned {field} of shape {tuple(values.shape)}; it must give one "
+            f"value per token of the rank, shape {tuple(valid.shape)} (PolicyTokens' / AggregationInputs' own)."
+        )
+
+
 def _token_values(batch: Mapping[str, Tensor], key: str) -> Tensor:
     """``batch[key]`` ``[B, S_local]`` as ``[N]`` fp32."""
     return batch[key].reshape(-1).float()
@@ -274,10 +302,3 @@ def _kl(logprobs: Tensor, ref: Tensor, estimator: KLEstimator) -> Tensor:
     if estimator == "k2":
         return 0.5 * difference.square()
     return torch.expm1(-difference) + difference
-
-
-def _token_weights(valid: Tensor, token_targets: Tensor, aggregation: Aggregation) -> Tensor:
-    """Each token's weight in the numerator: ``1 / L_i`` for ``seq-mean-token-mean``, else 1; 0 off target."""
-    if aggregation == "seq-mean-token-mean":
-        return torch.where(valid, 1.0 / token_targets.clamp(min=1), 0.0)
-    return valid.float()

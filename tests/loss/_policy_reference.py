@@ -91,11 +91,17 @@ def completion_logprobs(logits: Tensor, rollout: Rollout, temperature: float) ->
     return logp, entropy
 
 
+TokenLoss = Callable[[Tensor, Tensor, float, float, float], tuple[Tensor, Tensor]]
+"""``(ratio, logp, advantage, low, high) -> (policy_t, clipped)`` of one rollout's ``[L_c]`` completion tokens:
+a policy loss other than the clipped surrogate (``ratio`` at the objective's level, differentiable)."""
+
+
 def objective_of_step(
-    rollouts: list[Rollout], logits: list[Tensor], objective
+    rollouts: list[Rollout], logits: list[Tensor], objective, token_loss: TokenLoss | None = None
 ) -> tuple[Tensor, dict[str, float]]:
     """The objective of one optimizer step's global batch (every rollout of every rank and micro-batch)
-    and its metrics, as the module docstring of ``lightning_cp.loss.policy`` defines them."""
+    and its metrics, as the module docstring of ``lightning_cp.loss.policy`` defines them; ``token_loss``
+    replaces the clipped surrogate."""
     high_clip = objective.clip_low if objective.clip_high is None else objective.clip_high  # 0.0 is a bound
     low, high = 1 - objective.clip_low, 1 + high_clip
     numerator = torch.zeros(())
@@ -106,7 +112,11 @@ def objective_of_step(
         length = len(rollout.completion)
         old = logp.detach() if rollout.old is None else torch.tensor(rollout.old)
         advantage = rollout.advantage
-        if objective.ratio == "sequence" and objective.aggregation == "seq-mean-token-mean":
+        if (
+            token_loss is None
+            and objective.ratio == "sequence"
+            and objective.aggregation == "seq-mean-token-mean"
+        ):
             # GSPO as published: one ratio and one clipped term per sequence.
             ratio_seq = torch.exp((logp - old).mean())
             term = -torch.min(ratio_seq * advantage, ratio_seq.clamp(low, high) * advantage)
@@ -120,9 +130,12 @@ def objective_of_step(
                 ratio = torch.exp((logp - old).mean().detach() + logp - logp.detach())
             else:
                 ratio = torch.exp(logp - old)
-            unclipped_term, clipped_term = -ratio * advantage, -ratio.clamp(low, high) * advantage
-            per_token_surrogate = torch.max(unclipped_term, clipped_term)
-            is_clipped = (clipped_term > unclipped_term).float()
+            if token_loss is None:
+                unclipped_term, clipped_term = -ratio * advantage, -ratio.clamp(low, high) * advantage
+                per_token_surrogate = torch.max(unclipped_term, clipped_term)
+                is_clipped = (clipped_term > unclipped_term).float()
+            else:
+                per_token_surrogate, is_clipped = token_loss(ratio, logp, advantage, low, high)
             ratio = ratio.detach()
         per_token = per_token_surrogate - objective.entropy_coef * entropy
         if rollout.ref is not None:

@@ -1,10 +1,13 @@
 """CPLossMixin.policy_loss: every objective, at every DP x CP layout, padded or packed, with gradient
 accumulation, on a tiny GPT (CP attention included), equals the single-process reference of materialized
-logits (tests/loss/_policy_reference.py): loss metrics and every parameter's gradient."""
+logits (tests/loss/_policy_reference.py): loss metrics and every parameter's gradient. A user's registered
+loss among them: docs/usage.md's CISPO, run as written there."""
 
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,12 +18,34 @@ from lightning.pytorch.trainer.states import RunningStage
 
 from lightning_cp import CPLossMixin, PolicyObjective
 from lightning_cp.data import collate_packed, collate_padded
+from lightning_cp.loss import AggregationWeights, PolicyLossTerms, register_aggregation, register_policy_loss
 from lightning_cp.models import GPT, GPTConfig
 from lightning_cp.parallel import groups, shard_batch
 from lightning_cp.parallel.layout import set_current_layout
 from tests.loss._policy_reference import Rollout, draw_rollouts, objective_of_step, samples
 
 VOCAB, HIDDEN = 24, 16
+
+
+def _documented_objective() -> PolicyObjective:
+    """docs/usage.md's "Your own policy loss" example, run as written: it registers ``"cispo"`` (here, and in
+    every worker process that imports this module) and builds ``objective``."""
+    usage = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
+    section = usage[usage.index("## Your own policy loss") :]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    namespace = {"__name__": "docs.usage"}
+    exec(compile(code, "docs/usage.md", "exec"), namespace)  # noqa: S102 (the documented code, as written)
+    return namespace["objective"]
+
+
+def _cispo_reference(ratio, logp, advantage, low, high):
+    """CISPO from its paper's formula: ``-sg(clip(r_t)) * A * logp_t``, clipped where ``r_t`` leaves the bounds."""
+    weight = ratio.detach()
+    return -weight.clamp(low, high) * advantage * logp, ((weight < low) | (weight > high)).float()
+
+
+REFERENCE_LOSSES = {"cispo": _cispo_reference}
+"""The reference's policy loss for each registered one (the clipped surrogate is built into it)."""
 MICRO_BATCHES, SLOTS = 2, 4  # a step: 2 micro-batches x 4 data-parallel slots (dp ranks take slots evenly)
 
 OBJECTIVES = {
@@ -47,6 +72,8 @@ OBJECTIVES = {
     "gspo-token-mean": PolicyObjective(ratio="sequence", clip_low=0.03, temperature=1.3),
     # Per-sequence token means with the token ratio, on-policy (no old log-probs: every ratio is 1).
     "on-policy-seq-mean": PolicyObjective(aggregation="seq-mean-token-mean", entropy_coef=0.05),
+    # A user's loss (registered by the documented example): the frame's CP sums serve it unchanged.
+    "cispo": _documented_objective(),
 }
 ON_POLICY = {"on-policy-seq-mean"}
 
@@ -89,11 +116,16 @@ def _rollouts(on_policy: bool) -> list[list[list[Rollout]]]:
     )
 
 
+def _objective_of_step(rollouts: list[Rollout], logits: list[torch.Tensor], objective: PolicyObjective):
+    """The reference's objective and metrics, with the reference's version of a registered loss."""
+    return objective_of_step(rollouts, logits, objective, REFERENCE_LOSSES.get(objective.loss))
+
+
 def _reference(name: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
     objective = OBJECTIVES[name]
     module = _Policy()
     rollouts = [r for slots in _rollouts(name in ON_POLICY) for slot in slots for r in slot]
-    loss, metrics = objective_of_step(rollouts, [module.logits(r.ids) for r in rollouts], objective)
+    loss, metrics = _objective_of_step(rollouts, [module.logits(r.ids) for r in rollouts], objective)
     loss.backward()
     return metrics, module.grads()
 
@@ -191,7 +223,7 @@ def test_the_loss_outside_training_is_the_global_objective(world2, references):
 def _single_batch_reference(name: str) -> float:
     module = _Policy()
     rollouts = [r for slot in _rollouts(name in ON_POLICY)[0] for r in slot]
-    return objective_of_step(rollouts, [module.logits(r.ids) for r in rollouts], OBJECTIVES[name])[0].item()
+    return _objective_of_step(rollouts, [module.logits(r.ids) for r in rollouts], OBJECTIVES[name])[0].item()
 
 
 def _evaluation_losses() -> dict:
@@ -308,21 +340,25 @@ def test_a_step_value_covers_every_micro_batch_of_its_optimizer_step():
 
 def _reference_metrics(module: _Policy, rollouts: list[Rollout]) -> dict[str, float]:
     with torch.no_grad():
-        return objective_of_step(rollouts, [module.logits(r.ids) for r in rollouts], OBJECTIVES["grpo"])[1]
+        return _objective_of_step(rollouts, [module.logits(r.ids) for r in rollouts], OBJECTIVES["grpo"])[1]
 
 
 def _loss_and_reference(
-    objective: PolicyObjective, on_policy: bool = False, untrained: list[Rollout] = ()
+    objective: PolicyObjective,
+    on_policy: bool = False,
+    untrained: list[Rollout] = (),
+    reference: PolicyObjective | None = None,
 ) -> tuple[float, float]:
     """One packed micro-batch's objective from ``policy_loss`` (evaluation, one process), with the
-    ``untrained`` rollouts (no completion: no target) among its sequences, and the reference's without them."""
+    ``untrained`` rollouts (no completion: no target) among its sequences, and the reference's without them
+    (of ``reference``, default ``objective``)."""
     module = _Policy()
     rollouts = [r for slot in _rollouts(on_policy)[0] for r in slot]
     batch = shard_batch(collate_packed(samples([*untrained, *rollouts])), 1, 0)
     with torch.no_grad():
         loss = module.policy_loss(module.hidden(batch), module.head, batch, objective).item()
         logits = [module.logits(r.ids) for r in rollouts]
-        return loss, objective_of_step(rollouts, logits, objective)[0].item()
+        return loss, _objective_of_step(rollouts, logits, reference or objective)[0].item()
 
 
 def test_a_zero_upper_clip_is_a_bound_not_the_default():
@@ -342,3 +378,63 @@ def test_a_sequence_without_targets_counts_in_no_normalizer(name):
     untrained = [Rollout([5, 6, 7], [], 0.0, old, []), Rollout([8], [], 0.0, old, [])]
     loss, expected = _loss_and_reference(OBJECTIVES[name], on_policy, untrained)
     assert loss == pytest.approx(expected, rel=1e-5)
+
+
+@register_aggregation("test-sequence-sum")
+def _sequence_sum(inputs, objective):
+    """Dr. GRPO's aggregation with a token normalizer of 1, written as a user would."""
+    return AggregationWeights(inputs.valid.float(), inputs.sequence_count)
+
+
+def test_a_registered_aggregation_weighs_and_normalizes_the_objective():
+    objective = PolicyObjective(aggregation="test-sequence-sum", kl_coef=0.1)
+    dr_grpo = PolicyObjective(aggregation="seq-mean-token-sum", kl_coef=0.1)
+    loss, expected = _loss_and_reference(objective, reference=dr_grpo)
+    assert loss == pytest.approx(expected, rel=1e-5)
+    assert expected != pytest.approx(_loss_and_reference(PolicyObjective(kl_coef=0.1))[1], rel=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("options", "registered", "register"),
+    [
+        ({"loss": "grpo"}, "'ppo', ", "register_policy_loss"),
+        (
+            {"aggregation": "mean"},
+            "'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum', ",
+            "register_aggregation",
+        ),
+    ],
+    ids=["loss", "aggregation"],
+)
+def test_an_unregistered_name_is_one_line_that_lists_the_registered_ones(options, registered, register):
+    with pytest.raises(ValueError, match=f"{next(iter(options))}='") as error:
+        PolicyObjective(**options)
+    message = str(error.value)
+    assert "\n" not in message and registered in message and f"lightning_cp.loss.{register}" in message
+
+
+def test_a_name_registered_to_another_function_is_refused_and_the_same_function_again_is_not():
+    with pytest.raises(
+        ValueError, match=r"policy loss 'ppo' is already registered \(lightning_cp\.loss\.policy_re"
+    ):
+        register_policy_loss("ppo")(lambda tokens, objective: None)
+    with pytest.raises(ValueError, match="'token-mean' is already registered"):
+        register_aggregation("token-mean")(_sequence_sum)
+    assert register_aggregation("test-sequence-sum")(_sequence_sum) is _sequence_sum
+    with pytest.raises(
+        ValueError, match=r"token_normalizer=12\) only applies to aggregation='seq-mean-token-sum',"
+    ):
+        PolicyObjective(aggregation="test-sequence-sum", token_normalizer=12)
+
+
+@register_policy_loss("test-sequence-total")
+def _one_value(tokens, objective):
+    """A mistake: one value for the whole batch instead of one per token."""
+    return PolicyLossTerms(-(tokens.advantages * tokens.logprobs).sum())
+
+
+def test_a_registered_loss_without_a_value_per_token_is_refused():
+    with pytest.raises(
+        ValueError, match=r"loss='test-sequence-total'\) returned loss of shape \(\); it must give"
+    ):
+        _loss_and_reference(PolicyObjective(loss="test-sequence-total"))
