@@ -49,8 +49,12 @@ def test_two_nodes_train_as_one_node_with_cp_groups_inside_each_node(world4, tmp
         )
         for node in (0, 1)
     ]
-    for node in nodes:
-        output, _ = node.communicate(timeout=240)
+    try:
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    finally:
+        for node in nodes:  # a node that failed leaves the other waiting in the rendezvous
+            node.kill()
+    for node, output in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, output[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     one_node = world4.run(_two_nodes.fit, 1, 4)
