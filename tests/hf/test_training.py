@@ -24,7 +24,7 @@ from lightning_cp.parallel import shard_batch
 from tests._trainer import cp_trainer as _trainer
 from tests._trainer import quiet_trainer
 from tests.hf._families import tiny_config, transformers
-from tests.hf._models import CONFIGS, VOCAB, build
+from tests.hf._models import CONFIGS, VOCAB, assert_grads_close, build
 
 GLOBAL_BATCH = 4
 STEPS = 3
@@ -414,3 +414,61 @@ def test_a_call_with_cp_shard_keeps_no_kv_cache_unless_asked(world2):
     the step: a call with cp_shard and no use_cache runs without one; an explicit use_cache is kept."""
     assert world2.run(_caches, None) == [["NoneType", "NoneType"]] * 2
     assert world2.run(_caches, True) == [["DynamicCache", "DynamicCache"]] * 2
+
+
+# gpt-oss's attention sinks under DP x CP with clipping: each CP rank's sinks gradient covers its own queries
+# and DDP sums the ranks' parts; the clipping norm must be that of the summed gradient (clipped before that
+# reduction, each rank's part is scaled by a coefficient of its own). Only the sinks and the query biases train
+# (gradients of like size), so that the sinks are a large part of the norm; the clip is far below it.
+_SINKS_CLIP = 1e-4
+_TRAINED = ("sinks", "q_proj.bias")
+
+
+class _SinksOnly(HFCausalLM):
+    """A model of which only ``_TRAINED`` trains, keeping the gradients as clipped for the optimizer step."""
+
+    def configure_model(self):
+        super().configure_model()
+        for name, param in self.model.named_parameters():
+            param.requires_grad_(name.endswith(_TRAINED))
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.clipped = {
+            name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+            for name, p in self.model.named_parameters()
+            if p.grad is not None
+        }
+
+
+def _sinks_clipped(strategy_class):
+    """The clipped gradients of one step of a tiny gpt-oss (a window on alternate layers) at (dp, cp) = (2, 2)."""
+    module = _SinksOnly(tiny_config("gpt_oss", sliding_window=4).to_dict())
+    seed_everything(0)
+    module.configure_model()
+    trainer = _trainer(2, max_steps=1, gradient_clip_val=_SINKS_CLIP, strategy=strategy_class(cp=2))
+    trainer.fit(module, DataLoader(_dataset(), batch_size=GLOBAL_BATCH // 2, collate_fn=collate_padded))
+    return module.clipped
+
+
+def _reference_sinks_clipped():
+    """The same step of the unsharded model (eager attention: SDPA ignores the sinks) on the whole global batch."""
+    seed_everything(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("gpt_oss", sliding_window=4))
+    data = _dataset()
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    batch = next(iter(DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler, collate_fn=collate_padded)))
+    labels = torch.where(batch["loss_mask"].bool(), batch["input_ids"], -100)
+    model(input_ids=batch["input_ids"], labels=labels).loss.backward()
+    trained = {name: param for name, param in model.named_parameters() if name.endswith(_TRAINED)}
+    norm = torch.nn.utils.clip_grad_norm_(trained.values(), _SINKS_CLIP)
+    return {name: param.grad for name, param in trained.items()}, norm
+
+
+@pytest.mark.parametrize("strategy_class", [MegatronCPStrategy, MegatronCPFSDPStrategy], ids=["ddp", "fsdp"])
+def test_clipping_under_dp_x_cp_takes_the_norm_of_the_sinks_gradient_summed_over_cp(world4, strategy_class):
+    expected, norm = _reference_sinks_clipped()
+    assert norm > 5 * _SINKS_CLIP  # clipping matters
+    for clipped in world4.run(_sinks_clipped, strategy_class):
+        assert clipped.keys() == expected.keys()
+        assert_grads_close(clipped, expected)

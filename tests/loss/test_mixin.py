@@ -35,10 +35,21 @@ def _batch():
 LOSS_OPTIONS = {"label_smoothing": 0.2, "z_loss": 0.05, "softcap": 2.0}
 
 
-def _reference_grads(**options):
-    """The token mean over the whole batch, on materialized logits, with the options written out by hand."""
+def _one_target_step():
+    """The micro-batches of an optimizer step with one target in all: none in the first, one (row 2, token 9)
+    in the second. Every rank but one holds none, and the first micro-batch's global count is 0 (Megatron-LM
+    #7513: a CP-local mean would give this token a 1 / |DP x CP| share of its gradient)."""
+    mask = torch.zeros(ROWS, SEQ)
+    mask[2, 9] = 1.0
+    return [{**_batch(), "loss_mask": torch.zeros(ROWS, SEQ)}, {**_batch(), "loss_mask": mask}]
+
+
+def _reference_grads(micro_batches=None, **options):
+    """The token mean over the whole batch (every micro-batch's rows; ``_batch()`` alone by default), on
+    materialized logits, with the options written out by hand."""
     module = _Head()
-    batch = _batch()
+    micro_batches = micro_batches or [_batch()]
+    batch = {k: torch.cat([m[k] for m in micro_batches]) for k in micro_batches[0]}
     labels = batch["input_ids"].roll(-1, 1)
     target = batch["loss_mask"].roll(-1, 1).bool()
     target[:, -1] = False
@@ -51,25 +62,36 @@ def _reference_grads(**options):
     return loss.detach(), module.embed.grad, module.head.grad
 
 
-def _sharded_grads(cp, from_logits, **options):
-    """The mixin's loss on this rank's shard of this DP rank's rows, then DDP's mean over DP x CP."""
+def _sharded_grads(cp, from_logits, micro_batches=None, sharding="ddp", **options):
+    """The mixin's loss on this rank's shard of this DP rank's rows of each micro-batch (``_batch()`` alone by
+    default), as Lightning accumulates them (each loss divided by their number, the mixin's rescale before the
+    optimizer step); the gradients averaged over DP x CP as DDP does, or the head's as FSDP does (a
+    ``DTensor`` sharded over the ranks, its gradient reduce-scattered by the loss)."""
     layout = groups.initialize(tp=1, cp=cp)
     set_current_layout(layout)
     module = _Head()
-    dp, dp_rank = layout.dp, layout.dp_rank
-    full = _batch()
-    rows = slice(dp_rank * ROWS // dp, (dp_rank + 1) * ROWS // dp)
-    batch = shard_batch({k: v[rows] for k, v in full.items()}, cp, layout.cp_rank)
-    hidden = module.embed[batch["input_ids"]]
-    if from_logits:
-        loss = module.lm_loss_from_logits(hidden @ module.head.T, batch, **options)
-    else:
-        loss = module.lm_loss(hidden, module.head, batch, **options)
-    loss.backward()
-    for param in (module.embed, module.head):
-        dist.all_reduce(param.grad, group=layout.loss_group)
-        param.grad /= dp * cp
-    return module.embed.grad, module.head.grad
+    head = module.head
+    if sharding == "fsdp":
+        from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        head = torch.nn.Parameter(distribute_tensor(module.head.detach(), mesh, [Shard(0)]))
+    micro_batches = micro_batches or [_batch()]
+    rows = slice(layout.dp_rank * ROWS // layout.dp, (layout.dp_rank + 1) * ROWS // layout.dp)
+    for full in micro_batches:
+        batch = shard_batch({k: v[rows] for k, v in full.items()}, cp, layout.cp_rank)
+        hidden = module.embed[batch["input_ids"]]
+        if from_logits:
+            loss = module.lm_loss_from_logits(hidden @ module.head.T, batch, **options)
+        else:
+            loss = module.lm_loss(hidden, head, batch, **options)
+        (loss / len(micro_batches)).backward()
+    module._cp_objective.rescale_gradients([module.embed, head], len(micro_batches))
+    # A DTensor head's gradient is already averaged over the mesh by the loss's reduce-scatter.
+    for grad in [module.embed.grad] + ([head.grad] if sharding == "ddp" else []):
+        dist.all_reduce(grad, group=layout.loss_group)
+        grad /= layout.dp * layout.cp
+    return module.embed.grad, head.grad.full_tensor() if sharding == "fsdp" else head.grad
 
 
 @pytest.mark.parametrize("from_logits", [False, True], ids=["lm_loss", "lm_loss_from_logits"])
@@ -87,6 +109,21 @@ def test_loss_options_reach_the_fused_loss(world4, from_logits):
     plain_loss, _, _ = _reference_grads()
     assert abs(ref_loss - plain_loss) > 0.05 * plain_loss  # the options matter at this size
     for embed_grad, head_grad in world4.run(_sharded_grads, 2, from_logits, **LOSS_OPTIONS):
+        torch.testing.assert_close(embed_grad, ref_embed, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(head_grad, ref_head, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "cp, sharding",
+    [(1, "ddp"), (2, "ddp"), (4, "ddp"), (2, "fsdp")],
+    ids=["dp4", "dp2-cp2", "cp4", "fsdp-dp2-cp2"],
+)
+def test_one_target_in_an_accumulated_step_gets_its_whole_gradient(world4, cp, sharding):
+    """Ranks and a whole first micro-batch without any target: the step's gradient is still that token's."""
+    micro_batches = _one_target_step()
+    _, ref_embed, ref_head = _reference_grads(micro_batches)
+    assert ref_head.abs().max() > 0.1
+    for embed_grad, head_grad in world4.run(_sharded_grads, cp, False, micro_batches, sharding):
         torch.testing.assert_close(embed_grad, ref_embed, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(head_grad, ref_head, rtol=1e-5, atol=1e-6)
 
@@ -114,8 +151,9 @@ def test_evaluation_returns_the_global_token_mean_on_every_rank(world4):
             assert loss == pytest.approx(ref_loss.item(), rel=1e-6), f"cp={cp}"
 
 
-def _tensor_parallel_grads(vocab_parallel):
-    """tp=2 x cp=2: the head either split over the vocabulary (marked as Megatron marks it) or replicated."""
+def _tensor_parallel_grads(vocab_parallel, from_logits):
+    """tp=2 x cp=2: the head either split over the vocabulary (marked as Megatron marks it) or replicated;
+    ``from_logits``: the loss of this rank's ``[B, S_local, V / tp]`` logits of the split head."""
     layout = groups.initialize(tp=2, cp=2)
     set_current_layout(layout)
     module = _Head()
@@ -127,18 +165,28 @@ def _tensor_parallel_grads(vocab_parallel):
         )
         head.tensor_model_parallel = True
     batch = shard_batch(_batch(), 2, layout.cp_rank)
-    loss = module.lm_loss(module.embed[batch["input_ids"]], head, batch)
+    hidden = module.embed[batch["input_ids"]]
+    if from_logits:
+        loss = module.lm_loss_from_logits(hidden @ head.T, batch, vocab_parallel=True)
+    else:
+        loss = module.lm_loss(hidden, head, batch)
     loss.backward()
+    if from_logits:  # a column-parallel head's backward sums its input's gradient over TP, as Megatron's does
+        dist.all_reduce(module.embed.grad, group=layout.tp_group)
     for param in (module.embed, head):
         dist.all_reduce(param.grad, group=layout.loss_group)
         param.grad /= layout.dp * layout.cp
     return layout.tp_rank, module.embed.grad, head.grad
 
 
-@pytest.mark.parametrize("vocab_parallel", [False, True], ids=["replicated_head", "vocab_parallel_head"])
-def test_tensor_parallel_head_gives_the_same_gradients(world4, vocab_parallel):
+@pytest.mark.parametrize(
+    "vocab_parallel, from_logits",
+    [(False, False), (True, False), (True, True)],
+    ids=["replicated_head", "vocab_parallel_head", "vocab_parallel_logits"],
+)
+def test_tensor_parallel_head_gives_the_same_gradients(world4, vocab_parallel, from_logits):
     _, ref_embed, ref_head = _reference_grads()
-    for tp_rank, embed_grad, head_grad in world4.run(_tensor_parallel_grads, vocab_parallel):
+    for tp_rank, embed_grad, head_grad in world4.run(_tensor_parallel_grads, vocab_parallel, from_logits):
         torch.testing.assert_close(embed_grad, ref_embed, rtol=1e-5, atol=1e-6)
         expected = ref_head.chunk(2)[tp_rank] if vocab_parallel else ref_head
         torch.testing.assert_close(head_grad, expected, rtol=1e-5, atol=1e-6)

@@ -45,10 +45,19 @@ class _FirstTokenTargets(torch.utils.data.Dataset):
     No token precedes it in its own document, so it must never be predicted: in a packed row the token
     before it is the previous document's last, and a label that crossed the boundary would show up here
     as a different loss (the reference scores every document alone).
+
+    With ``one_target_first_step``, the first optimizer step (the training sampler's first ``GLOBAL_BATCH``
+    samples) has one target in all, token 5 of its last sample: its first micro-batches and all ranks but one
+    have none (Megatron-LM #7513: a CP-local mean would give that token a 1 / |DP x CP| share).
     """
 
-    def __init__(self, samples):
+    def __init__(self, samples, one_target_first_step=False):
         self.samples = samples
+        self.only_target = {}  # sample index -> its one target position, or None for no target
+        if one_target_first_step:
+            # Lightning's training sampler: seed 0, the same permutation for any number of replicas.
+            first = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0))[:GLOBAL_BATCH]
+            self.only_target = {**dict.fromkeys(first[:-1].tolist()), first[-1].item(): 5}
 
     def __len__(self):
         return len(self.samples)
@@ -57,15 +66,20 @@ class _FirstTokenTargets(torch.utils.data.Dataset):
         sample = dict(self.samples[index])
         sample["loss_mask"] = sample["loss_mask"].clone()
         sample["loss_mask"][0] = 1
+        if index in self.only_target:
+            sample["loss_mask"].zero_()
+            if self.only_target[index] is not None:
+                sample["loss_mask"][self.only_target[index]] = 1
         return sample
 
 
-def _dataset(num_samples=GLOBAL_BATCH * STEPS, seed=3):
+def _dataset(num_samples=GLOBAL_BATCH * STEPS, seed=3, one_target_first_step=False):
     # Unequal lengths: packed pieces straddle CP ranks and every rank holds a different number of targets.
     return _FirstTokenTargets(
         LongRangeCopyDataset(
             num_samples=num_samples, seq_len=26, vocab_size=CONFIG.vocab_size, seed=seed, min_len=10
-        )
+        ),
+        one_target_first_step,
     )
 
 
@@ -92,7 +106,7 @@ class _Recorder(Callback):
             self.val_losses.append(trainer.callback_metrics["val/loss"].item())
 
 
-def _fit(cp, packed, accumulate=1):
+def _fit(cp, packed, accumulate=1, one_target_first_step=False):
     """Train STEPS optimizer steps; return per-step losses, final weights and epoch metrics."""
     world = dist.get_world_size()
     dp = world // cp
@@ -101,7 +115,7 @@ def _fit(cp, packed, accumulate=1):
     recorder = _Recorder()
     trainer = _trainer(cp, world, max_steps=STEPS, accumulate_grad_batches=accumulate, callbacks=[recorder])
     micro_batch = GLOBAL_BATCH // dp // accumulate
-    data = _dataset(GLOBAL_BATCH * STEPS)
+    data = _dataset(GLOBAL_BATCH * STEPS, one_target_first_step=one_target_first_step)
     trainer.fit(
         module,
         _loader(micro_batch, packed, data),
@@ -135,7 +149,15 @@ def _targets(batch, packed):
     return ids, labels
 
 
-def _reference(packed, steps=STEPS, clip=None, compute_dtype=None, gradients=None, moments=None):
+def _reference(
+    packed,
+    steps=STEPS,
+    clip=None,
+    compute_dtype=None,
+    gradients=None,
+    moments=None,
+    one_target_first_step=False,
+):
     """Per-step losses and final weights of a plain loop; ``clip``: clip the global gradient norm to it.
 
     ``compute_dtype``: each forward and backward through a copy of the weights in it (``bf16-mixed`` under
@@ -148,7 +170,7 @@ def _reference(packed, steps=STEPS, clip=None, compute_dtype=None, gradients=Non
     losses = []
     # Lightning gives training loaders a shuffling DistributedSampler (seed 0 here); its permutation does
     # not depend on the number of replicas, so every layout sees the same global batches as this one.
-    data = _dataset()
+    data = _dataset(one_target_first_step=one_target_first_step)
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
     loader = DataLoader(
         data,
@@ -210,8 +232,8 @@ def _reference_validation(weights, packed):
     }
 
 
-def _run_layouts(cps, packed, accumulate=1):
-    return {cp: _fit(cp, packed, accumulate) for cp in cps}
+def _run_layouts(cps, packed, accumulate=1, one_target_first_step=False):
+    return {cp: _fit(cp, packed, accumulate, one_target_first_step) for cp in cps}
 
 
 def _check_against_reference(results, packed):
@@ -263,10 +285,11 @@ def test_four_ranks_match_single_process(world4, packed):
     "cp, packed, accumulate", [(2, True, 2), (4, False, 4)], ids=["dp2-cp2-packed-x2", "dp1-cp4-padded-x4"]
 )
 def test_gradient_accumulation_normalizes_over_the_whole_step(world4, cp, packed, accumulate):
-    """Micro-batches of one optimizer step: still the token mean over the global batch."""
-    per_rank = world4.run(_run_layouts, (cp,), packed, accumulate)
+    """Micro-batches of one optimizer step: still the token mean over the global batch, also in a first step
+    with one target, none in its first micro-batches (``_FirstTokenTargets``)."""
+    per_rank = world4.run(_run_layouts, (cp,), packed, accumulate, one_target_first_step=True)
     losses, weights, _ = per_rank[0][cp]
-    _, ref_weights = _reference(packed)
+    _, ref_weights = _reference(packed, one_target_first_step=True)
     assert len(losses) == STEPS
     for name, value in ref_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
