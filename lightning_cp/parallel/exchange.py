@@ -50,7 +50,7 @@ class GroupExchange:
             return full
         size = dist.get_world_size(self.group)
         local = full.shape[0] // size
-        if self._nccl():
+        if self._backend(full.device) == "nccl":
             out = full.new_empty((local, *full.shape[1:]))
             dist.reduce_scatter_single(out, full, group=self.group)
             return out
@@ -61,17 +61,22 @@ class GroupExchange:
 
     def agree_min(self, value: int) -> int:
         """The least of every rank's ``value``: one all-reduce (MIN) of one int64 over the group, read back
-        on the host (on the current CUDA device for NCCL, else on the CPU). For a choice that sets how many
+        on the host (on the CPU where the group has a CPU backend, else on the current CUDA device). For a choice that sets how many
         collectives run (or how large they are), which every rank must make alike."""
         if self.group is None:
             return value
-        device = torch.device("cuda", torch.cuda.current_device()) if self._nccl() else torch.device("cpu")
+        cpu = torch.device("cpu")
+        device = cpu if self._backend(cpu) is not None else torch.device("cuda", torch.cuda.current_device())
         agreed = torch.tensor([value], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
         return int(agreed.item())
 
-    def _nccl(self) -> bool:
-        return dist.get_backend(self.group) == "nccl"
+    def _backend(self, device: torch.device) -> str | None:
+        """The group's backend for tensors on ``device`` (``None``: none), read from its per-device map: a group
+        may have one per device type (``cpu:gloo,cuda:nccl``, what ``cpu_offload`` creates), whose name as a
+        whole is neither ``"nccl"`` nor ``"gloo"``."""
+        backend = dist.Backend(str(dist.get_backend(self.group)))
+        return dist.BackendConfig(backend).get_device_backend_map().get(device.type)
 
     def all_to_all(self, send: Tensor) -> Tensor:
         """``[cp, ...]`` whose row ``r`` is what rank ``r`` sent this rank: ``send`` ``[cp, ...]`` holds in

@@ -230,7 +230,8 @@ def test_flash_and_torch_kernels_agree_on_cuda_for_every_piece_shape():
 
 def _grads_and_future_warnings(reduce_scatter):
     """CP attention forward and backward (cp=2), recording every warning; ``reduce_scatter``: take the
-    NCCL branch of the gradient exchange (gloo implements reduce-scatter too in torch 2.13)."""
+    NCCL branch of the gradient exchange, the group's CPU backend named NCCL (gloo implements reduce-scatter
+    too in torch 2.13)."""
     layout = groups.initialize(tp=1, cp=2)
     q, k, v, dout = _inputs(*PADDED_SHAPE)
     lq, shard = _shard_heads(q, 2, layout.cp_rank, None, layout.cp_group)
@@ -238,7 +239,7 @@ def _grads_and_future_warnings(reduce_scatter):
     lq, lk, lv = (t.requires_grad_() for t in (lq, lk, lv))
     get_backend = dist.get_backend
     if reduce_scatter:
-        dist.get_backend = lambda group=None: "nccl"
+        dist.get_backend = lambda group=None: "cpu:nccl"
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
