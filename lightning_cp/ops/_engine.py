@@ -59,14 +59,34 @@ def chunk_bounds(n: int, chunk_size: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + chunk_size, n)
 
 
-def _head_matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``hidden @ weight.T (+ bias)``: one (add)mm in the input dtype."""
-    return torch.mm(hidden, weight.t()) if bias is None else torch.addmm(bias, hidden, weight.t())
+class Head:
+    """The LM head's operands as its matmuls take them, in the plan's :attr:`~lightning_cp.ops._plan.Plan.
+    matmul_dtype`: the weight and bias cast once per pass (not at every chunk, as autocast casts an operand that
+    is not a leaf), the hidden states chunk by chunk. Without a narrower dtype, the tensors themselves."""
+
+    def __init__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan
+    ) -> None:
+        self.dtype = plan.matmul_dtype or hidden.dtype
+        self.hidden = hidden
+        self.weight = weight.to(self.dtype)
+        self.bias = None if bias is None else bias.to(self.dtype)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """The hidden states of tokens ``[start, stop)`` in the matmul dtype."""
+        return self.hidden[start:stop].to(self.dtype)
+
+    def logits(self, start: int, stop: int, vocab: slice = slice(None)) -> torch.Tensor:
+        """``hidden[start:stop] @ weight[vocab].T (+ bias[vocab])``: one (add)mm in the matmul dtype."""
+        weight, h = self.weight[vocab], self.rows(start, stop)
+        if self.bias is None:
+            return torch.mm(h, weight.t())
+        return torch.addmm(self.bias[vocab], h, weight.t())
 
 
-def linear_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> LogitsOf:
+def linear_logits(head: Head) -> LogitsOf:
     # A fresh buffer per chunk, owned by the sweep: the backend may overwrite it with the gradient.
-    return lambda start, stop: (_head_matmul(hidden[start:stop], weight, bias), True)
+    return lambda start, stop: (head.logits(start, stop), True)
 
 
 def logits_slices(logits: torch.Tensor) -> LogitsOf:
@@ -88,18 +108,15 @@ class LogitsGrads:
 
 class _TokenChunkGrads:
     """Streams each chunk's ``dL/dz`` into ``grad_hidden [N, H]``, and if asked ``grad_weight [V, H]`` (same
-    dtypes as the inputs; only for fp32 weights, see the module docstring) and ``grad_bias [V]`` (fp32)."""
+    dtypes as the inputs; only for fp32 weights, see the module docstring) and ``grad_bias [V]`` (fp32). The
+    matmuls run in the head's matmul dtype; a narrower one's products are summed into the fp32 weight gradient
+    in fp32 (:func:`_add_fp32_product`) and the hidden gradient's rows cast to its dtype."""
 
     def __init__(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        *,
-        need_hidden: bool,
-        need_weight: bool,
-        need_bias: bool,
+        self, head: Head, weight: torch.Tensor, *, need_hidden: bool, need_weight: bool, need_bias: bool
     ):
-        self._hidden, self._weight = hidden, weight
+        hidden = head.hidden
+        self._head = head
         self.hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
         self.weight = torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_weight else None
         self.bias = weight.new_zeros(weight.shape[0], dtype=torch.float32) if need_bias else None
@@ -108,13 +125,21 @@ class _TokenChunkGrads:
         return None
 
     def add(self, start: int, stop: int, d: torch.Tensor) -> None:
+        head = self._head
         if self.bias is not None:
             self.bias.add_(d.sum(0, dtype=torch.float32))
-        d = d.to(self._weight.dtype)
+        d = d.to(head.dtype)
         if self.hidden is not None:
-            torch.mm(d, self._weight, out=self.hidden[start:stop])
+            rows = self.hidden[start:stop]
+            if rows.dtype == head.dtype:
+                torch.mm(d, head.weight, out=rows)
+            else:
+                rows.copy_(torch.mm(d, head.weight))
         if self.weight is not None:
-            self.weight.addmm_(d.t(), self._hidden[start:stop])
+            if self.weight.dtype == head.dtype:
+                self.weight.addmm_(d.t(), head.hidden[start:stop])
+            else:
+                _add_fp32_product(self.weight, d.t(), head.rows(start, stop))
 
 
 def sweep(
@@ -179,28 +204,24 @@ def linear_grads(
     ``grad_hidden`` is this vocabulary shard's partial sum (see :func:`sum_over_shards`).
     """
     weight, bias = head
+    operands = Head(hidden, weight, bias, plan)
     need_hidden, need_weight, need_bias = need
     in_sweep_weight = need_weight and weight.dtype.itemsize >= 4
     sink = _TokenChunkGrads(
-        hidden, weight, need_hidden=need_hidden, need_weight=in_sweep_weight, need_bias=need_bias
+        operands, weight, need_hidden=need_hidden, need_weight=in_sweep_weight, need_bias=need_bias
     )
     if stats is not None or need_hidden or in_sweep_weight or need_bias:
         sweep_coefs = coefs if need_hidden or in_sweep_weight or need_bias else None
-        sweep(plan, labels, linear_logits(hidden, weight, bias), stats=stats, coefs=sweep_coefs, sink=sink)
+        sweep(plan, labels, linear_logits(operands), stats=stats, coefs=sweep_coefs, sink=sink)
     grad_bias = None if sink.bias is None else sink.bias.to(bias.dtype)
     grad_weight = sink.weight
     if need_weight and not in_sweep_weight:
-        grad_weight = _weight_grad_by_vocab_blocks(plan, hidden, weight, bias, labels, coefs)
+        grad_weight = _weight_grad_by_vocab_blocks(plan, operands, weight, labels, coefs)
     return sink.hidden, grad_weight, grad_bias
 
 
 def _weight_grad_by_vocab_blocks(
-    plan: Plan,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    coefs: CoefsOf,
+    plan: Plan, head: Head, weight: torch.Tensor, labels: torch.Tensor, coefs: CoefsOf
 ) -> torch.Tensor:
     """``grad_weight`` ``[V_local, H]`` of a low-precision weight, summed in fp32 per vocabulary block over
     all token chunks and rounded to the weight's dtype once.
@@ -210,20 +231,17 @@ def _weight_grad_by_vocab_blocks(
     ``-gamma`` term there).
     """
     grad = torch.empty_like(weight, memory_format=torch.contiguous_format)
-    n_tokens, hidden_size = hidden.shape
+    n_tokens, hidden_size = head.hidden.shape
     vocab_block = max(1, _WEIGHT_BLOCK_BYTES // (4 * hidden_size))
     for v0, v1 in chunk_bounds(weight.shape[0], vocab_block):
-        block_weight, block_bias = weight[v0:v1], None if bias is None else bias[v0:v1]
         block_labels = torch.where((labels >= v0) & (labels < v1), labels - v0, -1)
         acc = torch.zeros((v1 - v0, hidden_size), dtype=torch.float32, device=weight.device)
         for start, stop in chunk_bounds(n_tokens, plan.chunk_size):
-            h = hidden[start:stop]
-            chunk = plan.chunk(
-                _head_matmul(h, block_weight, block_bias), block_labels[start:stop], writable=True
-            )
+            logits = head.logits(start, stop, slice(v0, v1))
+            chunk = plan.chunk(logits, block_labels[start:stop], writable=True)
             d = _coefs_at(plan, coefs, start, stop).logits_grad(chunk)
             del chunk
-            _add_fp32_product(acc, d.t(), h)
+            _add_fp32_product(acc, d.t().to(head.dtype), head.rows(start, stop))
             del d
         grad[v0:v1] = acc
     return grad

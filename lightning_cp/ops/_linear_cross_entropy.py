@@ -44,7 +44,9 @@ class LinearCrossEntropy(torch.autograd.Function):
                 stats=stats,
             )
         else:
-            engine.sweep(plan, labels, engine.linear_logits(hidden, weight, bias), stats=stats)
+            engine.sweep(
+                plan, labels, engine.linear_logits(engine.Head(hidden, weight, bias, plan)), stats=stats
+            )
             if any(need):
                 ctx.save_for_backward(hidden, weight, bias, labels, stats.valid, stats.lse)
         count = stats.valid.sum()

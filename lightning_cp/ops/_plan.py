@@ -107,6 +107,10 @@ class Plan:
     """Vocabulary entries on this rank."""
     vocab: int
     """Global vocabulary size."""
+    matmul_dtype: torch.dtype | None = None
+    """The dtype the head's matmuls run in where it is narrower than the inputs': autocast's when the call was
+    made under autocast (``bf16-mixed`` under DDP: fp32 hidden states and weight, bf16 matmuls, as autocast runs
+    ``F.linear``), kept for the backward, which runs outside autocast; ``None``: the inputs' own dtype."""
 
     @classmethod
     def build(
@@ -121,8 +125,11 @@ class Plan:
         softcap: float | None,
         tp_group: dist.ProcessGroup | None,
         temperature: float = 1.0,
+        input_dtype: torch.dtype | None = None,
     ) -> Plan:
-        """Validate the user's options (errors name the argument) and resolve the automatic ones."""
+        """Validate the user's options (errors name the argument) and resolve the automatic ones;
+        ``input_dtype``: the head's inputs' dtype (``None``: logits given, no matmul), which autocast, if on for
+        ``device``, narrows (:attr:`matmul_dtype`)."""
         if chunk_size is not None and (
             isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
         ):
@@ -152,6 +159,7 @@ class Plan:
             group=tp_group if tp > 1 else None,
             local_vocab=local_vocab,
             vocab=local_vocab * tp,
+            matmul_dtype=None if input_dtype is None else _autocast_dtype(device, input_dtype),
         )
 
     @property
@@ -178,6 +186,14 @@ class Plan:
 
             return TritonChunk
         return TorchChunk
+
+
+def _autocast_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
+    """Autocast's dtype for ``device`` when it is on and narrower than ``dtype``, else ``None``."""
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    narrow = torch.get_autocast_dtype(device.type)
+    return narrow if narrow.itemsize < dtype.itemsize else None
 
 
 @functools.cache

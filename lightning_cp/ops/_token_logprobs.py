@@ -29,7 +29,7 @@ class LinearLogprobs(torch.autograd.Function):
         plan: Plan,
         need: tuple[bool, bool, bool],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        engine.sweep(plan, labels, engine.linear_logits(hidden, weight, bias), stats=stats)
+        engine.sweep(plan, labels, engine.linear_logits(engine.Head(hidden, weight, bias, plan)), stats=stats)
         logprobs = torch.where(stats.valid, stats.target - stats.lse, 0.0)
         ctx.plan, ctx.need = plan, need
         if any(need):

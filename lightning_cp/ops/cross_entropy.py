@@ -17,7 +17,9 @@ LM head's optional ``bias``, a ``logit_scale`` multiplier (Cohere's ``logit_scal
 ``softcap * tanh(x / softcap)`` (Gemma-2's ``final_logit_softcapping``); ``z_loss`` adds
 ``z_loss * logsumexp(logits) ** 2`` to the loss of every valid token. Statistics are accumulated in fp32 whatever the input dtype; gradients come back
 in the input dtype (a bf16 / fp16 weight's gradient is summed over the tokens in fp32 and rounded
-once). A ``mean`` over zero valid tokens is 0 with zero gradients.
+once). Under autocast (``bf16-mixed`` with DDP: fp32 hidden states and weight) every matmul, the gradients'
+too, runs in autocast's dtype, as autocast runs ``F.linear``: the head cast once per pass, an fp32 weight's
+gradient summed in fp32. A ``mean`` over zero valid tokens is 0 with zero gradients.
 
 Tensor parallelism (``tp_group``): ``weight`` and ``bias`` (or ``logits``) are this rank's vocabulary shard in
 Megatron's layout, rank ``r`` of ``tp`` holding global ids ``[r * V / tp, (r + 1) * V / tp)``; labels are
@@ -232,6 +234,7 @@ def _cross_entropy(
         logit_scale=logit_scale,
         softcap=softcap,
         tp_group=tp_group,
+        input_dtype=None if head is None else inputs.dtype,
     )
     local_labels, stats = _prepare_targets(
         labels, ignore_index, plan, inputs, entropy=entropy, smoothing=opts.label_smoothing > 0
@@ -272,6 +275,7 @@ def _token_logprobs(
         softcap=softcap,
         tp_group=tp_group,
         temperature=temperature,
+        input_dtype=hidden.dtype,
     )
     local_labels, stats = _prepare_targets(
         labels, ignore_index, plan, hidden, entropy=entropy, smoothing=False
