@@ -76,12 +76,16 @@ class GlobalTokenObjective:
         return value + (scale - 1) * (value - value.detach())
 
     def rescale_gradients(self, parameters: Iterable[torch.nn.Parameter], accumulate: int) -> None:
-        """Turn the first micro-batch's normalizer into the whole step's; starts the next step."""
+        """Turn the first micro-batch's normalizer into the whole step's; starts the next step.
+
+        Synchronizes with the device once (the factor read back), only when there is something to rescale."""
         reference, step_count = self._reference_count, self._step_count
         self._reference_count = self._step_count = self._count = None
         if reference is None or accumulate == 1:
             return
-        factor = accumulate * reference / torch.where(step_count > 0, step_count, 1.0)
+        # One number, read once per step: the gradients may live elsewhere than the counts (FSDP's cpu_offload
+        # keeps them on the host, the counts come from the device).
+        factor = float(accumulate * reference / torch.where(step_count > 0, step_count, 1.0))
         for param in parameters:
             if param.grad is not None:
-                param.grad.mul_(factor.to(param.grad.dtype))
+                param.grad.mul_(factor)
