@@ -100,11 +100,14 @@ class OutsideCallAgreement:
         if self.store is None:
             return
         self._calls += 1
-        arrived = self._add(_ARRIVED, 1)
+        target = self._calls * self.world_size
+        self._add(_ARRIVED, 1)
         deadline = time.monotonic() + self.timeout_s
         pause = 1e-4
-        while arrived < self._calls * self.world_size:
-            if self._add(_CLOSED, 0):
+        while self._add(_ARRIVED, 0) < target:
+            # A rank that made this call and then ended its run has closed the agreement, but its call counts:
+            # it was counted before the mark, so the count is read again after it.
+            if self._add(_CLOSED, 0) and self._add(_ARRIVED, 0) < target:
                 self._refuse("they stopped taking part")
             if self.stopping():
                 self._refuse("SIGTERM arrived while this rank waited for them")
@@ -112,7 +115,6 @@ class OutsideCallAgreement:
                 self._refuse(f"none came within {self.timeout_s:.0f} s")
             time.sleep(pause)  # a signal's Python handler runs here, not inside a blocking wait
             pause = min(2 * pause, _POLL_S)
-            arrived = self._add(_ARRIVED, 0)
 
     def close(self) -> None:
         """Tell a rank still waiting for a call that this one will not make it; release the store.

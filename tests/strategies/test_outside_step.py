@@ -190,3 +190,27 @@ def test_a_call_on_rank_zero_alone_during_training_ends_the_whole_run(tmp_path):
         re.MULTILINE,
     ), output[-3000:]
     assert seconds < 75
+
+
+class _OtherRankCallsAndEnds:
+    """A store in which the other rank makes its call and ends its run (closing the agreement) right after this
+    rank's first look at the count, before its look at the closed mark."""
+
+    def __init__(self) -> None:
+        self.values = {"arrived": 0, "closed": 0}
+        self.looks = 0
+
+    def add(self, key: str, amount: int) -> int:
+        self.values[key] += amount
+        value = self.values[key]
+        if key == "arrived" and amount == 0:
+            self.looks += 1
+            if self.looks == 1:
+                self.values["arrived"] += 1
+                self.values["closed"] += 1
+        return value
+
+
+def test_a_rank_that_called_and_then_ended_its_run_counts():
+    # The count used to be taken before the mark only: the call of a rank that ended right after it was missed.
+    OutsideCallAgreement(_OtherRankCallsAndEnds(), world_size=2, stopping=lambda: False, timeout_s=5.0)()
