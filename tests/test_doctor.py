@@ -4,9 +4,11 @@ The checks themselves compare to float64 references computed by plain PyTorch (S
 ``log_softmax``, the mixer layer on each document), so a check that cannot fail would be worthless: every
 family of checks is run here once against a deliberately broken package (a wrong key index in the attention
 layout, 1% off key gradients, an all-to-all that returns another rank's rows, a mode that silently runs
-another exchange, a wrong label in the loss, 1% off log-probabilities, a reduce-scatter that does not sum) and
-must report FAIL, with exit status 1. Under a launcher, a rank that fails a check alone must not leave the
-others out of step: every rank reports and exits with the same status.
+another exchange, attention that ignores autocast, a wrong label in the loss, 1% off log-probabilities, the
+loss's gradient matmuls in fp32 under autocast, a sparse layer's keys one row late, a tiling that does not
+tile, recomputes 1% off or outside autocast, a reduce-scatter that does not sum, an exchange that all-reduces
+where the group reduce-scatters) and must report FAIL, with exit status 1. Under a launcher, a rank that fails
+a check alone must not leave the others out of step: every rank reports and exits with the same status.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import itertools
 import os
 import re
 import subprocess
@@ -26,12 +29,17 @@ import torch
 
 from lightning_cp import ops
 from lightning_cp.cli import doctor
-from lightning_cp.doctor import _ranks, attention, collectives
+from lightning_cp.doctor import _ranks, attention, collectives, sparse
 from lightning_cp.doctor._compare import MAX_TOLERANCE, CheckResult, compare, relative_error, tolerance
-from lightning_cp.doctor.attention import attention_checks
-from lightning_cp.doctor.loss import loss_checks
+from lightning_cp.doctor.attention import attention_checks, autocast_attention_checks
+from lightning_cp.doctor.loss import autocast_loss_checks, loss_checks
 from lightning_cp.doctor.mixers import mixer_checks
-from lightning_cp.parallel import _key_selection, _varlen
+from lightning_cp.doctor.sparse import sparse_checks
+from lightning_cp.doctor.tiling import tiling_checks
+from lightning_cp.memory import tiling
+from lightning_cp.ops import _plan
+from lightning_cp.parallel import _key_selection, _varlen, key_indexer
+from lightning_cp.parallel import attention as cp_attention
 from lightning_cp.parallel.attention_mode import AttentionMode
 from lightning_cp.parallel.exchange import GroupExchange
 
@@ -71,14 +79,24 @@ def test_doctor_runs_and_passes_on_this_machine():
     lines = _check_lines(out)
     statuses = list(lines.values())
     assert set(statuses) == {"PASS", "SKIP"}
-    # 2 dtypes x (2 layouts x 5 (exchange, CP size) of attention + 2 loss functions x 2 backends), 3 mixers
-    # in fp32, + collectives.
-    assert len(lines) == 2 * (10 + 4) + 3 + 1
-    assert statuses.count("PASS") == 2 * (10 + 2) + 3  # Triton and the collectives need CUDA / torchrun here
+    # 2 dtypes x (2 layouts x 5 (exchange, CP size) of attention + sparse attention + 2 loss functions x 2
+    # backends), under autocast: attention and the 2 x 2 loss checks, 3 mixers in fp32, 2 tilings (fp32,
+    # autocast), the collectives and cpu_offload's mixed-backend exchange.
+    assert len(lines) == 2 * (10 + 1 + 4) + (1 + 4) + 3 + 2 + 2
+    # Triton and the collectives need CUDA / torchrun here.
+    assert statuses.count("PASS") == 2 * (10 + 1 + 2) + (1 + 2) + 3 + 2
     for mode, exchanges in attention.FORWARD_EXCHANGES.items():
         checked = [line for line in lines if line.startswith(f"attention {mode} cp=")]
-        assert len(checked) == 4 * len(attention.SIMULATED[mode])
+        assert len(checked) == 4 * len(attention.SIMULATED[mode]) + (mode == "allgather")  # + autocast
         assert all(line.endswith(f"fwd: {', '.join(exchanges)}]") for line in checked)
+    # No bf16 GEMM with an fp32 output on the CPU: the weight gradient's fp32 sum is an fp32 matmul there.
+    autocast_loss = [
+        line for line in lines if line.startswith("loss") and "autocast" in line and "PASS" in lines[line]
+    ]
+    assert len(autocast_loss) == 2 and all("float32 on bfloat16 values" in line for line in autocast_loss)
+    assert sum(line.endswith("[mlp calls per layer: 3 fwd, 3 bwd]") for line in lines) == 1
+    assert sum(line.endswith("[matmul FLOPs: bfloat16 100%]") for line in lines) == 1  # the autocast tiling
+    assert sum(line.endswith("[fwd: all_gather, all_gather]") for line in lines) == 2  # the indexer's, K/V's
     assert re.search(r"(\d+) passed, 0 failed, (\d+) skipped$", out.strip())
 
 
@@ -96,10 +114,14 @@ def test_doctor_passes_on_the_gpu_with_flash_attention_and_triton(capsys):
     status = doctor.main(["--device", "cuda"])
     lines = _check_lines(capsys.readouterr().out)
     assert status == 0, lines
-    assert {s for name, s in lines.items() if not name.startswith("collectives")} == {"PASS"}
+    one_process = ("collectives", collectives.MIXED_CHECK)
+    assert {s for name, s in lines.items() if not name.startswith(one_process)} == {"PASS"}
     bf16_attention = [name for name in lines if name.startswith("attention") and "bfloat16" in name]
-    assert len(bf16_attention) == 10 and all("[flash-varlen; fwd: " in name for name in bf16_attention)
-    assert sum(name.startswith("loss linear_cross_entropy triton") for name in lines) == 2
+    assert len(bf16_attention) == 11 and all("[flash-varlen; fwd: " in name for name in bf16_attention)
+    assert sum(name.startswith("loss linear_cross_entropy triton") for name in lines) == 3
+    # Under autocast the weight gradient is a bf16 GEMM summed in fp32 (torch.mm(..., out_dtype=float32)).
+    autocast_loss = [name for name in lines if name.startswith("loss") and "autocast" in name]
+    assert len(autocast_loss) == 4 and all("bfloat16 -> float32 out" in name for name in autocast_loss)
 
 
 def test_a_wrong_key_order_in_the_attention_layout_fails_the_attention_checks(run_doctor, monkeypatch):
@@ -114,9 +136,10 @@ def test_a_wrong_key_order_in_the_attention_layout_fails_the_attention_checks(ru
 
     assert status == 1
     attention = {name: s for name, s in lines.items() if name.startswith("attention")}
-    assert len(attention) == 20 and set(attention.values()) == {"FAIL"}
+    assert len(attention) == 21 and set(attention.values()) == {"FAIL"}  # autocast's too
     assert {s for name, s in lines.items() if name.startswith("loss")} == {"PASS", "SKIP"}
-    assert {s for name, s in lines.items() if name.startswith("mixer")} == {"PASS"}  # no key selection there
+    # No key selection in the mixers, the sparse layer (its own rows) or a model without CP (the tiled GPT).
+    assert {s for name, s in lines.items() if name.startswith(("mixer", "sparse", "tiling"))} == {"PASS"}
 
 
 def test_a_wrong_label_in_the_loss_fails_the_loss_checks(monkeypatch):
@@ -187,6 +210,95 @@ def test_a_mode_that_runs_another_exchange_fails_although_its_numbers_are_right(
     assert result == CheckResult("x", "FAIL", "fwd: all_gather; ulysses makes all_to_all, all_to_all")
 
 
+def test_attention_that_ignores_autocast_fails_although_its_numbers_are_right(monkeypatch):
+    """Attention computing fp32 inputs in fp32 under bf16 autocast is more exact than SDPA, and twice as large."""
+    monkeypatch.setattr(cp_attention, "compute_dtype", lambda q, k, v: torch.float32)
+    (result,) = autocast_attention_checks(CPU)
+    assert result == CheckResult(
+        "attention allgather cp=2 packed gqa float32 under bfloat16 autocast",
+        "FAIL",
+        "output in float32, SDPA's in bfloat16 [fwd: all_gather]",
+    )
+
+
+def test_the_loss_s_gradient_matmuls_in_fp32_under_autocast_fail_the_autocast_loss_checks(monkeypatch):
+    """The loss before it kept autocast's dtype for the backward: the forward's matmul in bf16 (autocast's), the
+    gradients' in fp32 (2/3 of the FLOPs; 3/4 for the log-probabilities, whose backward recomputes the logits)."""
+    monkeypatch.setattr(_plan, "_autocast_dtype", lambda device, dtype: None)
+    results = {r.name: r for r in autocast_loss_checks(CPU)}
+    for function, share in (("linear_cross_entropy", "67%"), ("token_logprobs", "75%")):
+        result = results[f"loss {function} torch float32 under bfloat16 autocast"]
+        assert result.status == "FAIL" and result.detail.startswith(
+            f"{share} of the matmul FLOPs ran in float32 (at most 1%) [matmul FLOPs: float32 {share}, bfloat16"
+        ), result.detail
+    assert {r.status for r in loss_checks(CPU, DTYPES)} == {"PASS", "SKIP"}  # no autocast, no change
+
+
+def test_a_sparse_selection_one_row_late_fails_the_sparse_checks(monkeypatch):
+    best_keys = key_indexer._best_keys
+
+    def one_row_late(*args):
+        best, rows = best_keys(*args)
+        return best, rows + 1  # the last key of a document reads the next document's first (or padding)
+
+    monkeypatch.setattr(key_indexer, "_best_keys", one_row_late)
+    assert [r.status for r in sparse_checks(CPU, DTYPES)] == ["FAIL", "FAIL"]
+
+
+def test_the_sparse_check_s_draw_has_no_near_tie_at_any_top_k_th_score():
+    """A tie there would leave the model's own selection arbitrary; the least gap is far above fp32 rounding."""
+    index = sparse.indexer_inputs(attention.PACKED_CU[-1])
+    gaps = []
+    for a, b in itertools.pairwise(attention.PACKED_CU):
+        q, w, k = index["iq"][0, :, a:b], index["iw"][0, :, a:b, 0], index["ik"][0, 0, a:b]
+        scores = (w[:, :, None] * torch.relu(q.double() @ k.double().T * sparse.INDEX_SCALE)).sum(0)
+        for i in range(sparse.TOPK, b - a):  # the queries with more earlier keys than TOPK
+            ranked = scores[i, : i + 1].sort(descending=True).values
+            gaps.append(float((ranked[sparse.TOPK - 1] - ranked[sparse.TOPK]) / ranked.abs().max()))
+    assert len(gaps) > 100 and min(gaps) > 1e-4
+
+
+def _recomputed(change):
+    """``tiling._tiled`` whose backward recomputes each tile through ``change(forward, tiles)``."""
+    tiled = tiling._tiled
+
+    def recomputed(forward, *args, **kwargs):
+        def changed(*tiles):
+            return change(forward, tiles) if torch.is_grad_enabled() else forward(*tiles)
+
+        return tiled(changed, *args, **kwargs)
+
+    return recomputed
+
+
+@pytest.mark.parametrize(
+    ("broken", "failed"),
+    [
+        ("nothing tiled", {"float32": "mlp calls per layer: 1 fwd, 0 bwd; 3 tiles", "autocast": "mlp calls"}),
+        ("recomputed 1% off", {"float32": "worst d", "autocast": "worst d"}),
+        ("recomputed outside autocast", {"autocast": "ran in float32"}),
+    ],
+)
+def test_a_tiling_that_does_not_tile_or_recomputes_otherwise_fails_the_tiling_checks(
+    monkeypatch, broken, failed
+):
+    if broken == "nothing tiled":
+        monkeypatch.setattr(tiling, "_tile", lambda found, *args: [name for name, _, _ in found])
+    elif broken == "recomputed 1% off":
+        monkeypatch.setattr(tiling, "_tiled", _recomputed(lambda forward, tiles: forward(*tiles) * 1.01))
+    else:
+
+        def in_fp32(forward, tiles):
+            with torch.autocast("cpu", enabled=False):
+                return forward(*(t.float() for t in tiles))
+
+        monkeypatch.setattr(tiling, "_tiled", _recomputed(in_fp32))
+    results = {("autocast" if "autocast" in r.name else "float32"): r for r in tiling_checks(CPU)}
+    assert {kind for kind, r in results.items() if r.status == "FAIL"} == set(failed), results
+    for kind, detail in failed.items():
+        assert detail in results[kind].detail, results[kind]
+
+
 def _two_exchanges(ranks: _ranks.SimulatedRanks, rank: int) -> torch.Tensor:
     """Rank ``r`` sends ``100 r + p`` to rank ``p``, then sends back ``10 x`` what it received: the second
     exchange depends on the first, as Ulysses' and the mixers' way back do."""
@@ -242,13 +354,11 @@ def _doctor(fail_local_on_rank_1: bool = False, fail_exchanges_on_rank_1: bool =
     rank = torch.distributed.get_rank()
     with contextlib.ExitStack() as stack:
         patch = stack.enter_context(pytest.MonkeyPatch.context())
-        for local in ("attention_checks", "mixer_checks", "loss_checks"):
-            patch.setattr(doctor, local, lambda *args: [])
+        failed = [CheckResult("loss x", "FAIL", "wrong on rank 1")]
+        local = failed if fail_local_on_rank_1 and rank == 1 else []
+        patch.setattr(doctor, "_local_checks", lambda device: local)
         patch.setattr(doctor, "DTYPES", (torch.float32,))
         patch.setattr(collectives, "mixer_names", lambda cp: {})
-        if fail_local_on_rank_1 and rank == 1:
-            failed = [CheckResult("loss x", "FAIL", "wrong on rank 1")]
-            patch.setattr(doctor, "loss_checks", lambda *args: failed)
         if fail_exchanges_on_rank_1:  # long enough for a loaded machine to connect each check's group
             patch.setattr(collectives, "CHECK_TIMEOUT", timedelta(seconds=10))
         if fail_exchanges_on_rank_1 and rank == 1:
@@ -278,21 +388,22 @@ def test_under_a_launcher_every_rank_checks_the_collectives_and_reports(world2):
     (status0, out0), (status1, out1) = world2.run(_doctor)
 
     assert (status0, status1) == (0, 0)
-    lines = _check_lines(out0)
-    assert set(lines.values()) == {"PASS"} and len(lines) == 4 + 3 * 2  # 3 exchanges x 2 layouts
+    lines = {name.split("  ")[0]: status for name, status in _check_lines(out0).items()}
+    assert len(lines) == 4 + 3 * 2 + 1  # 3 exchanges x 2 layouts, cpu_offload's mixed backend (CUDA only)
+    assert {name for name, status in lines.items() if status != "PASS"} == {collectives.MIXED_CHECK}
     assert re.search(r"^  fused loss .* automatic chunk of this process \(rank 0\): ", out0, re.MULTILINE)
-    assert out0.endswith("rank 0 of 2: 0 of its 10 checks failed; exit status 0\n")
-    assert out1 == "rank 1 of 2: 0 of its 10 checks failed; exit status 0\n"  # rank 0 prints the report
+    assert out0.endswith("rank 0 of 2: 0 of its 11 checks failed; exit status 0\n")
+    assert out1 == "rank 1 of 2: 0 of its 11 checks failed; exit status 0\n"  # rank 0 prints the report
 
 
 def test_a_check_that_fails_on_one_rank_only_fails_the_doctor_on_every_rank(world2):
     (status0, out0), (status1, out1) = world2.run(_doctor, True)
 
     assert (status0, status1) == (1, 1)
-    assert set(_check_lines(out0).values()) == {"PASS"}  # rank 0's own lines
+    assert set(_check_lines(out0).values()) == {"PASS", "SKIP"}  # rank 0's own lines
     assert "\n  rank 1: FAIL  loss x  wrong on rank 1\n" in out0
-    assert out0.endswith("rank 0 of 2: 0 of its 10 checks failed; exit status 1\n")
-    assert out1 == "rank 1 of 2: 1 of its 11 checks failed; exit status 1\n"
+    assert out0.endswith("rank 0 of 2: 0 of its 11 checks failed; exit status 1\n")
+    assert out1 == "rank 1 of 2: 1 of its 12 checks failed; exit status 1\n"
 
 
 def test_one_ranks_failure_leaves_the_others_in_step_and_every_rank_reports_it(world2):
@@ -308,10 +419,12 @@ def test_one_ranks_failure_leaves_the_others_in_step_and_every_rank_reports_it(w
     }
     # Rank 0 fails the same two checks (its peer did not come, or left), and passes every other one.
     assert {name for name, status in lines.items() if status == "FAIL"} == failed
-    assert {status for name, status in lines.items() if name not in failed} == {"PASS"}
+    assert {status for name, status in lines.items() if name not in failed | {collectives.MIXED_CHECK}} == {
+        "PASS"
+    }
     assert "rank(s) [1] of the group failed before the exchanges" in out0
     assert len(rank1) == 2 and "out of memory on rank 1" in rank1[0] and "in the middle" in rank1[1]
-    assert out1 == "rank 1 of 2: 3 of its 11 checks failed; exit status 1\n"
+    assert out1 == "rank 1 of 2: 3 of its 12 checks failed; exit status 1\n"
 
 
 def _collective_checks() -> list[tuple[str, str]]:
@@ -338,6 +451,32 @@ def test_on_four_ranks_a_reduce_scatter_that_does_not_sum_fails_the_all_gathered
         assert results[0] == ("process group gloo world=4", "PASS")
         assert statuses["exchange all_gather"] == "PASS"
         assert statuses["exchange reduce_scatter"] == "FAIL"
-        for name, status in results[4:]:
+        for name, status in results[4:-1]:
             assert status == ("FAIL" if name.startswith("attention allgather") else "PASS"), name
-        assert len(results) == 4 + 6 + 3
+        assert results[-1] == (collectives.MIXED_CHECK, "SKIP")  # no CUDA here
+        assert len(results) == 4 + 6 + 3 + 1
+
+
+def _exchange_backends(backends: dict[str, str]) -> CheckResult:
+    """cpu_offload's check on a ``cpu:gloo`` group of the gloo pool, told that the group's backend per device
+    is ``backends``."""
+    return collectives.in_step("x", collectives.check_backends, CPU, backends, backend="cpu:gloo")
+
+
+def test_the_exchange_over_a_gloo_group_sums_and_agrees_on_the_host(world2):
+    for result in world2.run(_exchange_backends, {"cpu": "gloo"}):
+        assert result.status == "PASS" and result.detail.endswith("; agreement on cpu (gloo): min 10")
+        assert result.detail.startswith("cpu (gloo): all-gather, ")  # the reduce-scatter as gloo runs it
+
+
+def test_an_exchange_that_all_reduces_where_the_group_s_backend_is_nccl_fails(world2):
+    """What the exchange did on cpu_offload's ``cpu:gloo,cuda:nccl`` groups before it read their backend per
+    device (twice the bytes). A gloo group stands for one here: its exchange all-reduces (the package's choice
+    for gloo) and the check is told the group's CPU backend is NCCL."""
+    for result in world2.run(_exchange_backends, {"cpu": "nccl"}):
+        assert result == CheckResult(
+            "x",
+            "FAIL",
+            "wrong: all-reduce where the cpu backend is nccl; "
+            "cpu (nccl): all-gather, all-reduce; agreement on cpu (nccl): min 10",
+        )

@@ -11,13 +11,17 @@ Lightning), the flash-attention kernels torch and the installed packages offer, 
 kernels the package itself picks on the device (CP attention per dtype, the fused loss's backend and this
 process's automatic chunk). Then one line per self-check, ``PASS``, ``FAIL <error>`` or ``SKIP <why>``
 (:mod:`lightning_cp.doctor`): CP attention of simulated groups of 2 and 4 ranks in each of its exchanges
-(all-gather, all-gather in rounds, Ulysses) against SDPA on the whole sequence; the hybrid mixers (Gated
-DeltaNet, Mamba2, short convolution) of a simulated group of 4 against the layer on each document; the fused
-loss and log-probabilities against plain PyTorch, in fp32 and bf16, the Triton backend on CUDA. Under
-``torchrun`` every rank runs every check, and the real collectives too, each check on a process group of its
-own so that one rank's failure never leaves the others out of step; the verdicts are gathered, rank 0 prints
-its lines and every other rank's failures, and every rank prints its verdict line. The exit status is 1 when a
-check failed on any rank, else 0, the same on every rank.
+(all-gather, all-gather in rounds, Ulysses) against SDPA on the whole sequence, and with fp32 inputs under bf16
+autocast; a sparse attention layer (the indexer's top-k keys and the attention over them) of a simulated group
+of 4 against the dense selection on each document; the hybrid mixers (Gated DeltaNet, Mamba2, short
+convolution) of a simulated group of 4 against the layer on each document; the fused loss and log-probabilities
+against plain PyTorch, in fp32 and bf16, and under bf16 autocast with the dtype every matmul ran in, the Triton
+backend on CUDA; a GPT tiled in tiles shorter than its sequences against the untiled one. Under ``torchrun``
+every rank runs every check, and the real collectives too (on CUDA, over ``cpu_offload``'s
+``cpu:gloo,cuda:nccl`` groups as well), each check on a process group of its own so that one rank's failure
+never leaves the others out of step; the verdicts are gathered, rank 0 prints its lines and every other rank's
+failures, and every rank prints its verdict line. The exit status is 1 when a check failed on any rank, else 0,
+the same on every rank.
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ import torch.distributed as dist
 
 from lightning_cp.doctor import CheckResult, collectives, environment
 from lightning_cp.doctor._compare import error_line
-from lightning_cp.doctor.attention import attention_checks
-from lightning_cp.doctor.loss import loss_checks
+from lightning_cp.doctor.attention import attention_checks, autocast_attention_checks
+from lightning_cp.doctor.loss import autocast_loss_checks, loss_checks
 from lightning_cp.doctor.mixers import mixer_checks
+from lightning_cp.doctor.sparse import sparse_checks
+from lightning_cp.doctor.tiling import tiling_checks
 
 DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes the attention and loss checks run in."""
@@ -56,13 +62,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = dist.get_rank() if distributed else None
     try:
         results = _print_environment(device, rank) if not rank else []
-        results += attention_checks(device, DTYPES) + mixer_checks(device) + loss_checks(device, DTYPES)
+        results += _local_checks(device)
         if distributed:
             results += _guarded("collectives", collectives.collective_checks, device, DTYPES)
             per_rank = collectives.gather_results(results)
         else:
             hint = "torchrun --nproc-per-node N --no-python lightning-cp doctor"
-            per_rank = [[*results, CheckResult("collectives", "SKIP", f"one process; run `{hint}`")]]
+            results.append(CheckResult("collectives", "SKIP", f"one process; run `{hint}`"))
+            results.append(
+                CheckResult(collectives.MIXED_CHECK, "SKIP", f"one process; on CUDA GPUs run `{hint}`")
+            )
+            per_rank = [results]
     finally:
         if created_group:
             dist.destroy_process_group()
@@ -76,6 +86,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"rank {rank} of {len(per_rank)}: {failed} of its {len(mine)} checks failed; exit status {status}"
         )
     return status
+
+
+def _local_checks(device: torch.device) -> list[CheckResult]:
+    """The checks of this process alone (simulated CP ranks), in the order they are printed."""
+    return (
+        attention_checks(device, DTYPES)
+        + autocast_attention_checks(device)
+        + sparse_checks(device, DTYPES)
+        + mixer_checks(device)
+        + loss_checks(device, DTYPES)
+        + autocast_loss_checks(device)
+        + tiling_checks(device)
+    )
 
 
 def _guarded(name: str, checks: Callable[..., list[CheckResult]], *args: Any) -> list[CheckResult]:

@@ -46,6 +46,11 @@ def run_check(name: str, check: Callable[..., CheckResult], *args: Any) -> Check
         return CheckResult(name, "FAIL", error_line(error))
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``: how a line names a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def error_line(error: BaseException) -> str:
     """``Type: the first line of the message``, at most 300 characters: a FAIL line's detail."""
     message = str(error).strip().splitlines()

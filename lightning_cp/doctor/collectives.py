@@ -6,7 +6,10 @@ the reduce-scatter of :class:`~lightning_cp.parallel.exchange.GroupExchange`;
 :func:`~lightning_cp.parallel.context_parallel_attention` in each of its exchanges (all-gather, all-gather in
 rounds, Ulysses), padded and packed, against SDPA on the whole sequence; and the hybrid mixers' head-parallel
 exchange against the layer on each document. Each rank compares its own shard
-(:class:`~lightning_cp.doctor._ranks.GroupRanks`).
+(:class:`~lightning_cp.doctor._ranks.GroupRanks`). On CUDA, the exchange over a group of ``cpu_offload``'s
+backend (:data:`MIXED_BACKEND`: gloo for the host shards beside NCCL): the K/V all-gather and reduce-scatter
+on CUDA tensors, which must reduce-scatter through NCCL (an all-reduce moves twice the bytes), and the ranks'
+agreement on CPU tensors, through gloo; elsewhere that check is a SKIP.
 
 The ranks stay in step whatever one of them does. Every check runs on a process group of its own, made for it
 by every rank in the same order: a rank that fails before its check's collectives tells the others, which
@@ -30,16 +33,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_cp.doctor._compare import CheckResult, run_check
+from lightning_cp.doctor._compare import CheckResult, dtype_name, run_check
 from lightning_cp.doctor._ranks import GroupRanks
 from lightning_cp.doctor.attention import LAYOUTS, MODES, check_attention
 from lightning_cp.doctor.mixers import NO_TRANSFORMERS, check_mixer, mixer_names, split_problem
 from lightning_cp.parallel import groups
+from lightning_cp.parallel.exchange import GroupExchange
 
 TIMEOUT = timedelta(minutes=2)
 """How long a collective of the default group (joining it, gathering the verdicts) may wait for its peers."""
 CHECK_TIMEOUT = timedelta(minutes=1)
 """How long a collective of one check may wait for its peers before the check fails on that rank."""
+MIXED_BACKEND = "cpu:gloo,cuda:nccl"
+"""The backend of the process groups under ``cpu_offload`` (``MegatronCPFSDPStrategy``): NCCL for CUDA
+tensors, gloo for the host shards' collectives."""
+MIXED_CHECK = f"exchange on {MIXED_BACKEND} (cpu_offload)"
+"""The name of the check of :data:`MIXED_BACKEND`'s groups."""
 
 
 def launched_distributed() -> bool:
@@ -77,9 +86,7 @@ def collective_checks(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> 
         in_step("exchange reduce_scatter", _check_reduce_scatter, device),
     ]
     for dtype, mode, layout in itertools.product(dtypes, MODES, LAYOUTS):
-        name = (
-            f"attention {mode} cp={world} {layout} gqa {str(dtype).removeprefix('torch.')} across the group"
-        )
+        name = f"attention {mode} cp={world} {layout} gqa {dtype_name(dtype)} across the group"
         results.append(in_step(name, check_attention, device, dtype, layout, mode))
     for kind, name in mixer_names(world).items():
         name = f"{name} across the group"
@@ -89,13 +96,22 @@ def collective_checks(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> 
             else split_problem(kind, world)
         )
         results.append(CheckResult(name, "SKIP", skip) if skip else in_step(name, check_mixer, device, kind))
+    if device.type == "cuda":
+        backends = device_backends(MIXED_BACKEND)
+        results.append(in_step(MIXED_CHECK, check_backends, device, backends, backend=MIXED_BACKEND))
+    else:
+        reason = f"needs CUDA ranks (the group's NCCL half moves CUDA tensors); these run on {device.type}"
+        results.append(CheckResult(MIXED_CHECK, "SKIP", reason))
     return results
 
 
-def in_step(name: str, check: Callable[..., CheckResult], device: torch.device, *args: Any) -> CheckResult:
-    """``check(name, ranks, device, *args)`` on a process group of its own over every rank (see the module
-    docstring); its result, or a FAIL with the exception. Every rank must call it, in the same order."""
-    group = dist.new_group(list(range(dist.get_world_size())), timeout=CHECK_TIMEOUT)
+def in_step(
+    name: str, check: Callable[..., CheckResult], device: torch.device, *args: Any, backend: str | None = None
+) -> CheckResult:
+    """``check(name, ranks, device, *args)`` on a process group of its own over every rank, of ``backend``
+    (``None``: the default group's) (see the module docstring); its result, or a FAIL with the exception. Every
+    rank must call it, in the same order."""
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=CHECK_TIMEOUT, backend=backend)
     try:
         ranks = GroupRanks(group, device)
         result = run_check(name, check, ranks, device, *args)
@@ -156,3 +172,46 @@ def _check_reduce_scatter(name: str, ranks: GroupRanks, device: torch.device) ->
     expected = world * (world + 1) / 2 * base[rank * rows : (rank + 1) * rows]
     ok = local.shape == expected.shape and torch.equal(local, expected)
     return CheckResult(name, "PASS" if ok else "FAIL", f"[{world * rows}, 2, 3] fp32")
+
+
+def device_backends(backend: str) -> dict[str, str]:
+    """``{"cpu": "gloo", "cuda": "nccl"}`` for ``"cpu:gloo,cuda:nccl"``: the backend a group created with
+    ``backend`` uses for each device type (read here from the string itself, not from ``torch``)."""
+    return dict(pair.split(":") for pair in backend.split(","))
+
+
+def check_backends(
+    name: str, ranks: GroupRanks, device: torch.device, backends: dict[str, str]
+) -> CheckResult:
+    """The exchange over ``ranks``' group, whose backend for each device type is ``backends``: the K/V
+    all-gather and reduce-scatter on ``device`` tensors against the rank blocks and their sum, and the
+    agreement of the ranks (:meth:`GroupExchange.agree_min`) on the host. A FAIL also where ``device``'s
+    backend is NCCL and the reduce-scatter was an all-reduce (seen as its input summed in place): twice the
+    bytes, what the exchange did on ``cpu_offload``'s groups before it read their backend per device."""
+    exchange, world, rows = GroupExchange(ranks.group), ranks.cp, 5
+    rank, backend = ranks.ranks[0], backends.get(device.type)
+    base = _rank_block(0, world * rows, device)
+    full = (rank + 1) * base
+    sent = full.clone()
+    ((gathered, local, agreed),) = ranks.run(
+        lambda r: (
+            exchange.all_gather(_rank_block(r, rows, device)),
+            exchange.reduce_scatter(full),
+            exchange.agree_min(10 + r),
+        )
+    )
+    collective = "reduce-scatter" if torch.equal(full, sent) else "all-reduce"
+    summed = world * (world + 1) / 2 * base[rank * rows : (rank + 1) * rows]
+    doubled = backend == "nccl" and collective == "all-reduce"  # twice the bytes of NCCL's reduce-scatter
+    checked = {
+        "all-gather": torch.equal(gathered, torch.cat([_rank_block(r, rows, device) for r in range(world)])),
+        "reduce-scatter's sum": torch.equal(local, summed),
+        "agreement": agreed == 10,
+        f"all-reduce where the {device.type} backend is nccl": not doubled,
+    }
+    wrong = [what for what, ok in checked.items() if not ok]
+    detail = f"{device.type} ({backend}): all-gather, {collective}; "
+    detail += f"agreement on cpu ({backends.get('cpu')}): min {agreed}"
+    if wrong:
+        return CheckResult(name, "FAIL", f"wrong: {', '.join(wrong)}; {detail}")
+    return CheckResult(name, "PASS", detail)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lightning_cp.doctor._compare import dtype_name
 from lightning_cp.doctor.attention import kernel_name
 from lightning_cp.ops import _plan
 
@@ -130,7 +131,7 @@ def selection(device: torch.device, dtypes: tuple[torch.dtype, ...], rank: int |
     automatic chunk as this process, ``rank`` of a launched group when given, sizes it now)."""
     lines = []
     for dtype in dtypes:
-        name = str(dtype).removeprefix("torch.")
+        name = dtype_name(dtype)
         kernels = {dim: kernel_name(torch.empty(1, 1, dim, dtype=dtype, device=device)) for dim in _HEAD_DIMS}
         text = ", ".join(f"head_dim {dim}: {kernel}" for dim, kernel in kernels.items())
         lines.append((f"CP attention {name}", text))

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_cp.doctor._compare import CheckResult, compare, run_check
+from lightning_cp.doctor._compare import CheckResult, compare, dtype_name, run_check
 from lightning_cp.doctor._ranks import CheckRanks, SimulatedRanks
 from lightning_cp.parallel import shard_batch
 
@@ -232,7 +232,7 @@ def check_mixer(name: str, ranks: CheckRanks, device: torch.device, kind: str) -
 
 def mixer_names(cp: int) -> dict[str, str]:
     """The check line's name of each mixer kind at ``cp``."""
-    return {kind: f"mixer {kind} cp={cp} packed {str(DTYPE).removeprefix('torch.')}" for kind in MIXERS}
+    return {kind: f"mixer {kind} cp={cp} packed {dtype_name(DTYPE)}" for kind in MIXERS}
 
 
 def mixer_checks(device: torch.device) -> list[CheckResult]:
