@@ -81,7 +81,8 @@ class MemoryEstimate:
     the hidden states and of the head weight."""
     recompute: int
     """Checkpointing only: one layer's saved tensors, rebuilt in its backward, and the larger of its
-    attention (beyond :attr:`mlp_side`) and MLP transients."""
+    attention (beyond :attr:`mlp_side`) and MLP transients; under offload also the previous layer's input,
+    prefetched from the host while this layer recomputes and back-propagates."""
     mlp_side: int
     """One layer's MLP side among its saved tensors (:func:`mlp_side_per_token`: the second norm's and the
     MLP's), which its backward frees before its attention's (or mixer's) backward begins: the peak counts
@@ -89,8 +90,9 @@ class MemoryEstimate:
     reserve: int
     """:data:`RESERVE_BYTES` plus :data:`RESERVE_FRACTION` of the rest."""
     host: int
-    """Host memory per rank (not on the device): the offloaded layer inputs, and under ``cpu_offload`` the
-    rank's shards of the parameters, gradients and AdamW state."""
+    """Host memory per rank (not on the device): the offloaded layer inputs (on CUDA each in a pinned block
+    rounded up to a power of two: :func:`~lightning_cp.plan.terms.pinned_bytes`), and under ``cpu_offload``
+    the rank's shards of the parameters, gradients and AdamW state."""
     host_transfer: int
     """Bytes copied between host and device per step besides the batch: the offloaded layer inputs out and
     back, and under ``cpu_offload`` the parameter shards in for every unit's forward and backward gather and

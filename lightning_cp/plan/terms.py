@@ -152,15 +152,29 @@ def layer_saved(step: Step) -> LayerSaved:
     return LayerSaved(attention_layer, mixer_layer, weight_copies, layer_input)
 
 
+def pinned_bytes(nbytes: int, device: str) -> int:
+    """Host bytes one pinned copy of ``nbytes`` holds. On CUDA PyTorch's caching host allocator
+    (``torch.empty(..., pin_memory=True)``, as the offload allocates) rounds every block up to a power of two
+    and keeps freed blocks for reuse (torch 2.13: ``CachingHostAllocatorImpl::allocate`` in
+    ``ATen/core/CachingHostAllocator.h``; ``PYTORCH_ALLOC_CONF``'s ``pinned_max_round_threshold_mb``, unset
+    by default, would stop it above a size); on the CPU the offload's host copies are plain tensors."""
+    if device != "cuda" or nbytes == 0:
+        return nbytes
+    return 1 << (nbytes - 1).bit_length()
+
+
 def activations(step: Step, layer: LayerSaved) -> tuple[int, int, int]:
-    """``(on the device, on the host, copied between them)``: what the forward saves for the backward."""
+    """``(on the device, on the host, copied between them)``: what the forward saves for the backward.
+    Offloaded layer inputs take their pinned blocks on the host (:func:`pinned_bytes`); their bytes
+    cross twice."""
     shape, layout, tokens = step.shape, step.layout, step.tokens
     stream = step.dtypes["residual_bytes"]
     # The final norm's saved tensors (its output goes to the fused loss, which saves none of it).
     final_norm = stream * shape.hidden if layout.tiled else norm_bytes(shape.hidden, stream)
     final = tokens * (TOKEN_BYTES + final_norm)
     if layout.offload:
-        return final, shape.layers * layer.layer_input, 2 * shape.layers * layer.layer_input
+        host = shape.layers * pinned_bytes(layer.layer_input, step.device)
+        return final, host, 2 * shape.layers * layer.layer_input
     if layout.checkpointing:
         return final + shape.layers * layer.layer_input, 0, 0
     mixer_layers = shape.mixer.layers if shape.mixer is not None else 0
@@ -257,13 +271,17 @@ def loss_transient(step: Step, loss_chunk: int | None) -> int:
 def recompute(step: Step, layer: LayerSaved, attention_layer_transient: int, mlp: int) -> int:
     """A checkpointed layer's backward: its recomputed tensors besides its largest own transient (an attention
     layer's ``attention_layer_transient``; a mixer layer's MLP, since its kernels free what they saved as
-    their backward runs, measured). The first norm saves the layer's input itself (already saved, or back
-    from the host) when tiled or in an fp32 stream, else an fp32 copy of it."""
+    their backward runs, measured). The first norm saves the layer's input itself when tiled or in an fp32
+    stream (already saved; under offload the copy brought back), else an fp32 copy of it (the bf16 input, or
+    its copy brought back, is then dropped after the recomputed forward). Under offload the previous layer's
+    input is prefetched when this layer's recomputation starts and held through its backward
+    (:mod:`lightning_cp.memory.offload`): one layer input more (none in a model of one layer)."""
     layout, shape = step.layout, step.shape
     if not layout.checkpointing:
         return 0
     shared = (layout.tiled or step.dtypes["residual_bytes"] == 4) and not layout.offload
-    rebuilt = layer.weight_copies - (layer.layer_input if shared else 0)
+    prefetched = layer.layer_input if layout.offload and shape.layers > 1 else 0
+    rebuilt = layer.weight_copies + prefetched - (layer.layer_input if shared else 0)
     return rebuilt + max(
         layer.attention_layer + attention_layer_transient if shape.attention_layers else 0,
         layer.mixer_layer + mlp if shape.mixer is not None else 0,

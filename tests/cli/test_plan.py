@@ -137,7 +137,7 @@ def _built(part: dict) -> object:
             "bf16-true",
             "GPTModule",
         ),
-        (str(MODELS / "llama3_8b.json"), ["--gpus", "1", "--seq-len", "1M"], "bf16-mixed", "HFCausalLM"),
+        (str(MODELS / "llama3_8b.json"), ["--gpus", "1", "--max-seq"], "bf16-mixed", "HFCausalLM"),
     ],
     ids=["gpt-tiled-bf16-true", "llama-tiled-cpu-offload"],
 )

@@ -2,7 +2,7 @@
 
 A change to a term of the plan that moves a stated longest sequence (with the model state on the host and
 on the GPUs), its host memory or host-device copies, or the best peak of Llama-3-8B at 1M tokens, fails
-here until the documents are regenerated.
+here until the documents (and the one-GPU config's length) are regenerated.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lightning_cp.cli.plan import main, read_model
 from lightning_cp.plan import Candidate, layouts, max_seq_len
@@ -196,30 +197,43 @@ def test_the_best_peak_of_llama_3_8b_at_1m_on_8_gpus_is_the_plan_s() -> None:
         assert phrase in _flat(PLAN_DOC), phrase
 
 
-def test_what_bounds_llama_3_8b_at_1m_on_one_gpu_is_the_plan_s() -> None:
-    """At 1M tokens Llama-3-8B fits one 80 GB GPU: how many layouts fit, the first, its peak and its terms,
-    the largest transient (the recomputation of one checkpointed layer) and what that holds: the layer's
-    saved tensors beside its tiled MLP's transient."""
-    out = _plan("llama3_8b.json", "--gpus", "1", "--seq-len", "1M", "--all")
+def test_what_bounds_llama_3_1_8b_on_one_gpu_is_the_plan_s() -> None:
+    """Llama-3.1-8B on one 80 GB GPU: 1M does not fit (its smallest peak stated); the longest that does is the
+    one-GPU config's length. There: how many layouts fit, the first, its peak and its terms, the largest
+    transient (the recomputation of one checkpointed layer) and what that holds: the layer's saved tensors
+    and the previous layer's input, which the offload brings back ahead of need, beside its tiled MLP's
+    transient."""
+    at_1m = _plan("llama3_8b.json", "--gpus", "1", "--seq-len", "1M")
+    smallest = re.search(r"no layout fits [\d.]+ GiB; the smallest peak is ([\d.]+) GiB", at_1m)[1]
+    longest = _longest(_plan("llama3_8b.json", "--gpus", "1", "--max-seq"))
+    config = yaml.safe_load((ROOT / "examples" / "configs" / "hf_llama_1gpu.yaml").read_text())
+    assert config["data"]["init_args"]["seq_len"] == longest
+    out = _plan("llama3_8b.json", "--gpus", "1", "--seq-len", str(longest), "--all")
     fit = re.search(r"(\d+ of \d+) layouts fit", out)[1]
     row = _rows(out)[0]
     assert row["largest"] == "recompute", row
     shape = read_model(str(MODELS / "llama3_8b.json"))
     layout = next(layout for layout in layouts(1, shape) if layout.name() == row["name"])
-    e = candidate(shape, 2**20, layout).estimate
+    e = candidate(shape, longest, layout).estimate
     assert e.mlp >= e.counted_transient("attention"), e  # the MLP's transient, not the attention's
+    prefetched = longest * shape.hidden * 2  # the previous layer's bf16 input, the whole sequence at cp 1
     phrase = (
-        f"At 1M (`--seq-len 1M --gpus 1 --all`) {fit} layouts fit: `{row['name']}`, at {row['peak']} GiB: "
-        f"FSDP's gathered units {row['fsdp']}, saved {row['saved']} (the final norm's bf16 input), reserve "
-        f"{row['reserve']}, and the largest transient, the recomputation of one checkpointed layer, "
-        f"{row['transient']} GiB: the layer's saved tensors rebuilt in its backward, "
-        f"{(e.recompute - e.mlp) / GiB:.1f} GiB at 1M local tokens (the two norms' bf16 inputs, q, k, v and the "
-        f"attention output), beside its tiled MLP's transient, {e.mlp / GiB:.1f}"
+        f"reaches {longest:,} tokens, not 1M: at 1M (`--seq-len 1M --gpus 1 --all`) no layout fits, the "
+        f"smallest peak {smallest} GiB. At {longest:,} (`--seq-len {longest} --gpus 1 --all`) {fit} layouts "
+        f"fit: `{row['name']}`, at {row['peak']} GiB: FSDP's gathered units {row['fsdp']}, saved {row['saved']} "
+        f"(the final norm's bf16 input), reserve {row['reserve']}, and the largest transient, the "
+        f"recomputation of one checkpointed layer, {row['transient']} GiB: the layer's saved tensors rebuilt in "
+        f"its backward, {(e.recompute - prefetched - e.mlp) / GiB:.1f} GiB at {longest:,} local tokens (the two "
+        "norms' bf16 inputs, q, k, v and the attention output), and the previous layer's input, which the "
+        "offload brings back from the host while this layer recomputes and back-propagates, "
+        f"{prefetched / GiB:.1f}, beside its tiled MLP's transient, {e.mlp / GiB:.1f}"
     )
     assert phrase in _flat(PLAN_DOC), phrase
+    readme = f"Llama-3.1-8B fits {longest:,} tokens on one 80 GB GPU ({row['peak']} GiB planned"
+    assert readme in _flat(README) and f"at 1M it plans {smallest})" in _flat(README), readme
     # The same layout under Lightning's default precision, which the printed arguments set otherwise.
-    fp32 = candidate(shape, 2**20, layout, precision="32-true").estimate.peak / GiB
-    phrase = f"Llama-3-8B's one-GPU layout at 1M tokens then needs {fp32:.1f} GiB, not {row['peak']}"
+    fp32 = candidate(shape, longest, layout, precision="32-true").estimate.peak / GiB
+    phrase = f"Llama-3-8B's one-GPU layout at {longest:,} tokens then needs {fp32:.1f} GiB, not {row['peak']}"
     assert phrase in _flat(PLAN_DOC), phrase
 
 

@@ -3,9 +3,9 @@ Llama's saved activations in bf16, FSDP's residual stream).
 
 Parameters, gradients and AdamW state are counted exactly from the tensors after a real optimizer step;
 saved activations through ``saved_tensors_hooks``; the step's peak through a dispatch mode that tracks
-live storages (``_measure.PeakTracker``); with and without checkpointing and tiles, at cp = 1
-and as rank 0 of a simulated CP group of 2 (``SimulatedCPGroup``: the other rank's K/V are zeros, which
-changes no byte).
+live storages (``_measure.PeakTracker``); with and without checkpointing, tiles and activation offload, at
+cp = 1 and as rank 0 of a simulated CP group of 2 (``SimulatedCPGroup``: the other rank's K/V are zeros,
+which changes no byte).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_cp.hf.mixers import adapt_token_mixers
-from lightning_cp.memory import tile_model
+from lightning_cp.memory import offload_checkpointed, tile_model
 from lightning_cp.models.gpt import GPT, GPTConfig
 from lightning_cp.ops import linear_cross_entropy
 from lightning_cp.parallel import _varlen, context_parallel_attention
@@ -287,3 +287,34 @@ def test_the_attention_s_peak_falls_with_the_key_value_heads_per_gather_as_plann
         ).attention
     measured_drop, planned_drop = peaks[heads] - peaks[1], planned[heads] - planned[1]
     assert abs(measured_drop - planned_drop) <= TOLERANCE * planned_drop, (measured_drop, planned_drop)
+
+
+def test_offload_raises_the_peak_by_the_two_layer_inputs_a_recomputed_layer_brings_back() -> None:
+    """The tiny Llama, checkpointed, with and without offload (fp32, cp 1, 2,048 tokens: a layer's
+    recomputation is the step's largest transient). On the CPU the offload's host copies are real copies in
+    the same memory, so the layer inputs moved from ``activations`` to ``host`` cancel, and the peak rises by
+    what a recomputed layer holds besides: its own input brought back (without offload its first norm saves
+    the checkpoint's saved input itself, in an fp32 stream) and the previous layer's, which
+    ``memory/offload.py`` prefetches when this layer's recomputation starts. Measured: two layer inputs; the
+    plan's rise within 2% of it, and the offloaded step's peak within 10% of the plan."""
+    tokens, peaks, planned = 2048, {}, {}
+    for offload in (False, True):
+        step = _Step(_llama, checkpointing=True, tiled=False, tokens=tokens)
+        if offload:
+            offload_checkpointed(step.model)
+        with step.peers.recording():
+            step()  # AdamW's state exists from here on
+            tracker = PeakTracker()
+            with tracker:
+                step()
+        peaks[offload] = tracker.peak
+        layout = Layout(gpus=1, cp=1, checkpointing=True, offload=offload)
+        e = estimate(step.shape, tokens, layout, precision="32-true", device="cpu", flash=False)
+        # As in the other steps: the tracker sees no parameters, AdamW state nor DDP buckets; here the host too.
+        planned[offload] = e.counted - e.parameters - e.optimizer - (e.gradients - e.parameters) + e.host
+    layer_input = tokens * step.shape.hidden * 4
+    measured = peaks[True] - peaks[False]
+    assert abs(measured - 2 * layer_input) <= 0.02 * layer_input, (measured, layer_input)
+    rise = planned[True] - planned[False]
+    assert abs(rise - measured) <= 0.02 * measured, (rise, measured)
+    assert abs(planned[True] - peaks[True]) <= TOLERANCE * peaks[True], (planned[True], peaks[True])

@@ -75,6 +75,41 @@ def test_checkpointing_keeps_layer_inputs_and_offload_moves_them_to_the_host(lla
     assert ckpt.communication > plain.communication  # the recomputed forward gathers K/V once more
 
 
+@pytest.mark.parametrize(("tiled", "copies"), [(True, 2), (False, 1)], ids=["tiled", "untiled-bf16-stream"])
+def test_a_recomputed_layer_under_offload_holds_its_input_brought_back_and_the_previous_one_s(
+    llama: ModelShape, tiled: bool, copies: int
+) -> None:
+    """memory/offload.py brings a layer's own input back when its recomputation starts and prefetches the
+    previous layer's, held through this layer's backward. Beside checkpointing alone: tiled, the first norm
+    saves the copy brought back instead of the checkpoint's saved input (two `[T, d]` inputs more); untiled
+    in a bf16 stream, it saves an fp32 copy either way and the input brought back is freed after the
+    recomputed forward (one more). A model of one layer prefetches nothing."""
+    seq = 1 << 20  # one GPU, FSDP's bf16 stream: 8 GiB per layer input
+    layer_input = seq * llama.hidden * 2
+    ckpt = Layout(gpus=1, cp=1, fsdp=True, checkpointing=True, tiled=tiled)
+    offload = replace(ckpt, offload=True)
+    rise = estimate(llama, seq, offload).recompute - estimate(llama, seq, ckpt).recompute
+    assert rise == copies * layer_input
+    one_layer = replace(llama, layers=1)
+    one_rise = estimate(one_layer, seq, offload).recompute - estimate(one_layer, seq, ckpt).recompute
+    assert one_rise == (copies - 1) * layer_input
+
+
+def test_offloaded_inputs_take_power_of_two_pinned_blocks_on_cuda(llama: ModelShape) -> None:
+    """On CUDA the offload's host copies come from PyTorch's caching host allocator, which rounds every
+    block up to a power of two (torch 2.13, ``ATen/core/CachingHostAllocator.h``); on the CPU they are plain
+    tensors. At 1,124,352 tokens on one GPU each bf16 layer input is 8.6 GiB: a 16 GiB block."""
+    seq = 1_124_352
+    layer_input = seq * llama.hidden * 2
+    assert 8 * 2**30 < layer_input < 16 * 2**30
+    layout = Layout(gpus=1, cp=1, fsdp=True, checkpointing=True, offload=True, tiled=True)
+    assert estimate(llama, seq, layout).host == llama.layers * 16 * 2**30  # 512 GiB, not 274
+    assert estimate(llama, seq, layout, device="cpu").host == llama.layers * layer_input
+    assert estimate(llama, seq, layout).host_transfer == 2 * llama.layers * layer_input  # bytes copied
+    # A power of two is its own block: 1M tokens, 8 GiB per layer.
+    assert estimate(llama, 1 << 20, layout).host == llama.layers * 8 * 2**30
+
+
 @pytest.mark.parametrize(
     ("fsdp", "stream"), [(False, 4), (True, 2)], ids=["ddp-fp32-stream", "fsdp-bf16-stream"]
 )
