@@ -55,6 +55,8 @@ SELECTION_DTYPE = torch.int32
 """The dtype of the selection handed to the attention (which keeps it for its backward: half of int64's bytes)."""
 
 _SHARD = "_lightning_cp_indexer_shard"
+
+
 def adapt_indexers(model: nn.Module) -> list[str]:
     """Give every indexer of ``model`` that :data:`~lightning_cp.hf.sparse_kinds.INDEXERS` describes the
     context-parallel forward of this module's docstring, and its attention layer the hooks that hand it the call's
