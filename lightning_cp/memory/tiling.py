@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -340,7 +342,7 @@ def _tiled(
         return _tile_outputs(forward, inputs, tile_tokens)
     params = [p for p in module.parameters() if p.requires_grad]
     return _Tiled.apply(
-        forward, tile_tokens if tile_forward else None, tile_tokens, len(inputs), *inputs, *params
+        forward, module, tile_tokens if tile_forward else None, tile_tokens, len(inputs), *inputs, *params
     )
 
 
@@ -359,12 +361,18 @@ class _Tiled(torch.autograd.Function):
     """``forward(*inputs)`` (the first ``count`` tensors, each ``[..., T, *]``) tile by tile of ``T``
     (``forward_tile`` tokens; ``None``: in one piece); saves the inputs only (of an input that is a tiled
     norm's output, the norm's input) and recomputes tiles of ``tile_tokens`` in the backward, under the
-    forward's autocast state. The remaining tensors are the module's parameters, whose gradients are summed
-    over the tiles."""
+    forward's autocast state. The remaining tensors are ``module``'s parameters, whose gradients are summed
+    over the tiles in fp32 (:func:`_add_tile_gradient`)."""
 
     @staticmethod
     def forward(
-        ctx: Any, forward: Any, forward_tile: int | None, tile_tokens: int, count: int, *tensors: Tensor
+        ctx: Any,
+        forward: Any,
+        module: nn.Module,
+        forward_tile: int | None,
+        tile_tokens: int,
+        count: int,
+        *tensors: Tensor,
     ) -> Tensor:
         inputs = list(tensors[:count])
         with torch.no_grad():
@@ -373,7 +381,8 @@ class _Tiled(torch.autograd.Function):
         ctx.save_for_backward(*(x if n is None else n.input for x, n in zip(inputs, outputs, strict=True)))
         ctx.norms = [None if n is None else n.norm for n in outputs]  # no tensor kept beside the saved ones
         ctx.dtypes = [x.dtype for x in inputs]  # a norm's output may differ from its input's
-        ctx.forward, ctx.tile_tokens, ctx.params = forward, tile_tokens, tensors[count:]  # the module's own
+        ctx.forward, ctx.module, ctx.tile_tokens = forward, module, tile_tokens
+        ctx.params = tensors[count:]  # the module's own
         ctx.autocast = _autocast_state(inputs[0])
         return out
 
@@ -381,39 +390,109 @@ class _Tiled(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         inputs, params = ctx.saved_tensors, ctx.params
         device, dtype, enabled = ctx.autocast
-        wanted = [ctx.needs_input_grad[4 + i] for i in range(len(inputs))]
+        skipped = 5  # forward, module, forward_tile, tile_tokens, count
+        wanted = [ctx.needs_input_grad[skipped + i] for i in range(len(inputs))]
         dinputs = [
             torch.zeros_like(x, dtype=read) if want else None
             for x, read, want in zip(inputs, ctx.dtypes, wanted, strict=True)
         ]
         dparams: list[Tensor | None] = [None] * len(params)
-        for start in range(0, inputs[0].shape[-2], ctx.tile_tokens):
-            rows = slice(start, start + ctx.tile_tokens)
-            tiles = [
-                (x[..., rows, :] if norm is None else norm.rows(x, rows)).detach().requires_grad_(w)
-                for x, norm, w in zip(inputs, ctx.norms, wanted, strict=True)
-            ]
-            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-                out = ctx.forward(*tiles)
-            differentiable = [t for t in tiles if t.requires_grad] + list(params)
-            if not differentiable:
-                break
-            grads = torch.autograd.grad(out, differentiable, dout[..., rows, :], allow_unused=True)
-            tile_grads = iter(grads[: len(differentiable) - len(params)])
-            for grad_input in dinputs:
-                grad = None if grad_input is None else next(tile_grads)
-                if grad is not None:
-                    grad_input[..., rows, :] = grad
-            for i, g in enumerate(grads[len(differentiable) - len(params) :]):
-                if g is not None:
-                    g = _accumulation(g)
-                    dparams[i] = g if dparams[i] is None else dparams[i].add_(g)
+        cast = _cast_linear_weights(ctx.module, params, ctx.autocast)
+        with torch.enable_grad(), cast as targets:
+            for start in range(0, inputs[0].shape[-2], ctx.tile_tokens):
+                rows = slice(start, start + ctx.tile_tokens)
+                tiles = [
+                    (x[..., rows, :] if norm is None else norm.rows(x, rows)).detach().requires_grad_(w)
+                    for x, norm, w in zip(inputs, ctx.norms, wanted, strict=True)
+                ]
+                with torch.autocast(device, dtype=dtype, enabled=enabled):  # the backward without, as usual
+                    out = ctx.forward(*tiles)
+                differentiable = [t for t in tiles if t.requires_grad]
+                if not differentiable and not params:
+                    break
+                grads = torch.autograd.grad(
+                    out, differentiable + [t for _, t in targets], dout[..., rows, :], allow_unused=True
+                )
+                tile_grads = iter(grads[: len(differentiable)])
+                for grad_input in dinputs:
+                    grad = None if grad_input is None else next(tile_grads)
+                    if grad is not None:
+                        grad_input[..., rows, :] = grad
+                for (i, _), grad in zip(targets, grads[len(differentiable) :], strict=True):
+                    dparams[i] = _add_tile_gradient(dparams[i], grad)
         dparams = [None if g is None else g.to(p.dtype) for g, p in zip(dparams, params, strict=True)]
-        return (None, None, None, None, *dinputs, *dparams)
+        return (None, None, None, None, None, *dinputs, *dparams)
 
 
-def _accumulation(grad: Tensor) -> Tensor:
-    """A tile's parameter gradient in the dtype the tiles' sum is kept in: fp32, or the gradient's own when
-    wider. Summed in bf16 (FSDP's gathered parameters), the rounding of every partial sum would add up over
-    the tiles; in fp32 the sum is rounded once, when it is returned in the parameter's dtype."""
-    return grad.to(torch.promote_types(grad.dtype, torch.float32))
+def _add_tile_gradient(total: Tensor | None, grad: Tensor | None) -> Tensor | None:
+    """``total`` plus one tile's parameter gradient, kept in fp32 (or the gradient's own dtype when wider).
+
+    Summed in bf16 (FSDP's gathered parameters, or the autocast copies of :func:`_cast_linear_weights`), the
+    rounding of every partial sum would add up over the tiles; in fp32 the sum is rounded once, when it is
+    returned in the parameter's dtype. A narrower gradient is widened inside the in-place add: per tile and
+    parameter, one read of the tile's gradient and one read-modify-write of the sum, and no fp32 copy of
+    the tile's gradient (which read and wrote every parameter once more per tile)."""
+    if grad is None:
+        return total
+    if total is None:
+        return grad.to(torch.promote_types(grad.dtype, torch.float32))
+    return total.add_(grad)
+
+
+@contextmanager
+def _cast_linear_weights(
+    module: nn.Module, params: tuple[Tensor, ...], autocast: tuple[str, torch.dtype, bool]
+) -> Iterator[list[tuple[int, Tensor]]]:
+    """Yield what the tiles' recomputation differentiates, as ``(index in params, tensor)`` pairs: each
+    parameter, but under autocast to a narrower dtype an ``nn.Linear``'s fp32 weight stands in for the
+    recomputation as one leaf copy in the autocast dtype, cast once for all the tiles.
+
+    Autocast would cast that weight again in every tile's forward and widen every tile's weight gradient back
+    to fp32 (a read and a write of the whole weight each, per tile); the copy takes the same values as
+    autocast's cast, and its narrow gradients are summed in fp32 by :func:`_add_tile_gradient`, so the sum is
+    what the widened gradients gave. A call of the ``nn.Linear`` with autocast off (a module that forces fp32)
+    gets the fp32 weight back for that call, which is then differentiated too (a second pair); an
+    ``nn.Linear`` whose forward is not ``nn.Linear.forward`` (which may turn autocast off inside) keeps its
+    weight. The module's own parameters are back in place on exit."""
+    device, dtype, enabled = autocast
+    targets = list(enumerate(params))
+    if not enabled or dtype == torch.float32:
+        yield targets
+        return
+    index = {id(p): i for i, p in enumerate(params)}
+    swaps: list[tuple[nn.Linear, Tensor, Tensor]] = []
+    for linear in module.modules():
+        weight = linear.weight if _runs_linear_as_is(linear) else None
+        if weight is None or id(weight) not in index:
+            continue
+        if weight.dtype != torch.float32 or weight.device.type != device:
+            continue
+        copy = weight.detach().to(dtype).requires_grad_()
+        targets[index[id(weight)]] = (index[id(weight)], copy)
+        targets.append((index[id(weight)], weight))
+        swaps.append((linear, weight, copy))
+
+    def pick(linear: nn.Module, *_: Any) -> None:  # as torch.func.functional_call swaps a parameter
+        weight, copy = weights[linear]
+        autocast_on = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == dtype
+        linear._parameters["weight"] = copy if autocast_on else weight
+
+    weights = {linear: (weight, copy) for linear, weight, copy in swaps}
+    handles = [linear.register_forward_pre_hook(pick) for linear, _, _ in swaps]
+    try:
+        yield targets
+    finally:
+        for handle in handles:
+            handle.remove()
+        for linear, weight, _ in swaps:
+            linear._parameters["weight"] = weight
+
+
+def _runs_linear_as_is(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Linear`` whose call is ``F.linear`` of its weight, autocast as it finds
+    it (its forward neither overridden by a subclass nor replaced on the instance)."""
+    return (
+        isinstance(module, nn.Linear)
+        and type(module).forward is nn.Linear.forward
+        and "forward" not in vars(module)
+    )

@@ -6,12 +6,14 @@ is dropped, doubled or misplaced shows far above rounding; in bf16 (a bf16 resid
 autocast against the same module's own bf16 autograd.
 """
 
+import collections
 import copy
 
 import pytest
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -516,3 +518,80 @@ def test_a_projection_reading_an_fp32_output_of_a_bf16_norm_input_gets_an_fp32_g
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     for a, b in zip(got[2], want[2], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+class _WeightSizedOps(TorchDispatchMode):
+    """Counts, by operator, the calls (views aside) whose output has one of ``shapes`` (the MLP's weights')."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.counts = set(shapes), collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and isinstance(out, torch.Tensor) and tuple(out.shape) in self.shapes:
+            self.counts[func.overloadpacket.__name__] += 1
+        return out
+
+
+def _down_proj_in_fp32(mlp, where):
+    """``mlp`` whose ``down_proj`` runs in fp32 with autocast off, as modules that force fp32 do: turned off
+    by the MLP around the ``nn.Linear`` (``"around"``), or inside the linear's own forward (``"inside"``)."""
+    linear = mlp.down_proj
+
+    def fp32(x):
+        with torch.autocast("cpu", enabled=False):
+            return nn.functional.linear(x.float(), linear.weight)
+
+    def mlp_forward(x):
+        hidden = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+        with torch.autocast("cpu", enabled=False):
+            return linear(hidden.float())
+
+    if where == "inside":
+        linear.forward = fp32
+    else:
+        mlp.forward = mlp_forward
+    return mlp
+
+
+@pytest.mark.parametrize(
+    "style", ["ddp-autocast", "ddp-autocast-fp32-inside", "ddp-autocast-fp32-around", "fsdp-bf16"]
+)
+def test_the_tiled_backward_touches_each_weight_once_per_tile(style):
+    """A tile's parameter gradient is added to the fp32 sum in place: no per-tile copy of any weight-sized
+    tensor (a widened gradient, or under DDP's autocast the weight cast again and its gradient widened
+    again), which read and wrote every parameter once more per tile. Twice the tiles add, per weight, one
+    gradient matmul and one add per extra tile, and no copy; the gradients are, bit for bit, the sum in fp32
+    of plain autograd's per tile, also for a weight used with autocast off."""
+    torch.manual_seed(0)
+    mlp = _swiglu_mlp(dim=16, ffn=48)
+    mlp = mlp.bfloat16() if style == "fsdp-bf16" else mlp.float()
+    if "fp32" in style:
+        mlp = _down_proj_in_fp32(mlp, style.rsplit("-", 1)[1])
+    x = torch.randn(64, 16, dtype=mlp.down_proj.weight.dtype)
+    dout = torch.randn(64, 16, dtype=x.dtype)
+    shapes = {tuple(p.shape) for p in mlp.parameters()}
+
+    def run(module, tile_tokens):
+        module.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=style != "fsdp-bf16"):
+            out = module(x) if tile_tokens is None else tiled_mlp(module, x, tile_tokens)
+        with _WeightSizedOps(shapes) as ops:
+            out.backward(dout.to(out.dtype))
+        return ops.counts, [p.grad.clone() for p in module.parameters()]
+
+    sixteen, grads = run(mlp, 4)
+    eight, _ = run(mlp, 8)  # tiles of 4 and 8 tokens: no intermediate is weight-sized
+    extra = {op: sixteen[op] - eight[op] for op in sixteen.keys() | eight.keys() if sixteen[op] != eight[op]}
+    assert extra == {"mm": 8 * 3, "add_": 8 * 3}, (sixteen, eight)  # 8 more tiles, 3 weights
+    # Plain autograd per tile of 4 tokens, each gradient widened to fp32 and summed there: the same numbers.
+    want = [torch.zeros_like(p, dtype=torch.float32) for p in mlp.parameters()]
+    for rows in range(0, 64, 4):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=style != "fsdp-bf16"):
+            out = mlp(x[rows : rows + 4])
+        tile = torch.autograd.grad(out, list(mlp.parameters()), dout[rows : rows + 4].to(out.dtype))
+        for total, grad in zip(want, tile, strict=True):
+            total += grad.float()
+    for got, total, p in zip(grads, want, mlp.parameters(), strict=True):
+        torch.testing.assert_close(got, total.to(p.dtype), rtol=0, atol=0)
