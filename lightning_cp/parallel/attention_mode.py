@@ -35,9 +35,11 @@ backward's peak (:func:`gathered_bytes_per_head`) within this fraction of the le
 of the CP group."""
 
 ROUND_COPIES = 3
-"""Sequence-sized copies of one all-gather round's keys and values alive at once at the backward's peak: the
-gathered keys and values in sequence order, their gradients, and those at the gathered rows for the
-reduce-scatter (measured on the CPU)."""
+"""Sequence-sized copies of one all-gather round's keys and values (in their dtype) alive at once at the
+backward's peak. In bf16 (CUDA): the gathered keys and values and their fp32 gradients, added at their
+gathered rows of the buffer that is reduce-scattered (the FlashAttention path and the sparse attention hold
+them so); in fp32 (the CPU's torch path): the keys and values, their gradients in sequence order and at the
+gathered rows (measured on the CPU)."""
 
 
 def gathered_bytes_per_head(tokens: int, key_dim: int, value_dim: int, element_size: int) -> int:

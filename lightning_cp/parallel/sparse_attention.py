@@ -8,7 +8,7 @@ values (in rounds of key/value heads, as the dense all-gather does:
 puts them in sequence order, and for a bounded block of queries at a time gathers each query's selected keys
 and values and attends to exactly those (an exact softmax over at most ``topk`` keys, in fp32 or wider). The backward
 gathers the keys and values again, recomputes each block's probabilities from the saved log-sum-exp, adds the
-selected keys' gradients into sequence-order buffers and reduce-scatters them back to their owners: a layer
+selected keys' gradients at their gathered rows of an fp32 buffer and reduce-scatters it back to their owners: a layer
 saves ``O(T_local * topk)`` integers (the selection) and ``O(T_local)`` activations, never a block's gathered
 keys.
 """
@@ -137,34 +137,32 @@ class _SparseAttention(torch.autograd.Function):
         for kv_heads, q_heads in head_rounds(k.shape[1], q.shape[1], ctx.per_round):
             keys, values = _gathered(k[:, kv_heads], v[:, kv_heads], order, ctx.exchange)
             group = keys.shape[1]
-            key_grad = keys.new_zeros(keys.shape, dtype=_accumulation(keys))
-            value_grad = values.new_zeros(values.shape, dtype=_accumulation(values))
+            # The gradients are added at the keys' gathered rows of the buffer the reduce-scatter sums, so a
+            # round holds its keys and values and one fp32 copy of them, never a sequence-order one beside it.
+            split = group * keys.shape[2]
+            full = keys.new_zeros((order.numel(), split + group * values.shape[2]), dtype=_accumulation(keys))
+            key_grad = full[:, :split].unflatten(1, keys.shape[1:])
+            value_grad = full[:, split:].unflatten(1, values.shape[1:])
             for block in _blocks(selected.shape, group, keys.shape[2] + values.shape[2]):
                 rows, valid = _rows(selected[block])
+                at = order[rows.flatten()]  # the selected keys' rows in the gathered buffer
                 queries = _grouped(q[block, q_heads], group)
                 block_keys, block_values = _up(keys[rows]), _up(values[rows])
                 probabilities, _ = _probabilities(queries, block_keys, valid, scale, lse[q_heads, block].T)
                 block_dout = _grouped(dout[block, q_heads], group)
                 value_grad.index_add_(
-                    0,
-                    rows.flatten(),
-                    torch.einsum("bhgn,bhgd->bnhd", probabilities, block_dout).flatten(0, 1),
+                    0, at, torch.einsum("bhgn,bhgd->bnhd", probabilities, block_dout).flatten(0, 1)
                 )
                 dp = torch.einsum("bhgd,bnhd->bhgn", block_dout, block_values)
                 ds = probabilities * (dp - _grouped(delta[block, q_heads], group).unsqueeze(-1)) * scale
                 dq[block, q_heads] = (
                     torch.einsum("bhgn,bnhd->bhgd", ds, block_keys).flatten(1, 2).to(dq.dtype)
                 )
-                key_grad.index_add_(
-                    0, rows.flatten(), torch.einsum("bhgn,bhgd->bnhd", ds, queries).flatten(0, 1)
-                )
+                key_grad.index_add_(0, at, torch.einsum("bhgn,bhgd->bnhd", ds, queries).flatten(0, 1))
                 del block_keys, block_values, probabilities, dp, ds  # before the next block's are made
-            del keys, values
-            split = key_grad.shape[1] * key_grad.shape[2]
-            full = key_grad.new_zeros((order.numel(), split + value_grad.shape[1] * value_grad.shape[2]))
-            full.index_copy_(0, order, torch.cat([key_grad.flatten(1), value_grad.flatten(1)], dim=1))
-            del key_grad, value_grad
+            del keys, values, key_grad, value_grad
             local = ctx.exchange.reduce_scatter(full)
+            del full
             dk[:, kv_heads] = local[:, :split].unflatten(1, (-1, k.shape[2])).to(dk.dtype)
             dv[:, kv_heads] = local[:, split:].unflatten(1, (-1, v.shape[2])).to(dv.dtype)
         dsinks = _varlen.sink_grad(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None

@@ -42,9 +42,9 @@ class SparseLayerBytes:
     keys or values (fp32) and its scores."""
     backward: int
     """The attention backward's transient: the incoming gradient and ``dq``, ``dk``, ``dv`` (compute dtype),
-    and the largest of one round's phases: its gathered keys and values beside their fp32 gradients and a
-    block, or at the round's end three fp32 ``[K, h * (D + Dv)]`` buffers (the gradients, their concatenation
-    and the rank-major buffer that is reduce-scattered)."""
+    and the largest of one round's phases: its gathered keys and values beside their fp32 gradients (added at
+    their gathered rows of the buffer that is reduce-scattered) and a block, or at the round's end that
+    buffer and this rank's share of the sum."""
 
     @property
     def peak(self) -> int:
@@ -107,14 +107,15 @@ def sparse_layer_bytes(
     one_side = selected * heads_per_round * max(shape.head_dim, shape.v_head_dim)
     forward = max(2 * round_kv, round_kv + one_side * (4 + upcast) + block_scores)
     block_kv = selected * round_dims * 4
-    # A block's selected keys and values beside one side's fp32 gradient, made and then flattened (a copy).
-    block_backward = block_kv + one_side * (2 * 4 + upcast) + block_scores
+    # A block's selected keys and values beside one side's fp32 gradient, made and then flattened (a copy),
+    # and the selected keys' int64 rows in the gathered buffer.
+    block_backward = block_kv + one_side * (2 * 4 + upcast) + block_scores + 8 * selected
     local_grads = tokens * (shape.q_dim + shape.out_dim + shape.kv_dim + shape.v_dim) * compute_bytes
     delta = tokens * shape.out_dim * 4 * (3 if upcast else 1)
     backward = local_grads + max(
         delta,
         4 * shape.heads * tokens
-        + max(2 * round_kv, round_kv + round_grads + block_backward, 3 * round_grads),
+        + max(2 * round_kv, round_kv + round_grads + block_backward, round_grads + round_grads // cp),
     )
     return SparseLayerBytes(
         selection=selection, output=output, indexer=indexer, forward=forward, backward=backward

@@ -149,3 +149,15 @@ def test_the_estimate_saves_one_selection_per_full_indexer_and_never_plans_ulyss
         assert planned.indexer == layer.indexer
         assert planned.attention == 0  # no dense attention layer
     assert ("ulysses", None) not in attentions(4, shape)
+
+
+def test_a_round_s_backward_holds_its_keys_and_one_fp32_copy_of_their_gradients(bench, monkeypatch):
+    """Few selected keys per query in small blocks: the backward's peak is a round's gathered keys and values
+    beside their fp32 gradients, added at their gathered rows of the buffer that is reduce-scattered. With a
+    sequence-order copy of the gradients and their concatenation beside that buffer (three fp32 copies: in
+    bf16, twice what the all-gather's round budget, ``gathered_bytes_per_head``, counts) the step peaked 30%
+    above this plan."""
+    monkeypatch.setattr(sparse_kernel, "SELECTED_BLOCK_BYTES", 2**16)
+    shape = bench.layer_shape(heads=2, qk_head_dim=48, v_head_dim=32, index_heads=1, index_head_dim=8, topk=4)
+    planned = sparse_layer_bytes(shape, local_tokens(4096, 2), 2, heads_per_round=2, compute_bytes=4)
+    assert _measured(bench, shape, 4096, cp=2) == pytest.approx(planned.peak, rel=TOLERANCE / 2), planned
