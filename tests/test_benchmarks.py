@@ -39,6 +39,10 @@ def bench() -> types.SimpleNamespace:
             "_probes",
             "_harness",
             "_report",
+            "_section_base",
+            "_loss_section",
+            "_layer_section",
+            "_hybrid_section",
             "_sections",
             "loss_memory",
             "attention",
@@ -356,49 +360,181 @@ def test_the_worker_reports_the_chunk_ours_used_in_the_run_not_one_asked_again(b
     assert vars(_plan.Plan)["build"].__func__.__name__ == "build"  # the recording is undone
 
 
-def test_gpu_report_compares_ours_loss_with_the_peers_of_the_same_shape_in_the_same_run(bench):
-    """Time against the faster peer, extra memory against each peer, per shape; a peer that did not run
-    gives no verdict, and without any peer there is nothing to judge (SKIP)."""
+def test_the_loss_section_runs_ours_at_the_chunk_the_plan_picks_and_at_ligers(bench):
+    """Qwen3-8B at 32K tokens on one 80 GB GPU: the plan lowers the loss's chunk to its minimum, 1024 tokens,
+    and budgets two fp32 [chunk, V] blocks for it besides its input and gradients; Liger's chunk is
+    next_pow2(ceil(N / ceil(V / H))) (its docs' example: 16384 x 32000 x 4096 gives 2048). One run of ours
+    when the chunks agree, two when they differ."""
+    section = bench._loss_section
+    targets, shape = section.planned_loss()
 
-    def row(case: str, shape: str, time_ms: float, extra_mib: float, status: str = "ok") -> dict:
+    assert shape == (32768, 151936, 4096)
+    assert (targets.plan_chunk, targets.liger_chunk) == (1024, 1024)
+    assert targets.planned_bytes == 2 * 4 * 1024 * 151936
+    assert section.liger_chunk(16384, 32000, 4096) == 2048
+    assert section.liger_chunk(1000, 4096, 4096) == 1000  # at most N
+    commands = section.loss_commands(targets, shape)
+    assert [argv[argv.index("--cases") + 1 :] for argv in commands] == [["ours_lce"], ["liger_flce", "cce"]]
+    assert commands[0][commands[0].index("--chunk-size") + 1] == "1024"
+    assert commands[0][commands[0].index("--tokens") : commands[0].index("--tokens") + 6] == [
+        "--tokens",
+        "32768",
+        "--vocab",
+        "151936",
+        "--hidden",
+        "4096",
+    ]
+    apart = section.loss_commands(section.LossTargets(2048, 1024, 0), shape)
+    assert [argv[argv.index("--chunk-size") + 1] for argv in apart[:2]] == ["1024", "2048"]
+
+
+def _loss_row(case: str, time_ms: float, extra_mib: float, status: str = "ok") -> dict:
+    return {
+        "case": case,
+        "shape": "32768x151936x4096",
+        "tokens": 32768,
+        "vocab": 151936,
+        "hidden": 4096,
+        "status": status,
+        "time_ms": time_ms,
+        "peak_extra_bytes": extra_mib * MIB,
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "missed"),
+    [
+        ({}, None),
+        ({"plan_time": 160.0}, "ours_lce@2048 32768x151936x4096: time_target FAIL 1.60 <= 1.5"),
+        ({"plan_extra": 1110.0}, "ours_lce@2048 32768x151936x4096: plan_target FAIL 1.11 <= 1.1"),
+        ({"liger_extra": 310.0}, "ours_lce@1024 32768x151936x4096: liger_memory_target FAIL 1.03 <= 1"),
+    ],
+)
+def test_the_loss_targets_are_time_at_the_plans_chunk_its_budget_and_ligers_memory_at_ligers_chunk(
+    bench, change, missed
+):
+    """Ours at the plan's chunk (2048 here): time over the faster peer (Liger, 100 ms) at most 1.5, extra memory
+    over the plan's 1,000 MiB at most 1.1; ours at Liger's chunk (1024): extra memory over Liger's at most 1.
+    CCE's memory is a ratio on ours' rows, never a target. Each target fails alone just over its limit."""
+    section = bench._loss_section
+    values = {"plan_time": 140.0, "plan_extra": 1050.0, "liger_extra": 290.0, **change}
+    rows = [
+        _loss_row("ours_lce@2048", values["plan_time"], values["plan_extra"]),
+        _loss_row("ours_lce@1024", 200.0, values["liger_extra"]),
+        _loss_row("liger_flce", 100.0, 300.0),
+        _loss_row("cce", 120.0, 2.0),
+    ]
+    targets = section.LossTargets(plan_chunk=2048, liger_chunk=1024, planned_bytes=1000 * MIB)
+    section.add_loss_figures(rows, targets)
+    plan_row, liger_row = rows[0], rows[1]
+
+    assert plan_row["x_best_peer"] == pytest.approx(values["plan_time"] / 100.0)
+    assert plan_row["x_cce_memory"] == pytest.approx(values["plan_extra"] / 2.0)
+    assert "liger_memory_target" not in plan_row and "time_target" not in liger_row
+    assert not any(key.endswith("target") for row in rows[2:] for key in row)
+    judged = section.targets_verdict(rows, ["ours_lce@1024", "ours_lce@2048"], section.TARGET_KEYS, "ours")
+    if missed is None:
+        assert judged.status == "PASS", judged.summary
+        assert judged.summary.count("PASS") == 3
+    else:
+        assert (judged.status, judged.summary) == ("FAIL", f"ours: {missed}")
+
+
+def test_without_peers_the_loss_section_still_judges_ours_against_the_plan(bench):
+    section = bench._loss_section
+    rows = [
+        _loss_row("ours_lce@1024", 100.0, 900.0),
+        _loss_row("cce", 0.0, 0.0, "cut-cross-entropy not installed"),
+    ]
+    section.add_loss_figures(rows, section.LossTargets(1024, 1024, 1000 * MIB))
+
+    assert rows[0]["x_best_peer"] is None and rows[0]["time_target"] is None
+    assert rows[0]["plan_target"] == "PASS 0.90 <= 1.1" and rows[0]["liger_memory_target"] is None
+    judged = section.targets_verdict(rows, ["ours_lce@1024"], section.TARGET_KEYS, "ours")
+    assert (judged.status, judged.summary) == ("PASS", "ours: plan_target PASS 0.90 <= 1.1")
+    nothing = section.targets_verdict(rows[1:], ["liger_flce"], section.TARGET_KEYS, "x")
+    assert nothing.status == "FAIL"  # a case that did not run is not a pass
+
+
+# --------------------------------------------------------------------------------------------------
+# the layers section
+
+
+_TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+    "num_hidden_layers": 2,
+}
+
+
+def test_the_layer_section_takes_the_plans_layouts_for_one_and_eight_gpus_and_one_layers_term(bench):
+    """Llama-3.1-8B at 1M: on eight GPUs the first layout that fits 80 GB; on one none fits, so the one with the
+    smallest peak. Both checkpoint. The term of one layer is the model's recompute term less the previous
+    layer's input, which a one-layer model has none to prefetch: T x d bf16 under FSDP."""
+    from lightning_cp.plan import ModelShape, estimate, plan
+
+    section = bench._layer_section
+    shape = ModelShape.from_hf_config(json.loads(section.LAYER_MODEL.read_text()))
+    one, eight = section.planned_layouts(shape)
+
+    gpu = section.LAYER_GPU_BYTES
+    assert next(c for c in plan(shape, 2**20, 8) if c.fits(gpu)) == eight
+    assert not any(c.fits(gpu) for c in plan(shape, 2**20, 1))
+    assert one.estimate.peak == min(c.estimate.peak for c in plan(shape, 2**20, 1))
+    assert one.layout.checkpointing and one.layout.offload and eight.layout.checkpointing
+    tokens = 65536
+    term, planned = section.planned_layer_term(shape, one.layout, tokens)
+    whole = estimate(shape, tokens * one.layout.cp, one.layout).recompute
+    assert term == "recompute" and planned == whole - tokens * shape.hidden * 2
+
+
+def test_one_layer_of_a_planned_layout_runs_as_one_rank_with_the_layouts_savings(bench):
+    """On the CPU in fp32 (no peak to read): the one-GPU layout's savings (checkpointing, offload, tiling) give
+    the plain layer's input gradient, and offload moves the layer's input; Ulysses at cp 2 runs one rank."""
+    from lightning_cp.plan import Layout
+
+    section, cpu, tokens = bench._layer_section, torch.device("cpu"), 512
+    plain, expected = section.layer_rank(_TINY_LLAMA, Layout(1, 1), tokens, cpu, torch.float32)
+    saving = Layout(1, 1, fsdp=True, checkpointing=True, offload=True, tiled=True, cpu_offload=True)
+    row, grad = section.layer_rank(_TINY_LLAMA, saving, tokens, cpu, torch.float32)
+
+    torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
+    assert row["peak_bytes"] is None and plain["offloaded_bytes"] == 0
+    assert row["offloaded_bytes"] == tokens * 64 * 4
+    assert plain["tiled_modules"] == 0 and row["tiled_modules"] >= 3  # the MLP, the norms, the projections
+    ulysses = Layout(2, 2, fsdp=True, checkpointing=True, offload=True, attention="ulysses")
+    row, grad = section.layer_rank(_TINY_LLAMA, ulysses, tokens, cpu, torch.float32)
+    assert grad.shape == (1, tokens, 64) and torch.isfinite(grad).all() and row["layout"] == ulysses.name()
+
+
+def test_the_layer_section_fails_a_layout_over_its_term_and_names_the_term(bench):
+    section = bench._layer_section
+
+    def row(layout: str, peak_mib: float) -> dict:
         return {
-            "case": case,
-            "shape": shape,
-            "tokens": 8,
-            "vocab": 8,
-            "hidden": 8,
-            "status": status,
-            "time_ms": time_ms,
-            "peak_extra_bytes": extra_mib * MIB,
+            "layout": layout,
+            "term": "recompute",
+            "peak_bytes": peak_mib * MIB,
+            "planned_bytes": 1000 * MIB,
         }
 
-    rows = [
-        row("ours_lce", "a", 100.0, 600),
-        row("liger_flce", "a", 120.0, 300),
-        row("cce", "a", 90.0, 1000),
-        row("ours_lce", "b", 100.0, 200),
-        row("liger_flce", "b", 200.0, 400),
-        row("cce", "b", 0.0, 0, status="needs CUDA; cut-cross-entropy not installed"),
-    ]
-    sections = bench._sections
-    sections.add_loss_figures(rows)
-    a, b = rows[0], rows[3]
+    within, over = row("a", 1100), row("b", 1101)
+    for judged in (within, over):
+        section.judge_layer(judged)
 
-    assert a["time_target"] == "FAIL 1.11 <= 0.95"
-    assert (a["memory_x_liger_flce"], a["memory_x_cce"]) == ("FAIL 2.00 <= 1", "PASS 0.60 <= 1")
-    assert b["time_target"] == "PASS 0.50 <= 0.95"
-    assert b["memory_x_liger_flce"] == "PASS 0.50 <= 1" and "memory_x_cce" not in b
-    keys = ["time_target", "memory_x_liger_flce", "memory_x_cce"]
-    judged = sections.targets_verdict(rows, "ours_lce", keys, "ours")
-    assert judged.status == "FAIL"
-    assert judged.summary == "ours: a: time_target FAIL 1.11 <= 0.95; a: memory_x_liger_flce FAIL 2.00 <= 1"
-    assert sections.targets_verdict(rows[3:], "ours_lce", keys, "ours").status == "PASS"
-    alone = [row("ours_lce", "c", 1.0, 1), row("cce", "c", 0.0, 0, status="cut-cross-entropy not installed")]
-    sections.add_loss_figures(alone)
-    skipped = sections.targets_verdict(alone, "ours_lce", keys, "ours")
-    assert skipped == sections.Section(
-        "SKIP", "nothing to compare ours_lce with (cce: cut-cross-entropy not installed)"
+    assert (within["status"], within["target"]) == ("PASS", "PASS 1.10 <= 1.1")
+    assert over["status"] == "FAIL: recompute 1,101 MiB measured, 1,000 MiB planned"
+    assert section.layers_verdict([within]) == bench._section_base.Section(
+        "PASS", "a: recompute PASS 1.10 <= 1.1"
     )
+    crashed = {"layout": "c", "term": "recompute", "status": "FAIL: OutOfMemoryError: ..."}
+    verdict = section.layers_verdict([within, over, crashed])
+    assert verdict.status == "FAIL"
+    assert verdict.summary == f"b: {over['status']}; c: FAIL: OutOfMemoryError: ..."
 
 
 # --------------------------------------------------------------------------------------------------
@@ -561,7 +697,10 @@ def test_a_section_over_its_limit_is_stopped_and_the_report_is_written_all_the_s
 def test_time_a_section_leaves_unused_goes_to_the_later_ones(bench):
     share_of, shares = bench.gpu_report.share_of, bench.gpu_report.SHARES
     every = list(shares)
-    assert share_of(every[0], every[1:], 450) == pytest.approx(shares[every[0]])  # the default budget
+    assert share_of(every[0], every[1:], bench.gpu_report.BUDGET_S) == pytest.approx(
+        shares[every[0]]
+    )  # default
+    assert bench.gpu_report.BUDGET_S == 510
     # The doctor alone, then the loss with what the doctor left (it needed 20 s of its 80).
     assert share_of("doctor", ["loss"], 150) == pytest.approx(80)
     assert share_of("loss", [], 130) == pytest.approx(130)
@@ -597,7 +736,7 @@ def test_the_attention_section_compares_every_ranks_error_with_sdpas_own(bench, 
 
 @pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "short_conv"])
 def test_the_hybrid_section_times_one_rank_and_checks_every_ranks_error(bench, kind):
-    row = bench._sections.mixer_rank(kind, torch.device("cpu"), torch.float32, (16,) * 4, 2, repeat=1)
+    row = bench._hybrid_section.mixer_rank(kind, torch.device("cpu"), torch.float32, (16,) * 4, 2, repeat=1)
     assert row["status"] == "PASS" and row["worst"].split(": ")[1].startswith("PASS"), row
     assert row["rank_ms"] > 0 and row["x_share"] == pytest.approx(row["rank_ms"] / (row["unsharded_ms"] / 2))
     assert row["kernels"].endswith("causal_conv1d: missing")
@@ -610,7 +749,9 @@ def test_the_hybrid_section_fails_a_rank_whose_exchange_is_wrong(bench, monkeypa
     monkeypatch.setattr(
         _ranks._CountingExchange, "all_to_all", lambda self, send: all_to_all(self, send).flip(0)
     )
-    row = bench._sections.mixer_rank("short_conv", torch.device("cpu"), torch.float32, (16,) * 4, 2, repeat=1)
+    row = bench._hybrid_section.mixer_rank(
+        "short_conv", torch.device("cpu"), torch.float32, (16,) * 4, 2, repeat=1
+    )
     assert row["status"] == "FAIL" and "FAIL" in row["worst"]
 
 
