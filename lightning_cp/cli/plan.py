@@ -5,6 +5,7 @@ Run::
     lightning-cp plan examples/configs/models/llama3_8b.json --seq-len 1M --gpus 8 --gpu-memory 80GB
     lightning-cp plan examples/configs/models/llama3_8b.json --gpus 8 --max-seq
     lightning-cp plan examples/configs/models/llama3_8b.json --gpus 1 --max-seq --host-memory 240GB
+    lightning-cp plan examples/configs/models/llama3_70b.json --gpus 1 --max-seq --qlora --host-memory 256GB
 
 ``MODEL`` is a ``transformers`` config (a JSON file with its ``model_type``, or a local ``save_pretrained``
 directory; no weights are read) or a JSON file of :class:`~lightning_cp.models.GPTConfig` fields. Every
@@ -13,7 +14,10 @@ and norms) gets its parameters, gradients, optimizer state, saved activations, l
 per rank, and what it keeps on the host (:mod:`lightning_cp.plan`); those that fit are listed cheapest
 first, and the arguments that give the first are printed: the Trainer's precision, the strategy and the
 module class (``GPTModule`` or ``HFCausalLM``) with their arguments. ``--max-seq`` finds the longest
-sequence that fits. Bad input is one line on stderr and exit status 2.
+sequence that fits. ``--lora RANK`` plans LoRA adapters on every linear layer of a frozen bf16 base,
+``--qlora`` the base's linear weights in NF4 besides (rank 16 unless ``--lora`` says otherwise)
+(:mod:`lightning_cp.plan.lora`); the printed ``lora`` is ``HFCausalLM``'s. Bad input is one line on stderr
+and exit status 2.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ import json
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
 from lightning_cp.plan import Candidate, Layout, ModelShape, layouts, max_seq_len, plan
 from lightning_cp.plan.activations import PRECISIONS
+from lightning_cp.plan.lora import LoRA
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20}
 _MEMORY_UNITS = {"GB": 10**9, "GIB": 2**30, "": 10**9}
@@ -44,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.host_bytes = None if args.host_memory is None else _memory(args.host_memory, "--host-memory")
         if args.gpus < 1:
             raise ValueError(f"--gpus {args.gpus}: give a positive number of GPUs.")
+        args.adapters = _lora(args)
+        if args.adapters is not None:
+            args.adapters.adapters(shape)  # a shape without its linear weights counted is refused here
         if args.max_seq:
             _print_max_seq(shape, args, gpu_bytes)
         else:
@@ -103,9 +112,29 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--loss-chunk", type=int, help="tokens per chunk of the fused loss (default: automatic)"
     )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        metavar="RANK",
+        help="LoRA adapters of this rank on every linear layer of the decoder, the base frozen in bf16",
+    )
+    parser.add_argument(
+        "--qlora",
+        action="store_true",
+        help="QLoRA: LoRA (rank 16 unless --lora) with the base's linear weights in NF4 (torchao's)",
+    )
     parser.add_argument("--max-seq", action="store_true", help="find the longest sequence that fits instead")
     parser.add_argument("--all", action="store_true", help="list the layouts that do not fit too")
     return parser
+
+
+def _lora(args: argparse.Namespace) -> LoRA | None:
+    """``--lora RANK`` and ``--qlora`` as a :class:`~lightning_cp.plan.lora.LoRA` (``None``: neither)."""
+    if args.lora is None and not args.qlora:
+        return None
+    if args.lora is not None and args.lora < 1:
+        raise ValueError(f"--lora {args.lora}: give a positive LoRA rank, e.g. --lora 16.")
+    return LoRA(16 if args.lora is None else args.lora, "nf4" if args.qlora else None)
 
 
 def _tokens(text: str) -> int:
@@ -126,7 +155,7 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / GiB:.1f}"
 
 
-def _describe(shape: ModelShape) -> str:
+def _describe(shape: ModelShape, lora: LoRA | None = None) -> str:
     kind = "package GPT" if shape.architecture == "gpt" else "transformers"
     heads = f"{shape.heads}/{shape.kv_heads} heads x {shape.head_dim}"
     if shape.v_head_dim != shape.head_dim:
@@ -141,6 +170,15 @@ def _describe(shape: ModelShape) -> str:
             f"\nsparse attention on {sparse.layers} layers: top-{sparse.topk} keys per query, indexer "
             f"{sparse.heads} heads x {sparse.head_dim} on {sparse.indexer_layers} layers (select: their saved "
             "selections; transients sparse_attention and indexer: one layer's backward and selection)"
+        )
+    if lora is not None:
+        assert shape.linears is not None
+        base = "linear weights in NF4, the rest in bf16" if lora.quantize else "in bf16"
+        line += (
+            f"\n{'QLoRA' if lora.quantize else 'LoRA'} rank {lora.rank} on {shape.linears.count} linear layers: "
+            f"{lora.adapters(shape) / 1e6:.1f}M adapter parameters trained (master weights, gradients and "
+            f"AdamW state in the precision's master dtype); the base frozen, {base}: "
+            f"{_gib(lora.base_bytes(shape, 2))} GiB, no gradients or optimizer state"
         )
     return line
 
@@ -173,9 +211,10 @@ def _arguments(shape: ModelShape, candidate: Candidate) -> str:
 
 
 def _print_plan(shape: ModelShape, seq_len: int, args: argparse.Namespace, gpu_bytes: int) -> None:
-    candidates = plan(shape, seq_len, args.gpus, precision=args.precision, loss_chunk=args.loss_chunk)
+    options = {"precision": args.precision, "loss_chunk": args.loss_chunk, "lora": args.adapters}
+    candidates = plan(shape, seq_len, args.gpus, host_bytes=args.host_bytes, **options)
     fitting = [c for c in candidates if c.fits(gpu_bytes, args.host_bytes)]
-    print(_describe(shape))
+    print(_describe(shape, args.adapters))
     print(
         f"{seq_len:,} tokens per sequence on {args.gpus} GPUs of {_gib(gpu_bytes)} GiB, {args.precision}; "
         "GiB per rank; host: kept in host memory, h2d+d2h: copied between host and GPU per step; comm = GiB "
@@ -201,17 +240,18 @@ def _print_plan(shape: ModelShape, seq_len: int, args: argparse.Namespace, gpu_b
 
 
 def _print_max_seq(shape: ModelShape, args: argparse.Namespace, gpu_bytes: int) -> None:
-    options = {"precision": args.precision, "loss_chunk": args.loss_chunk, "host_bytes": args.host_bytes}
+    options = {"precision": args.precision, "loss_chunk": args.loss_chunk, "lora": args.adapters}
     lengths: dict[Layout, int] = {
-        layout: max_seq_len(shape, layout, gpu_bytes, **options) for layout in layouts(args.gpus, shape)
+        layout: max_seq_len(shape, layout, gpu_bytes, host_bytes=args.host_bytes, **options)
+        for layout in layouts(args.gpus, shape)
     }
     longest = max(lengths.values())
-    print(_describe(shape))
+    print(_describe(shape, args.adapters))
     if longest == 0:
         print(f"not even 1,024 tokens fit on {args.gpus} GPUs of {_gib(gpu_bytes)} GiB ({args.precision}).")
         return
-    best = plan(shape, longest, args.gpus, precision=args.precision, loss_chunk=args.loss_chunk)
-    best = [c for c in best if lengths[c.layout] == longest]
+    best = plan(shape, longest, args.gpus, host_bytes=args.host_bytes, **options)
+    best = [c for c in best if lengths[replace(c.layout, offload_layers=None)] == longest]
     print(
         f"longest sequence on {args.gpus} GPUs of {_gib(gpu_bytes)} GiB ({args.precision}): {longest:,} tokens"
     )

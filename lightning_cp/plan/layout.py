@@ -36,12 +36,20 @@ class Layout:
     """FSDP only (``MegatronCPFSDPStrategy(cpu_offload=True)``): the parameters, gradients and AdamW state
     sharded in host memory, each unit gathered to the GPU for its forward and backward, the optimizer step
     on the host."""
+    offload_layers: int | None = None
+    """With ``offload``, how many decoder layers' inputs go to the host (the first ones; the later layers',
+    back-propagated first, stay on the GPU): what the plan chooses where the host memory is the bound.
+    ``None``: every layer's."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.cp < 1 or self.gpus % self.cp:
             raise ValueError(f"Layout: gpus={self.gpus} must be a positive multiple of cp={self.cp}.")
         if self.offload and not self.checkpointing:
             raise ValueError("Layout: offload moves the checkpointed layers' inputs; set checkpointing=True.")
+        if self.offload_layers is not None and (not self.offload or self.offload_layers < 1):
+            raise ValueError(
+                f"Layout: offload_layers={self.offload_layers} needs offload=True and at least one layer."
+            )
         if self.cpu_offload and not self.fsdp:
             raise ValueError("Layout: cpu_offload keeps FSDP's shards on the host; set fsdp=True.")
         try:
@@ -58,17 +66,26 @@ class Layout:
         head at once), rounded as the run time rounds :attr:`kv_heads_per_gather`."""
         return self.mode().heads_per_gather(kv_heads, 0, None)
 
+    def offloaded_layers(self, layers: int) -> int:
+        """Of a model's ``layers``, how many have their inputs on the host (0 without offload)."""
+        if not self.offload:
+            return 0
+        return layers if self.offload_layers is None else min(self.offload_layers, layers)
+
     @property
     def dp(self) -> int:
         return self.gpus // self.cp
 
     def name(self) -> str:
-        """e.g. ``dp2 x cp4 FSDP +ckpt +offload +tiled``."""
+        """e.g. ``dp2 x cp4 FSDP +ckpt +offload +tiled`` (``+offload:29``: 29 layers' inputs on the host)."""
         extras = [
             flag
             for flag, on in (
                 ("+ckpt", self.checkpointing),
-                ("+offload", self.offload),
+                (
+                    "+offload" if self.offload_layers is None else f"+offload:{self.offload_layers}",
+                    self.offload,
+                ),
                 ("+tiled", self.tiled),
                 ("+cpu_offload", self.cpu_offload),
             )

@@ -13,12 +13,15 @@ from dataclasses import dataclass, fields, replace
 
 from lightning_cp.plan.activations import PRECISIONS, Precision, local_tokens, mlp_side_per_token
 from lightning_cp.plan.layout import Layout
+from lightning_cp.plan.lora import LoRA
 from lightning_cp.plan.shape import ModelShape
 from lightning_cp.plan.terms import (
     Step,
     activations,
     attention_transient,
     communication,
+    dequantized,
+    frozen_norms,
     layer_saved,
     loss_transient,
     mixer_transient,
@@ -41,7 +44,8 @@ class MemoryEstimate:
     """Bytes per rank, by what holds them; :attr:`peak` is what the device must hold."""
 
     parameters: int
-    """Master weights (sharded over ``dp * cp`` under FSDP)."""
+    """Master weights (sharded over ``dp * cp`` under FSDP); under LoRA the frozen base (in the compute
+    dtype, QLoRA's linear weights in NF4) and the adapters' master weights."""
     gradients: int
     """Gradients, plus DDP's bucket copy when DDP wraps the model (``gradient_as_bucket_view`` off)."""
     optimizer: int
@@ -75,7 +79,8 @@ class MemoryEstimate:
     the int64 result, a block of scores or of the running top-k)."""
     mlp: int
     """Transient of one layer's MLP backward: the gradient of its ``[T_local, ffn]`` intermediate (two for
-    a gated MLP), or one tile's forward and backward."""
+    a gated MLP), or one tile's forward and backward. Under QLoRA this, :attr:`attention` and
+    :attr:`sparse_attention` each hold one dequantized weight besides (the largest)."""
     loss: int
     """Transient of the fused loss: two fp32 ``[chunk, vocab]`` blocks, and its preallocated gradients of
     the hidden states and of the head weight."""
@@ -146,6 +151,7 @@ def estimate(
     loss_chunk: int | None = None,
     device: str = "cuda",
     flash: bool = True,
+    lora: LoRA | None = None,
 ) -> MemoryEstimate:
     """Per-rank bytes of one training step (forward, backward, AdamW step) of ``shape`` on ``layout``: each
     term of :class:`MemoryEstimate` from the function that counts it.
@@ -160,22 +166,31 @@ def estimate(
         device: ``"cuda"`` or ``"cpu"`` (the loss's automatic chunk and the attention kernel differ).
         flash: the attention runs FlashAttention-2 (CUDA, bf16/fp16); else the blocked kernel, whose
             score blocks count.
+        lora: LoRA adapters on a frozen base (:class:`~lightning_cp.plan.lora.LoRA`): the static terms count
+            the base held in the compute dtype (QLoRA: its linear weights in NF4) and the adapters' master
+            weights, gradients and AdamW state; the layers' transients a dequantized weight under QLoRA.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: choose one of {', '.join(PRECISIONS)}.")
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be positive.")
-    step = Step(shape, layout, precision, device, flash, local_tokens(seq_len, layout.cp))
+    step = Step(shape, layout, precision, device, flash, local_tokens(seq_len, layout.cp), lora)
     state = model_state(step)
     layer = layer_saved(step)
     saved, offloaded, moved = activations(step, layer)
-    dense = attention_transient(step)
+    # Under QLoRA every layer's forward and backward dequantizes its weights beside its own transients.
+    dequant = dequantized(step)
+    dense = attention_transient(step) + dequant
     sparse = sparse_terms(step)
-    mlp_side = step.tokens * mlp_side_per_token(shape, tiled=layout.tiled, **step.dtypes)
+    if shape.sparse is not None:
+        sparse = replace(sparse, backward=sparse.backward + dequant)
+    mlp_side = step.tokens * (
+        mlp_side_per_token(shape, tiled=layout.tiled, **step.dtypes) - frozen_norms(step)[1]
+    )
     # A layer's attention backward runs after its MLP's, which has freed the layer's MLP side.
     layer_transient = max(dense, sparse.backward) - mlp_side
-    attention = dense if shape.mixer is None else max(dense, mixer_transient(step))
-    mlp = mlp_transient(step)
+    attention = dense if shape.mixer is None else max(dense, mixer_transient(step) + dequant)
+    mlp = mlp_transient(step) + dequant
     unreserved = MemoryEstimate(
         parameters=state.parameters,
         gradients=state.gradients,

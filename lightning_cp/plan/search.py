@@ -3,11 +3,12 @@ sequence that fits."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_cp.parallel.layout import heads_split
 from lightning_cp.plan.activations import Precision, local_tokens
 from lightning_cp.plan.layout import Layout
+from lightning_cp.plan.lora import LoRA
 from lightning_cp.plan.memory import TRANSIENTS, MemoryEstimate, estimate
 from lightning_cp.plan.shape import Architecture, ModelShape
 from lightning_cp.plan.terms import loss_chunk_tokens
@@ -44,6 +45,8 @@ class Candidate:
     """Tokens per chunk of the fused loss (``chunk_size``); ``None``: the automatic one."""
     precision: Precision = "bf16-mixed"
     """The ``Trainer(precision=...)`` the estimate assumes."""
+    lora: LoRA | None = None
+    """The LoRA adapters the estimate assumes (``HFCausalLM(lora=...)``); ``None``: full fine-tuning."""
 
     def fits(self, gpu_bytes: int, host_bytes: int | None = None) -> bool:
         """The peak (reserve included) is within ``gpu_bytes``, and what the rank keeps on the host within
@@ -71,7 +74,7 @@ class Candidate:
         if layout.checkpointing:
             strategy["activation_checkpointing"] = list(shape.layer_classes)
         if layout.offload:
-            strategy["offload_activations"] = True
+            strategy["offload_activations"] = layout.offload_layers or True
         if layout.cp > 1 and layout.attention == "ulysses":
             strategy["cp_attention"] = "ulysses"
         if layout.cp > 1 and layout.kv_heads_per_gather is not None:
@@ -83,6 +86,8 @@ class Candidate:
             model["tiled"] = True
         if self.loss_chunk is not None:
             model["chunk_size"] = self.loss_chunk
+        if self.lora is not None:
+            model["lora"] = self.lora.argument()
         return {"strategy": strategy, "model": model}
 
     def config(self, shape: ModelShape) -> dict[str, dict[str, object]]:
@@ -146,9 +151,14 @@ def plan(
     *,
     precision: Precision = "bf16-mixed",
     loss_chunk: int | None = None,
+    lora: LoRA | None = None,
+    host_bytes: int | None = None,
 ) -> list[Candidate]:
     """Every candidate of :func:`layouts` (:func:`candidate`), cheapest first (see :meth:`Candidate.cost`)."""
-    found = [candidate(shape, seq_len, layout, precision, loss_chunk) for layout in layouts(gpus, shape)]
+    found = [
+        candidate(shape, seq_len, layout, precision, loss_chunk, lora, host_bytes)
+        for layout in layouts(gpus, shape)
+    ]
     return sorted(found, key=Candidate.cost)
 
 
@@ -158,16 +168,45 @@ def candidate(
     layout: Layout,
     precision: Precision = "bf16-mixed",
     loss_chunk: int | None = None,
+    lora: LoRA | None = None,
+    host_bytes: int | None = None,
 ) -> Candidate:
     """``layout`` planned with the fused loss's ``loss_chunk``; when that is ``None`` (automatic) and the loss
     is the step's largest transient, with the chunk that brings it down to the next largest
-    (:func:`memory_chunk`), which lowers the peak."""
-    planned = estimate(shape, seq_len, layout, precision=precision, loss_chunk=loss_chunk)
+    (:func:`memory_chunk`), which lowers the peak. Where ``host_bytes`` of host memory per rank cannot hold
+    every offloaded layer input, only as many layers' go to the host as it holds (:func:`host_split`)."""
+    options = {"precision": precision, "lora": lora}
+    layout = host_split(shape, seq_len, layout, host_bytes, loss_chunk=loss_chunk, **options)
+    planned = estimate(shape, seq_len, layout, loss_chunk=loss_chunk, **options)
     chunk = memory_chunk(shape, seq_len, layout, planned) if loss_chunk is None else None
     if chunk is None:
-        return Candidate(layout, planned, loss_chunk, precision)
-    chunked = estimate(shape, seq_len, layout, precision=precision, loss_chunk=chunk)
-    return Candidate(layout, chunked, chunk, precision)
+        return Candidate(layout, planned, loss_chunk, precision, lora)
+    chunked = estimate(shape, seq_len, layout, loss_chunk=chunk, **options)
+    return Candidate(layout, chunked, chunk, precision, lora)
+
+
+def host_split(
+    shape: ModelShape, seq_len: int, layout: Layout, host_bytes: int | None, **options: object
+) -> Layout:
+    """``layout`` with as many layers' inputs offloaded (:attr:`~lightning_cp.plan.Layout.offload_layers`) as
+    keep what it holds on the host within ``host_bytes``, the others' inputs kept on the GPU; ``layout``
+    itself when it offloads nothing, the host holds every layer's input, or not even one's (it does not fit).
+    ``options``: :func:`estimate`'s."""
+    if not layout.offload or host_bytes is None or layout.offload_layers is not None:
+        return layout
+    if estimate(shape, seq_len, layout, **options).host <= host_bytes:
+        return layout
+
+    def host(layers: int) -> int:
+        return estimate(shape, seq_len, replace(layout, offload_layers=layers), **options).host
+
+    if host(1) > host_bytes:
+        return layout
+    low, high = 1, shape.layers  # host(low) fits, host(high) does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if host(middle) <= host_bytes else (low, middle)
+    return replace(layout, offload_layers=low)
 
 
 def memory_chunk(shape: ModelShape, seq_len: int, layout: Layout, planned: MemoryEstimate) -> int | None:
@@ -195,6 +234,7 @@ def max_seq_len(
     precision: Precision = "bf16-mixed",
     loss_chunk: int | None = None,
     host_bytes: int | None = None,
+    lora: LoRA | None = None,
     step: int = 1024,
 ) -> int:
     """The longest sequence, a multiple of ``step``, that :func:`candidate` fits within ``gpu_bytes`` (and
@@ -202,7 +242,8 @@ def max_seq_len(
     with the length, so a bisection finds it."""
 
     def fits(tokens: int) -> bool:
-        return candidate(shape, tokens, layout, precision, loss_chunk).fits(gpu_bytes, host_bytes)
+        found = candidate(shape, tokens, layout, precision, loss_chunk, lora, host_bytes)
+        return found.fits(gpu_bytes, host_bytes)
 
     if not fits(step):
         return 0

@@ -52,6 +52,27 @@ class TokenMixer:
 
 
 @dataclass(frozen=True)
+class LinearWeights:
+    """The decoder's linear weights, counted on the ``meta`` build: every ``nn.Linear`` but the output layer's
+    (what ``peft``'s ``target_modules="all-linear"`` adapts), and a mixture of experts' fused expert weights
+    (``[experts, out, in]`` parameters, not ``nn.Linear``: quantized one expert's matrix at a time under
+    QLoRA, not adapted)."""
+
+    params: int
+    """Elements of the ``nn.Linear`` weights."""
+    dims: int
+    """Their ``in_features + out_features``, summed: a LoRA of rank ``r`` adds ``r * dims`` parameters."""
+    count: int
+    """How many ``nn.Linear`` modules: each LoRA saves its ``[tokens, r]`` down-projection for the backward."""
+    expert_params: int = 0
+    """Elements of the fused expert weights."""
+    expert_matrices: int = 0
+    """Matrices among them (each expert's gate-up and down)."""
+    largest: int = 0
+    """Elements of the largest matrix of them all (a linear weight, or one expert's)."""
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The sizes of a decoder-only model, and which implementation's saved activations it has."""
 
@@ -95,6 +116,9 @@ class ModelShape:
     sparse: SparseIndexer | None = None
     """DeepSeek Sparse Attention's sizes, for a model whose attention reads only the keys an indexer selects
     (:class:`~lightning_cp.hf.sparse_kinds.SparseIndexer`)."""
+    linears: LinearWeights | None = None
+    """The decoder's linear weights (what LoRA adapts and QLoRA quantizes); ``None``: not counted (a shape
+    built by hand), which the plan refuses to plan LoRA for."""
 
     @property
     def mlp_width(self) -> int:
@@ -165,6 +189,7 @@ class ModelShape:
             params=sum(p.numel() for p in model.parameters()),
             architecture="gpt",
             layer_classes=default_layer_classes(model),
+            linears=linear_weights(model, model.lm_head, experts=0),
         )
 
     @classmethod
@@ -252,7 +277,26 @@ class ModelShape:
             layer_classes=default_layer_classes(model),
             value_head_dim=value_head_dim,
             sparse=_sparse_indexer(model, text),
+            linears=linear_weights(model, model.get_output_embeddings(), experts),
         )
+
+
+def linear_weights(model: Any, output: Any, experts: int) -> LinearWeights:
+    """The :class:`LinearWeights` of ``model`` (a ``meta`` build): its ``nn.Linear`` modules but ``output``
+    (the LM head), and its ``[experts, out, in]`` parameters when it has ``experts`` routed experts."""
+    from torch import nn
+
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not output]
+    fused = [p for p in model.parameters() if experts and p.dim() == 3 and p.shape[0] == experts]
+    matrices = [m.weight.numel() for m in linears] + [p[0].numel() for p in fused]
+    return LinearWeights(
+        params=sum(m.weight.numel() for m in linears),
+        dims=sum(m.in_features + m.out_features for m in linears),
+        count=len(linears),
+        expert_params=sum(p.numel() for p in fused),
+        expert_matrices=sum(p.shape[0] for p in fused),
+        largest=max(matrices, default=0),
+    )
 
 
 def _sparse_indexer(model: Any, text: Any) -> SparseIndexer | None:

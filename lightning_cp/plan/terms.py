@@ -24,6 +24,7 @@ from lightning_cp.plan.activations import (
     saved_per_token,
 )
 from lightning_cp.plan.layout import Layout
+from lightning_cp.plan.lora import LoRA
 from lightning_cp.plan.shape import ModelShape
 from lightning_cp.plan.sparse import sparse_layer_bytes
 
@@ -49,6 +50,30 @@ class Step:
     flash: bool
     tokens: int
     """This rank's tokens (the sequence padded to ``2 * cp`` chunks, over ``cp``)."""
+    lora: LoRA | None = None
+    """LoRA adapters on a frozen base (QLoRA: the base's linear weights in NF4); ``None``: every parameter
+    trained."""
+
+    @property
+    def trained(self) -> int:
+        """Parameters with a master copy, a gradient and AdamW state: all of them, or the adapters."""
+        return self.shape.params if self.lora is None else self.lora.adapters(self.shape)
+
+    @property
+    def frozen(self) -> int:
+        """Bytes of the frozen base (0 when every parameter is trained)."""
+        return 0 if self.lora is None else self.lora.base_bytes(self.shape, self.compute)
+
+    @property
+    def unit_trained(self) -> int:
+        """One decoder layer's trained parameters."""
+        shape = self.shape
+        return shape.layer_params if self.lora is None else self.lora.adapters(shape) // shape.layers
+
+    @property
+    def unit_frozen(self) -> int:
+        """Bytes of one decoder layer's frozen base."""
+        return 0 if self.lora is None else self.lora.layer_base_bytes(self.shape, self.compute)
 
     @property
     def padded(self) -> int:
@@ -67,10 +92,10 @@ class Step:
 
     @property
     def dtypes(self) -> dict[str, int]:
-        return {
-            "residual_bytes": residual_bytes(self.precision, self.layout.fsdp),
-            "compute_bytes": self.compute,
-        }
+        """The residual stream's and the compute dtype's bytes. Under LoRA the frozen embedding is held in
+        the compute dtype, so the stream is in it under either wrapper."""
+        stream = self.compute if self.lora else residual_bytes(self.precision, self.layout.fsdp)
+        return {"residual_bytes": stream, "compute_bytes": self.compute}
 
     @property
     def ulysses(self) -> bool:
@@ -102,24 +127,28 @@ class ModelState:
 
 
 def model_state(step: Step) -> ModelState:
-    """The weights, gradients and AdamW state (sharded under FSDP, on the host under ``cpu_offload``), DDP's
-    bucket copy, and what FSDP gathers for the step."""
+    """The trained weights, their gradients and AdamW state, and the frozen base under LoRA (sharded under
+    FSDP, on the host under ``cpu_offload``), DDP's bucket copy of the gradients, and what FSDP gathers for
+    the step: the root and two units in the compute dtype (the frozen base as it is held), one unit's
+    gradients in the compute dtype and fp32."""
     shape, layout, compute = step.shape, step.layout, step.compute
-    params = shape.params
-    shard = math.ceil(params / (layout.gpus if layout.fsdp else 1)) * step.master
-    buckets = params * step.master if (not layout.fsdp and layout.gpus > 1) else 0
+    ranks = layout.gpus if layout.fsdp else 1
+    shard = math.ceil(step.trained / ranks) * step.master
+    frozen = math.ceil(step.frozen / ranks)
+    buckets = step.trained * step.master if (not layout.fsdp and layout.gpus > 1) else 0
     gathered = 0
     if layout.fsdp:
-        root = params - shape.layers * shape.layer_params
+        root = shape.params - shape.layers * shape.layer_params
         if not shape.tied:  # an untied token embedding is a unit of its own, gathered only to use it
             root -= shape.vocab * shape.hidden
-        gathered = root * compute + shape.layer_params * (3 * compute + 4)
+        gathered = root * compute + 2 * step.unit_frozen + step.unit_trained * (3 * compute + 4)
     if not layout.cpu_offload:
-        return ModelState(shard, shard + buckets, 2 * shard, gathered, 0, 0)
+        return ModelState(frozen + shard, shard + buckets, 2 * shard, gathered, 0, 0)
     # The state on the host; a unit's shard copied in before each gather; the shards in for the forward and
     # the backward, the gradients out.
-    gathered += math.ceil(shape.layer_params / layout.gpus) * step.master
-    return ModelState(0, 0, 0, gathered, shard + (shard + buckets) + 2 * shard, 3 * shard)
+    gathered += math.ceil(step.unit_trained / ranks) * step.master + math.ceil(step.unit_frozen / ranks)
+    host = frozen + shard + (shard + buckets) + 2 * shard
+    return ModelState(0, 0, 0, gathered, host, 2 * frozen + 3 * shard)
 
 
 @dataclass(frozen=True)
@@ -138,6 +167,8 @@ def layer_saved(step: Step) -> LayerSaved:
     shape, layout, tokens, compute = step.shape, step.layout, step.tokens, step.compute
     dtypes = step.dtypes
     per_token = saved_per_token(shape, cp=layout.cp, tiled=layout.tiled, ulysses=step.ulysses, **dtypes)
+    if step.lora is not None:
+        per_token += step.lora.saved_per_token(shape, compute) - sum(frozen_norms(step))
     attention_layer = tokens * per_token
     mixer_layer = 0
     if (
@@ -147,9 +178,22 @@ def layer_saved(step: Step) -> LayerSaved:
         attention_part += qk_norm_bytes(shape, layout.tiled, compute)
         mixer_layer = attention_layer - tokens * attention_part
         mixer_layer += math.ceil(tokens * shape.mixer.saved_per_token(step.device)) * 4
-    weight_copies = shape.layer_params * compute if step.precision == "bf16-mixed" and not layout.fsdp else 0
+    # Autocast's copies of the trained weights (a frozen base is held in bf16 already).
+    weight_copies = step.unit_trained * compute if step.precision == "bf16-mixed" and not layout.fsdp else 0
     layer_input = tokens * shape.hidden * dtypes["residual_bytes"]
     return LayerSaved(attention_layer, mixer_layer, weight_copies, layer_input)
+
+
+def frozen_norms(step: Step) -> tuple[int, int]:
+    """Per token, what an untiled layer's norms save only for their weights' gradients, which frozen norms
+    (under LoRA) do not save: ``(attention side, MLP side)``: the first norm's normalized input (the stream's
+    dtype) and the queries' and keys' norms' (the compute dtype); the second norm's. Tiled norms save only
+    their inputs: nothing."""
+    if step.lora is None or step.layout.tiled:
+        return 0, 0
+    shape, stream = step.shape, step.dtypes["residual_bytes"]
+    qk = (shape.q_dim + shape.kv_dim) * step.compute if shape.qk_norm else 0
+    return stream * shape.hidden + qk, stream * shape.hidden
 
 
 def pinned_bytes(nbytes: int, device: str) -> int:
@@ -171,10 +215,14 @@ def activations(step: Step, layer: LayerSaved) -> tuple[int, int, int]:
     stream = step.dtypes["residual_bytes"]
     # The final norm's saved tensors (its output goes to the fused loss, which saves none of it).
     final_norm = stream * shape.hidden if layout.tiled else norm_bytes(shape.hidden, stream)
+    if step.lora is not None and not layout.tiled:
+        final_norm -= stream * shape.hidden  # its normalized input: for the frozen weight's gradient
     final = tokens * (TOKEN_BYTES + final_norm)
-    if layout.offload:
-        host = shape.layers * pinned_bytes(layer.layer_input, step.device)
-        return final, host, 2 * shape.layers * layer.layer_input
+    if layout.offload:  # the first layers' inputs on the host, the rest's on the device
+        offloaded = layout.offloaded_layers(shape.layers)
+        host = offloaded * pinned_bytes(layer.layer_input, step.device)
+        kept = (shape.layers - offloaded) * layer.layer_input
+        return final + kept, host, 2 * offloaded * layer.layer_input
     if layout.checkpointing:
         return final + shape.layers * layer.layer_input, 0, 0
     mixer_layers = shape.mixer.layers if shape.mixer is not None else 0
@@ -256,16 +304,23 @@ def mlp_transient(step: Step) -> int:
 
 
 def loss_transient(step: Step, loss_chunk: int | None) -> int:
-    """The fused loss: its input (the final norm's output), its preallocated input and head-weight gradients,
-    and two fp32 ``[chunk, vocab]`` blocks."""
+    """The fused loss: its input (the final norm's output), its preallocated input and head-weight gradients
+    (none of the head's under LoRA: it is frozen), and two fp32 ``[chunk, vocab]`` blocks."""
     shape, tokens = step.shape, step.tokens
     chunk = loss_chunk or loss_chunk_tokens(shape, tokens, step.device)
     head = shape.vocab * shape.hidden
     return (
         2 * min(chunk, tokens) * shape.vocab * 4
         + 2 * tokens * shape.hidden * step.compute
-        + head * step.master
+        + (head * step.master if step.lora is None else 0)
     )
+
+
+def dequantized(step: Step) -> int:
+    """QLoRA's dequantization inside a layer's forward or backward (0 without QLoRA): the largest quantized
+    matrix made bf16, beside whatever that layer's step holds (:meth:`~lightning_cp.plan.lora.LoRA.
+    dequantized_bytes`)."""
+    return 0 if step.lora is None else step.lora.dequantized_bytes(step.shape)
 
 
 def recompute(step: Step, layer: LayerSaved, attention_layer_transient: int, mlp: int) -> int:
@@ -280,7 +335,7 @@ def recompute(step: Step, layer: LayerSaved, attention_layer_transient: int, mlp
     if not layout.checkpointing:
         return 0
     shared = (layout.tiled or step.dtypes["residual_bytes"] == 4) and not layout.offload
-    prefetched = layer.layer_input if layout.offload and shape.layers > 1 else 0
+    prefetched = layer.layer_input if layout.offload and layout.offloaded_layers(shape.layers) > 1 else 0
     rebuilt = layer.weight_copies + prefetched - (layer.layer_input if shared else 0)
     return rebuilt + max(
         layer.attention_layer + attention_layer_transient if shape.attention_layers else 0,

@@ -85,6 +85,8 @@ def test_plan_is_a_listed_command(capsys) -> None:
         (["{model}"], "give --seq-len"),
         (["{bad}", "--seq-len", "1M"], "neither a transformers config"),
         (["{listed}", "--seq-len", "1M"], "not a JSON object"),
+        (["{model}", "--seq-len", "1M", "--lora", "0"], "--lora 0: give a positive LoRA rank"),
+        (["{model}", "--seq-len", "1M", "--qlora", "--lora", "-2"], "--lora -2: give a positive LoRA rank"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, gpt_json: Path, capsys) -> None:
@@ -189,3 +191,32 @@ def test_an_unknown_model_type_is_one_short_line_with_the_closest_names(tmp_path
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and len(err) < 300, err[:500]
     assert "model_type 'lamma' is not a model type of transformers" in err and "Did you mean 'llama'" in err
+
+
+def test_qlora_plans_a_4_bit_base_and_prints_the_lora_argument(capsys) -> None:
+    """``--qlora`` (rank 16 unless ``--lora``; ``torchao`` not needed to count) describes the frozen base in
+    NF4 and prints ``HFCausalLM``'s ``lora`` dict with the first layout; ``--lora 8`` the bf16 base. With
+    ``--host-memory`` the bound, the first layout keeps some layers' inputs on the GPU."""
+    pytest.importorskip("transformers")
+    argv = [
+        "plan",
+        str(MODELS / "llama3_8b.json"),
+        "--gpus",
+        "1",
+        "--gpu-memory",
+        "24GB",
+        "--seq-len",
+        "128K",
+    ]
+    assert main([*argv, "--qlora", "--host-memory", "64GB"]) == 0
+    out = capsys.readouterr().out
+    assert "QLoRA rank 16 on 224 linear layers: 41.9M adapter parameters" in out
+    given = yaml.safe_load(out.split("The first, as arguments:\n")[1])
+    lora = {"rank": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear", "quantize": "nf4"}
+    assert given["model"]["init_args"]["lora"] == lora
+    assert isinstance(given["trainer"]["strategy"]["init_args"]["offload_activations"], int)
+    assert main([*argv, "--lora", "8", "--gpu-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA rank 8 on 224 linear layers" in out and "the base frozen, in bf16: 15.0 GiB" in out
+    given = yaml.safe_load(out.split("The first, as arguments:\n")[1])
+    assert given["model"]["init_args"]["lora"] == {**lora, "rank": 8, "alpha": 16, "quantize": None}

@@ -315,3 +315,74 @@ def test_the_2tb_node_example_is_the_plan_s() -> None:
     )
     for phrase in stated:
         assert phrase in _flat(PLAN_DOC), phrase
+
+
+_LORA_ROWS = [
+    ("llama3_8b.json", "--gpus 1 --lora 16 --host-memory 256GB", ("684K", 684_000)),
+    ("llama3_70b.json", "--gpus 1 --qlora --host-memory 256GB", ("178K", 178_000)),
+    ("llama3_8b.json", "--gpus 1 --qlora --gpu-memory 24GB --host-memory 64GB", ("128K", 2**17)),
+    ("qwen3_5_35b_a3b.json", "--gpus 1 --qlora", None),
+    ("qwen3_5_35b_a3b.json", "--gpus 8 --lora 16", None),
+]
+
+
+@pytest.mark.parametrize(("model", "argv", "target"), _LORA_ROWS, ids=[f"{m}-{a}" for m, a, _ in _LORA_ROWS])
+def test_the_lora_targets_table_is_the_plan_s(model: str, argv: str, target: tuple[str, int] | None) -> None:
+    """docs/plan.md's LoRA / QLoRA table: the longest sequence, its layout, peak and host memory, and whether
+    the target is met."""
+    out = _plan(model, *argv.split(), "--max-seq")
+    longest, row = _longest(out), _rows(out)[0]
+    verdict = "" if target is None else f"{target[0]}: {'met' if longest >= target[1] else 'not met'}"
+    phrase = (
+        f"| `{argv}` | {longest:,} | {row['name']} | {row['peak']} | {row['host']} | {verdict} |".replace(
+            "|  |", "| |"
+        )
+    )
+    assert phrase in _flat(PLAN_DOC), phrase
+
+
+def test_what_binds_the_lora_targets_is_the_plan_s(monkeypatch) -> None:
+    """The LoRA section's figures: the bases' sizes, the Llama-3.1-8B split and recomputation, the longest
+    without the host check, and with host blocks of their exact size."""
+    from lightning_cp.plan import terms
+    from lightning_cp.plan.lora import LoRA
+
+    llama, llama70 = (read_model(str(MODELS / m)) for m in ("llama3_8b.json", "llama3_70b.json"))
+    out = _plan("llama3_8b.json", "--gpus", "1", "--lora", "16", "--host-memory", "256GB", "--max-seq")
+    longest, row = _longest(out), _rows(out)[0]
+    kept = int(re.search(r"\+offload:(\d+)", row["name"])[1])
+    free = {
+        m: _plan(m, "--gpus", "1", a, "--max-seq")
+        for m, a in (("llama3_8b.json", "--lora=16"), ("llama3_70b.json", "--qlora"))
+    }
+    phrases = [
+        f"Llama-3.1-8B: {LoRA(16).base_bytes(llama, 2) / GiB:.1f} GiB, not the 119.7",
+        f"{LoRA(16).adapters(llama) / 1e6:.1f}M for Llama-3.1-8B",
+        (
+            f"Llama-3.1-8B's base {LoRA(16, 'nf4').base_bytes(llama, 2) / GiB:.1f} GiB, Llama-3.3-70B's "
+            f"{LoRA(16, 'nf4').base_bytes(llama70, 2) / GiB:.1f}"
+        ),
+        f"(Llama-3.3-70B's MLP: {LoRA(16, 'nf4').dequantized_bytes(llama70) / GiB:.1f} GiB)",
+        (
+            f"input at {longest:,} tokens is {longest * 4096 * 2 / GiB:.1f} GiB, in an 8 GiB block: {kept} of 32 "
+            f"fit beside the base on the host, and the other {32 - kept} on the GPU"
+        ),
+        f"(the recomputation of one layer, {row['transient']} GiB, bounds the rest)",
+        f"it plans {_longest(free['llama3_8b.json']):,} tokens ({_rows(free['llama3_8b.json'])[0]['host']} GiB",
+        (
+            f"(without the host check: {_longest(free['llama3_70b.json']):,} tokens, "
+            f"{_rows(free['llama3_70b.json'])[0]['host']} GiB)"
+        ),
+    ]
+    monkeypatch.setattr(terms, "pinned_bytes", lambda nbytes, device: nbytes)
+    exact = [
+        max(
+            max_seq_len(shape, layout, GB80, host_bytes=256 * 10**9, lora=lora)
+            for layout in layouts(1, shape)
+        )
+        for shape, lora in ((llama, LoRA(16)), (llama70, LoRA(16, "nf4")))
+    ]
+    phrases.append(f"the plan gives {exact[0]:,} and {exact[1]:,} tokens: both targets met")
+    assert exact[0] >= 684_000 and exact[1] >= 178_000
+    for phrase in phrases:
+        assert phrase in _flat(PLAN_DOC), phrase
