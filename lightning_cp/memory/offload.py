@@ -240,26 +240,38 @@ class ActivationOffload:
         return self._streams[device]
 
 
-def offload_checkpointed(model: nn.Module, min_bytes: int | None = None) -> ActivationOffload:
+def offload_checkpointed(
+    model: nn.Module, min_bytes: int | None = None, layers: int | None = None
+) -> ActivationOffload:
     """Keep the saved inputs of ``model``'s checkpointed modules in host memory between forward and backward.
 
     Every outermost submodule that ``torch.distributed._composable.checkpoint`` recomputes (what the
-    strategies' ``activation_checkpointing`` applies) gets :meth:`ActivationOffload.attach`. Call it after
-    checkpointing and before training; the strategies do with ``offload_activations=True``.
+    strategies' ``activation_checkpointing`` applies) gets :meth:`ActivationOffload.attach`, or the first
+    ``layers`` of them in the model's order. Call it after checkpointing and before training; the strategies
+    do with ``offload_activations``.
 
     Args:
         model: a module with checkpointed submodules.
         min_bytes: saved inputs smaller than this stay on the device (default :data:`MIN_OFFLOAD_BYTES`).
+        layers: offload only the first this many checkpointed modules' inputs (the earliest in the forward,
+            the last back-propagated: the later ones' stay on the device, where their backward comes first),
+            as ``lightning-cp plan`` chooses where host memory is the bound (``+offload:N``); ``None``: all.
 
     Returns:
         The :class:`ActivationOffload`, whose ``stats`` count the bytes moved.
 
     Raises:
-        ValueError: when no submodule of ``model`` is checkpointed.
+        ValueError: when no submodule of ``model`` is checkpointed, or ``layers`` is not a positive integer.
     """
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+        raise ValueError(
+            f"offload_checkpointed(layers={layers!r}): use a positive number of layers, or None."
+        )
     offload = ActivationOffload(min_bytes)
     for name, module in model.named_modules():
         inside = any(name.startswith(f"{outer}.") for outer in offload.modules)
+        if layers is not None and len(offload.modules) == layers:
+            break
         if not inside and checkpoint.state(module) is not None:
             offload.attach(name, module)
     if not offload.modules:

@@ -74,18 +74,20 @@ def resolve_classes(
 
 
 def apply_checkpointing(
-    module: nn.Module, classes: Sequence[type[nn.Module]], offload: bool = False
+    module: nn.Module, classes: Sequence[type[nn.Module]], offload: bool | int = False
 ) -> ActivationOffload | None:
     """Recompute the activations of every submodule of one of ``classes`` in backward, in place.
 
     Non-reentrant (``torch.distributed._composable.checkpoint``): parameter names do not change, and it
     composes with ``fully_shard`` and DDP. With ``offload``, the inputs the checkpointed modules keep until
-    their backward are held in host memory (:func:`lightning_cp.memory.offload_checkpointed`), which is
-    returned.
+    their backward are held in host memory (:func:`lightning_cp.memory.offload_checkpointed`; a number: the
+    first that many modules' only), which is returned.
     """
     from torch.distributed._composable import checkpoint
 
     for submodule in module.modules():
         if isinstance(submodule, tuple(classes)):
             checkpoint(submodule)
-    return offload_checkpointed(module) if offload else None
+    if offload is False:
+        return None
+    return offload_checkpointed(module, layers=None if offload is True else offload)

@@ -96,8 +96,10 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         activation_checkpointing: modules (classes or class names) whose activations are recomputed in
             backward (non-reentrant). Default: none.
         offload_activations: keep what the ``activation_checkpointing`` modules save for their backward (their
-            inputs) in host memory, copied back ahead of need (:func:`lightning_cp.memory.offload_checkpointed`).
-            Needs ``activation_checkpointing``.
+            inputs) in host memory, copied back ahead of need (:func:`lightning_cp.memory.offload_checkpointed`);
+            a number ``N``: the first ``N`` checkpointed modules' only, the later ones' staying on the device
+            (``lightning-cp plan``'s ``+offload:N``, where host memory is the bound). Needs
+            ``activation_checkpointing``.
         cp_attention: how attention reaches the other CP ranks' tokens: ``"allgather"`` (every rank keeps its
             queries and all-gathers the key/value heads, in rounds; any head counts), ``"ulysses"`` (an
             all-to-all to every token of ``Hq / cp`` query heads and the key/value heads they read: each rank
@@ -143,7 +145,7 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         cp: int = 1,
         tp: int = 1,
         activation_checkpointing: Sequence[ModuleSpec] | None = None,
-        offload_activations: bool = False,
+        offload_activations: bool | int = False,
         cp_attention: AttentionKind = "allgather",
         kv_heads_per_gather: int | None = None,
         accelerator: Accelerator | None = None,
@@ -163,9 +165,17 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
         self.activation_checkpointing = check_module_specs(
             owner, "activation_checkpointing", activation_checkpointing
         )
+        if not isinstance(offload_activations, bool) and (
+            not isinstance(offload_activations, int) or offload_activations < 1
+        ):
+            raise ValueError(
+                f"{owner}(offload_activations={offload_activations!r}): use True (every checkpointed module's "
+                "inputs), False, or a positive number of checkpointed modules whose inputs go to the host."
+            )
         if offload_activations and not self.activation_checkpointing:
             raise ValueError(
-                f"{owner}(offload_activations=True) offloads what checkpointed modules keep for their backward, "
+                f"{owner}(offload_activations={offload_activations!r}) offloads what checkpointed modules keep for "
+                "their backward, "
                 "but activation_checkpointing is not set: name the layers to recompute, e.g. "
                 'activation_checkpointing=["LlamaDecoderLayer"], or remove offload_activations.'
             )

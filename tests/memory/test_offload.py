@@ -94,6 +94,27 @@ def test_the_offloaded_bytes_are_the_checkpointed_inputs_and_nothing_else():
     assert offload.modules == [f"blocks.{i}" for i in range(N_LAYER)]
 
 
+def test_offloading_the_first_layers_only_moves_their_inputs_with_the_same_gradients():
+    """``layers=N`` (the plan's ``+offload:N`` where host memory binds): the first N blocks' inputs go to the
+    host, the later ones' stay; the gradients are checkpointing's, bit for bit."""
+    model = _gpt()
+    expected = _input_bytes(model)
+    alone = _step(_checkpointed(model, offload=False)[0])
+    partial = copy.deepcopy(model)
+    for block in partial.blocks:
+        checkpoint(block)
+    offload = offload_checkpointed(partial, min_bytes=0, layers=2)
+    got = _step(partial)
+    assert offload.modules == ["blocks.0", "blocks.1"]
+    assert dict(offload.stats.bytes_by_module) == {name: expected[name] for name in offload.modules}
+    assert torch.equal(got[0], alone[0])
+    for a, b in zip(got[1], alone[1], strict=True):
+        assert torch.equal(a, b)
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match=f"layers={bad!r}"):
+            offload_checkpointed(partial, layers=bad)
+
+
 def test_the_inputs_leave_the_device_between_forward_and_backward():
     """Without offload the checkpoint keeps every block's input alive; with it, only the host copies live."""
     for offload, alive in ((False, N_LAYER), (True, 0)):
@@ -268,6 +289,9 @@ def test_offload_without_checkpointing_fails_at_construction(strategy):
     with pytest.raises(ValueError, match=r"offload_activations=True\).*activation_checkpointing is not set"):
         strategy(cp=2, offload_activations=True)
     assert strategy(cp=2, activation_checkpointing=["_Block"], offload_activations=True).offload_activations
+    for bad in (0, -1, 1.5, "2"):
+        with pytest.raises(ValueError, match=f"offload_activations={bad!r}.*positive number"):
+            strategy(cp=2, activation_checkpointing=["_Block"], offload_activations=bad)
 
 
 @pytest.mark.gpu
