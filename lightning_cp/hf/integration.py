@@ -21,6 +21,7 @@ from torch import nn
 from lightning_cp.constants import ATTN_IMPLEMENTATION
 from lightning_cp.hf.indexers import adapt_indexers
 from lightning_cp.hf.loading import causal_lm_config, deferred_loading, materialize_pretrained
+from lightning_cp.hf.lora import materialize_adapters
 from lightning_cp.hf.mixers import adapt_token_mixers
 from lightning_cp.hf.probe import check_configs, holds_transformers_models, probe_models, transformers_models
 from lightning_cp.hf.registration import UnsupportedAttentionClasses
@@ -61,7 +62,8 @@ def check_before_launch(config: Mapping[str, Any] | str, cp: int, attention: Att
 
 
 def prepare_models(module: nn.Module, layout: ParallelLayout) -> None:
-    """Every ``transformers`` model in ``module`` ready for the batch's shard: its token mixers that are not
+    """Every ``transformers`` model in ``module`` ready for the batch's shard: ``peft`` adapters of a ``meta``
+    build allocated and initialized (:func:`~lightning_cp.hf.lora.materialize_adapters`), its token mixers that are not
     softmax attention get their context-parallel forward (:func:`~lightning_cp.hf.mixers.adapt_token_mixers`,
     at every CP size: they also keep packed documents apart), so do its sparse-attention indexers
     (:func:`~lightning_cp.hf.indexers.adapt_indexers`), and under ``cp > 1`` a call on a shard without
@@ -71,6 +73,7 @@ def prepare_models(module: nn.Module, layout: ParallelLayout) -> None:
     Raises:
         ValueError: a mixer whose heads do not split over ``layout.cp`` ranks, naming it and the numbers.
     """
+    materialize_adapters(module)
     for where, model in transformers_models(module):
         try:
             adapt_token_mixers(model, layout.cp)

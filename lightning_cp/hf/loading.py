@@ -33,6 +33,7 @@ import json
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from torch import nn
 
 from lightning_cp.constants import ATTN_IMPLEMENTATION
 from lightning_cp.hf.composite import StoredNames, is_composite, text_config
+from lightning_cp.hf.lora import stored_name
 from lightning_cp.hf.sparse_kinds import REFUSED as INDEXER_REFUSALS
 
 _PRETRAINED_SOURCE = "_lightning_cp_pretrained"
@@ -344,7 +346,8 @@ def materialize_pretrained(module: nn.Module, device: torch.device) -> None:
         ValueError: a parameter on the meta device that no checkpoint fills, or a checkpoint that lacks a
             parameter or holds it in another shape.
     """
-    sources = [m for m in module.modules() if hasattr(m, _PRETRAINED_SOURCE)]
+    # The model's own attribute: a wrapper that forwards attribute look-ups (peft's PeftModel) is no source.
+    sources = [m for m in module.modules() if _PRETRAINED_SOURCE in vars(m)]
     for model in sources:
         directory, names = getattr(model, _PRETRAINED_SOURCE)
         _fill(model, device, directory, names, distributed=True)
@@ -363,20 +366,29 @@ def _fill(
     model: nn.Module, device: torch.device, directory: Path, names: StoredNames, *, distributed: bool
 ) -> None:
     """Allocate ``model``'s meta parameters on ``device`` (each rank's local shards when sharded) and read them
-    from ``directory``'s safetensors, where ``names`` says they are; buffers keep their computed values.
-    ``distributed``: through ``torch.distributed.checkpoint`` (each rank reads the slices it owns), else whole
-    tensors with ``safetensors`` in this process."""
+    from ``directory``'s safetensors, where ``names`` says they are (without ``peft``'s ``base_layer``), NF4
+    weights by :func:`~lightning_cp.hf.qlora.fill_quantized`. What was not on ``meta`` keeps its value (buffers,
+    ``peft`` adapters). ``distributed``: through ``torch.distributed.checkpoint`` (each rank reads the slices it
+    owns), else whole tensors with ``safetensors`` in this process."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    buffers = {name: buffer.clone() for name, buffer in model.named_buffers() if not buffer.is_meta}
-    model.to_empty(device=device)
+    from lightning_cp.hf.qlora import fill_quantized, is_quantized
+
+    kept = {
+        name: t.clone() for name, t in chain(model.named_parameters(), model.named_buffers()) if not t.is_meta
+    }
+    on_meta = [name for name, p in model.named_parameters() if p.is_meta]
+    quantized = [name for name in on_meta if is_quantized(model.get_parameter(name))]
+    model.to_empty(device=device)  # every tensor, the kept ones too
     if not distributed:
         model.tie_weights()  # to_empty gave each module its own tensor: tie the embeddings again (FSDP keeps one)
     with torch.no_grad():
-        for name, value in buffers.items():
-            model.get_buffer(name).copy_(value)
+        for name, value in kept.items():
+            _tensor(model, name).copy_(value)
     reader = HuggingFaceStorageReader(str(directory))
-    targets = _targets(model, directory, names, reader.read_metadata().state_dict_metadata)
+    read = set(on_meta) - set(quantized)
+    targets = _targets(model, directory, names, reader.read_metadata().state_dict_metadata, read)
+    fill_quantized(model, quantized, directory, names, device)
     if distributed:
         import torch.distributed.checkpoint as dcp
 
@@ -391,18 +403,33 @@ def _fill(
                     targets[key].copy_(handle.get_tensor(key))
 
 
+def _tensor(model: nn.Module, name: str) -> torch.Tensor:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return model.get_buffer(name)
+
+
 def _targets(
-    model: nn.Module, directory: Path, names: StoredNames, stored: Mapping[str, Any]
+    model: nn.Module, directory: Path, names: StoredNames, stored: Mapping[str, Any], read: set[str]
 ) -> dict[str, torch.Tensor]:
-    """``{stored name: the model's tensor}`` of every parameter (tied ones once, under the name the checkpoint
-    stores) and persistent buffer the checkpoint holds, checked against ``stored`` (the checkpoint's tensor
-    metadata by name)."""
+    """``{stored name: the model's tensor}`` of every parameter named in ``read`` (tied ones once, under the
+    name the checkpoint stores) and persistent buffer the checkpoint holds, checked against ``stored`` (the
+    checkpoint's tensor metadata by name)."""
+
+    def stored_as(name: str) -> str:
+        return names(stored_name(name))
+
     targets: dict[str, torch.Tensor] = {}
     for group in _tied_names(model):  # one entry per parameter: tied ones are stored once
-        name = next((n for n in group if names(n) in stored), group[0])
-        targets[names(name)] = model.get_parameter(name)
+        if not read.intersection(group):
+            continue
+        name = next((n for n in group if stored_as(n) in stored), group[0])
+        targets[stored_as(name)] = model.get_parameter(name)
     persistent = set(model.state_dict())
-    targets.update({names(n): b for n, b in model.named_buffers() if n in persistent and names(n) in stored})
+    targets.update(
+        {stored_as(n): b for n, b in model.named_buffers() if n in persistent and stored_as(n) in stored}
+    )
     missing = [name for name in targets if name not in stored]
     wrong = [
         f"{name} {tuple(stored[name].size)} (model: {tuple(tensor.shape)})"
@@ -413,7 +440,9 @@ def _targets(
         problem = f"lacks {', '.join(missing[:5])}" if missing else f"holds {'; '.join(wrong[:5])}"
         raise ValueError(
             f"The checkpoint in {directory} {problem}: it was not saved from this model's class and config "
-            "(load it with transformers' from_pretrained and save_pretrained it again)."
+            "(load it with transformers' from_pretrained and save_pretrained it again), or the model was given "
+            "modules of its own on the meta device after load_pretrained (build those on a real device; peft "
+            "adapters are allocated by the strategy)."
         )
     return targets
 

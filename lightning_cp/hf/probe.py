@@ -49,6 +49,8 @@ from lightning_cp.hf.check import (
     check_config_is_context_parallel,
     check_token_mixers,
 )
+from lightning_cp.hf.lora import check_adapters
+from lightning_cp.parallel.broadcast import broadcast_tensors
 from lightning_cp.parallel.layout import ParallelLayout
 from lightning_cp.parallel.sharding import shard_batch, unshard
 
@@ -74,8 +76,10 @@ def check_configs(module: nn.Module, cp: int) -> None:
     """The checks that need no weights, for ``cp`` ranks per sequence: :func:`~lightning_cp.hf.check_attention_is_context_parallel`
     (cp > 1), and for every ``transformers`` model in ``module`` (the outermost ones: a causal LM, a teacher,
     a user's own) :func:`~lightning_cp.hf.check.check_config_is_context_parallel` (what a short probe
-    cannot show) and :func:`~lightning_cp.hf.check.check_token_mixers` (Mamba1, mixers whose heads do not
-    split). They read classes, configs and sizes only, so they also run on a ``meta`` build. No communication.
+    cannot show), :func:`~lightning_cp.hf.check.check_token_mixers` (Mamba1, mixers whose heads do not
+    split) and :func:`~lightning_cp.hf.lora.check_adapters` (LoRA dropout under CP, DoRA, adapters on
+    layers other than linear ones and embeddings). They read classes, configs and sizes only, so they also
+    run on a ``meta`` build. No communication.
 
     Raises:
         ValueError: naming the model, the attribute or module and what to change.
@@ -84,6 +88,7 @@ def check_configs(module: nn.Module, cp: int) -> None:
     for where, model in transformers_models(module):
         check_config_is_context_parallel(model, where, cp)
         check_token_mixers(model, where, cp)
+        check_adapters(model, where, cp)
 
 
 def probe_models(module: nn.Module, layout: ParallelLayout, device: torch.device) -> None:
@@ -287,9 +292,7 @@ def _same_weights_over_cp(model: nn.Module, layout: ParallelLayout) -> None:
     dist.all_gather(gathered, sums, group=layout.cp_group)
     if all(torch.equal(g, gathered[0]) for g in gathered):
         return
-    source = dist.get_global_rank(layout.cp_group, 0)
-    for tensor in tensors:
-        dist.broadcast(tensor.data, src=source, group=layout.cp_group)
+    broadcast_tensors(tensors, dist.get_global_rank(layout.cp_group, 0), layout.cp_group)
 
 
 def _over_cp(value: object, layout: ParallelLayout) -> list:

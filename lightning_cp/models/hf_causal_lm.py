@@ -13,6 +13,8 @@ from torch import Tensor
 from lightning_cp.constants import ATTN_IMPLEMENTATION, CP_SHARD, INPUT_IDS, INPUT_MASK, POSITION_IDS
 from lightning_cp.hf.causal_lm import decoder, output_head
 from lightning_cp.hf.loading import causal_lm_config, check_causal_lm_config, load_pretrained
+from lightning_cp.hf.lora import LoRA, add_adapters, require_peft
+from lightning_cp.hf.qlora import require_torchao
 from lightning_cp.hf.registration import UnsupportedAttentionClasses
 from lightning_cp.hf.router_loss import load_balancing_loss
 from lightning_cp.loss import CPLossMixin, PolicyObjective
@@ -65,9 +67,15 @@ class HFCausalLM(CPLossMixin, LightningModule):
             train (and evaluate) that reinforcement-learning objective on rollout batches
             (:meth:`~lightning_cp.CPLossMixin.policy_loss`, :class:`~lightning_cp.data.RolloutDataModule`), and
             ``predict`` gives the log-probs at its sampling temperature.
+        lora: ``None``: full fine-tuning; a :class:`~lightning_cp.hf.lora.LoRA` (or its fields' dict): ``peft``
+            LoRA adapters on the built or loaded model (:func:`~lightning_cp.hf.lora.add_adapters`, before the
+            checkpointing and the tiling), the base frozen in ``dtype`` and only the adapters trained and given
+            to AdamW; with ``quantize="nf4"`` (QLoRA) the decoder's linear weights stored as 4-bit NF4,
+            quantized as they load (:mod:`lightning_cp.hf.qlora`). Both strategies, any dp x cp.
 
     Raises:
-        ImportError: ``transformers`` is not installed (``pip install 'lightning-cp[hf]'``).
+        ImportError: ``transformers`` is not installed (``pip install 'lightning-cp[hf]'``); ``lora`` without
+            ``peft``, or NF4 without ``torchao`` (``pip install 'lightning-cp[lora]'``).
         ValueError: a config ``transformers`` cannot build a causal LM from (see
             :func:`~lightning_cp.hf.loading.check_causal_lm_config`): a dict without ``model_type``, an
             unknown ``model_type`` or one without a causal-LM class, values its ``transformers`` config class
@@ -88,6 +96,7 @@ class HFCausalLM(CPLossMixin, LightningModule):
         chunk_size: int | None = None,
         router_aux_loss_coef: float | None = None,
         objective: PolicyObjective | None = None,
+        lora: LoRA | None = None,
     ) -> None:
         if importlib.util.find_spec("transformers") is None:
             raise ImportError("HFCausalLM needs transformers: pip install 'lightning-cp[hf]'.")
@@ -96,13 +105,19 @@ class HFCausalLM(CPLossMixin, LightningModule):
         self.save_hyperparameters()
         # Under LightningCLI (and from a checkpoint's hyperparameters) the objective is its fields' dict.
         self.objective = PolicyObjective(**objective) if isinstance(objective, Mapping) else objective
+        self.lora = LoRA.of(lora)
+        if self.lora is not None:
+            require_peft()
+            if self.lora.quantize == "nf4":
+                require_torchao()
         self.model: torch.nn.Module | None = None
 
     def configure_model(self) -> None:
         """Build the ``transformers`` model (once; Lightning calls this after the processes are set up).
 
         A directory is loaded by :func:`~lightning_cp.load_pretrained` (on the meta device under the FSDP
-        strategy, which then reads each rank's shards); a config dict is a random initialization.
+        strategy, which then reads each rank's shards); a config dict is a random initialization. LoRA
+        adapters go in before the checkpointing and the tiling wrap the layers they are in.
         """
         if self.model is not None:
             return
@@ -124,6 +139,8 @@ class HFCausalLM(CPLossMixin, LightningModule):
         except UnsupportedAttentionClasses:
             # Attention classes of its own (Falcon): the family's default, which the strategy refuses under CP.
             model = build(attn_implementation=None)
+        if self.lora is not None:
+            model = add_adapters(model, self.lora)
         if self.hparams.gradient_checkpointing:
             options = {"use_reentrant": False}
             if hasattr(model, "activation_checkpointing_enable"):  # the newer name of the same switch
@@ -202,9 +219,11 @@ class HFCausalLM(CPLossMixin, LightningModule):
         return float(coefficient)
 
     def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW over the parameters that require a gradient (with LoRA: the adapters only), with the warm-up."""
         hparams = self.hparams
+        trained = [p for p in self.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
-            self.parameters(), lr=hparams.lr, betas=tuple(hparams.betas), weight_decay=hparams.weight_decay
+            trained, lr=hparams.lr, betas=tuple(hparams.betas), weight_decay=hparams.weight_decay
         )
         warmup = max(1, hparams.warmup_steps)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))

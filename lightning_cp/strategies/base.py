@@ -30,6 +30,7 @@ from lightning_cp.constants import CP_SHARD
 from lightning_cp.memory.offload import ActivationOffload
 from lightning_cp.parallel import groups
 from lightning_cp.parallel.attention_mode import AttentionKind, AttentionMode
+from lightning_cp.parallel.broadcast import broadcast_tensors
 from lightning_cp.parallel.grad_norm import clip_grad_norm_
 from lightning_cp.parallel.layout import (
     ParallelLayout,
@@ -386,15 +387,14 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
 
 
 def broadcast_from_first(tensors: Iterable[torch.Tensor], group: ProcessGroup | None) -> None:
-    """Overwrite ``tensors`` in place with those of ``group``'s first rank (one broadcast per tensor).
+    """Overwrite ``tensors`` in place with those of ``group``'s first rank (one broadcast per tensor, a
+    quantized weight's through its codes and scales: :func:`~lightning_cp.parallel.broadcast.broadcast_tensors`).
 
     Communication: a broadcast per tensor over ``group``; none when it is ``None`` (one rank).
     """
     if group is None:
         return
-    src = dist.get_global_rank(group, 0)
-    for tensor in tensors:
-        dist.broadcast(tensor.data, src=src, group=group)
+    broadcast_tensors(tensors, dist.get_global_rank(group, 0), group)
 
 
 def _clip_over_tensor_parallel(plugin: Precision, tp_group: ProcessGroup | None) -> None:

@@ -9,6 +9,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from typing_extensions import override
 
 from lightning_cp.strategies.base import MegatronCPBase, broadcast_from_first
@@ -118,8 +119,24 @@ class MegatronCPStrategy(MegatronCPBase):
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
-        # Lightning's own construction (side CUDA stream, device ids), over the DP x CP ranks only.
-        self._ddp_kwargs["process_group"] = self.layout.loss_group
+        """Lightning's own construction (side CUDA stream, device ids), over the DP x CP ranks only.
+
+        Frozen parameters of a tensor subclass (QLoRA's NF4 weights) are left out of DDP: its broadcast at
+        construction flattens every parameter into one buffer and copies it back, which would dequantize and
+        quantize each one again (not exactly the same weight). They are broadcast here from the group's
+        first rank through their codes and scales instead, and DDP never reduces them (no gradient).
+
+        Communication: those broadcasts over ``layout.loss_group``, then DDP's construction.
+        """
+        group = self.layout.loss_group
+        quantized = [
+            name
+            for name, p in model.named_parameters()
+            if not p.requires_grad and is_traceable_wrapper_subclass(p)
+        ]
+        broadcast_from_first([model.get_parameter(name) for name in quantized], group)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, quantized)
+        self._ddp_kwargs["process_group"] = group
         return super()._setup_model(model)
 
     def _broadcast_within_tp(self, model: Module) -> None:
