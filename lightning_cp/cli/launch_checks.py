@@ -41,7 +41,8 @@ def check_before_launch(
     Mamba1, token mixers or Ulysses' heads that do not split over ``cp``); and, for a ``RolloutDataModule``,
     ``validate`` / ``test`` without ``val_path``, or a model's ``objective`` with ``kl_coef > 0`` on rollouts
     that the ``subcommand`` reads without ``ref_logprobs`` (``fit``: ``path`` and ``val_path``; ``validate``
-    / ``test``: ``val_path``; ``predict`` computes no loss).
+    / ``test``: ``val_path``; ``predict`` computes no loss), unless the model has LoRA adapters (its base is
+    the reference, computed in the step).
 
     Raises:
         ValueError: naming the setting, the numbers and what to change (the CLI prints it as one line).
@@ -51,7 +52,9 @@ def check_before_launch(
     if isinstance(model, HFCausalLM) and isinstance(strategy, MegatronCPBase):
         check_hf_model(config, strategy.cp, strategy.attention_mode)
     if isinstance(datamodule, RolloutDataModule):
-        _check_rollouts(getattr(model, "objective", None), datamodule, subcommand)
+        # With LoRA the reference is the base model, adapters off, computed in the step.
+        in_step = getattr(model, "lora", None) is not None
+        _check_rollouts(getattr(model, "objective", None), datamodule, subcommand, in_step)
 
 
 def _vocab_size(model: LightningModule, config: Any) -> int | None:
@@ -80,16 +83,22 @@ def _check_vocabularies(model_vocab: int | None, config: Any, datamodule: Lightn
     )
 
 
-def _check_rollouts(objective: object, data: RolloutDataModule, subcommand: str) -> None:
+def _check_rollouts(objective: object, data: RolloutDataModule, subcommand: str, in_step: bool) -> None:
     """``validate`` / ``test`` with no validation rollouts, and a KL term without the reference log-probs of
-    the rollouts the subcommand reads (their columns or directories)."""
+    the rollouts the subcommand reads (their columns or directories) unless the model computes them in the
+    step (``in_step``: LoRA's base model)."""
     if subcommand in _EVALUATIONS and data.val_path is None:
         raise ValueError(
             f"data.val_path is not set: {subcommand} runs on RolloutDataModule's validation rollouts only "
             f"(path is the training data), so it would {subcommand} nothing; set data.init_args.val_path to a "
             "rollout file."
         )
-    if not isinstance(objective, PolicyObjective) or objective.kl_coef == 0 or subcommand == "predict":
+    if (
+        not isinstance(objective, PolicyObjective)
+        or objective.kl_coef == 0
+        or subcommand == "predict"
+        or in_step
+    ):
         return
     for name in ("val_path",) if subcommand in _EVALUATIONS else ("path", "val_path"):
         keys = data.logprob_keys(name)

@@ -33,6 +33,7 @@ import importlib.util
 import math
 import sys
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -158,6 +159,22 @@ def adapter_layers(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for name, child in module.named_modules():
         if isinstance(child, tuners.BaseTunerLayer):
             yield name, child
+
+
+@contextmanager
+def adapters_off(module: nn.Module) -> Iterator[None]:
+    """Inside, every ``peft`` tuner layer in ``module`` computes its base layer alone: ``module`` is the
+    frozen base model (the reference policy of RL with LoRA), as ``PeftModel.disable_adapter()`` makes it
+    for a model that ``peft`` wraps (through the same ``enable_adapters`` of each layer, which also turns the
+    adapters' ``requires_grad`` off inside and back on on exit: call it without a graph)."""
+    layers = [layer for _, layer in adapter_layers(module) if not layer.disable_adapters]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def materialize_adapters(module: nn.Module) -> None:

@@ -10,10 +10,17 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_cp.constants import ATTN_IMPLEMENTATION, CP_SHARD, INPUT_IDS, INPUT_MASK, POSITION_IDS
+from lightning_cp.constants import (
+    ATTN_IMPLEMENTATION,
+    CP_SHARD,
+    INPUT_IDS,
+    INPUT_MASK,
+    POSITION_IDS,
+    REF_LOGPROBS,
+)
 from lightning_cp.hf.causal_lm import decoder, output_head
 from lightning_cp.hf.loading import causal_lm_config, check_causal_lm_config, load_pretrained
-from lightning_cp.hf.lora import LoRA, add_adapters, require_peft
+from lightning_cp.hf.lora import LoRA, adapters_off, add_adapters, require_peft
 from lightning_cp.hf.qlora import require_torchao
 from lightning_cp.hf.registration import UnsupportedAttentionClasses
 from lightning_cp.hf.router_loss import load_balancing_loss
@@ -71,7 +78,9 @@ class HFCausalLM(CPLossMixin, LightningModule):
             LoRA adapters on the built or loaded model (:func:`~lightning_cp.hf.lora.add_adapters`, before the
             checkpointing and the tiling), the base frozen in ``dtype`` and only the adapters trained and given
             to AdamW; with ``quantize="nf4"`` (QLoRA) the decoder's linear weights stored as 4-bit NF4,
-            quantized as they load (:mod:`lightning_cp.hf.qlora`). Both strategies, any dp x cp.
+            quantized as they load (:mod:`lightning_cp.hf.qlora`). Both strategies, any dp x cp. With an
+            ``objective`` whose ``kl_coef > 0`` on rollouts without ``ref_logprobs``, the reference policy is
+            the base model, adapters off, its log-probs computed in the step (one forward without a graph).
 
     Raises:
         ImportError: ``transformers`` is not installed (``pip install 'lightning-cp[hf]'``); ``lora`` without
@@ -167,6 +176,8 @@ class HFCausalLM(CPLossMixin, LightningModule):
                 out.last_hidden_state, output_head(self.model), batch, chunk_size=self.hparams.chunk_size
             )
         else:
+            if self.lora is not None and objective.kl_coef > 0 and REF_LOGPROBS not in batch:
+                batch = {**batch, REF_LOGPROBS: self._reference_logprobs(batch)}
             loss = self.policy_loss(
                 out.last_hidden_state,
                 output_head(self.model),
@@ -193,6 +204,18 @@ class HFCausalLM(CPLossMixin, LightningModule):
         ``objective``'s temperature when there is one."""
         temperature = 1.0 if self.objective is None else self.objective.temperature
         return self.lm_token_logprobs(self(batch), output_head(self.model), batch, temperature=temperature)
+
+    def _reference_logprobs(self, batch: dict[str, Any]) -> Tensor:
+        """The reference policy's log-probs of this rank's targets ``[B, S_local]`` at the objective's
+        temperature: with LoRA the base model, adapters off (:func:`~lightning_cp.hf.lora.adapters_off`),
+        one forward without a graph in the step itself (no second model, no ``predict`` pass). Under FSDP it
+        gathers the parameters once more; under CP it communicates as the step's forward does."""
+        with torch.no_grad(), adapters_off(self.model):
+            hidden = self._decode(batch, router_logits=False).last_hidden_state
+            found = self.lm_token_logprobs(
+                hidden, output_head(self.model), batch, temperature=self.objective.temperature
+            )
+        return found["logprobs"]
 
     def _decode(self, batch: dict[str, Any], *, router_logits: bool) -> Any:
         extra = {"output_router_logits": True} if router_logits else {}

@@ -152,7 +152,7 @@ def _rollout_file(path, reference: bool) -> str:
 
 def test_a_kl_term_without_the_rollouts_reference_log_probs_is_refused(tmp_path):
     """Where the first step (or the sanity check, for val_path) would fail after launch; predict, which
-    writes those log-probs, and kl_coef=0 are not refused."""
+    writes those log-probs, kl_coef=0 and a LoRA model (its base is the reference) are not refused."""
     pytest.importorskip("datasets")
     model = HFCausalLM(CONFIGS["llama"], objective=PolicyObjective(kl_coef=0.1))
     strategy = MegatronCPStrategy(cp=2)
@@ -174,6 +174,9 @@ def test_a_kl_term_without_the_rollouts_reference_log_probs_is_refused(tmp_path)
     assert refusal(given, val_path=given) is None and refusal(bare, given, "validate") is None
     assert refusal(bare, subcommand="predict") is None
     assert refusal(bare, bare, objective=HFCausalLM(CONFIGS["llama"], objective=PolicyObjective())) is None
+    # With LoRA the reference is the base model, adapters off, computed in the step.
+    lora = HFCausalLM(CONFIGS["llama"], objective=PolicyObjective(kl_coef=0.1), lora={"rank": 4})
+    assert refusal(bare, bare, objective=lora) is None
 
 
 @pytest.mark.parametrize("subcommand", ["validate", "test"])

@@ -10,16 +10,23 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch import seed_everything
+from lightning.pytorch import Callback, seed_everything
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from lightning_cp import MegatronCPStrategy, PolicyObjective
+from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy, PolicyObjective
 from lightning_cp.data import collate_packed, collate_padded
 from lightning_cp.models import HFCausalLM
 from tests._trainer import cp_trainer
 from tests.hf._models import CONFIGS
 from tests.hf.test_hybrid import HYBRIDS
-from tests.loss._policy_reference import Rollout, draw_rollouts, objective_of_step, samples
+from tests.loss._policy_reference import (
+    Rollout,
+    completion_logprobs,
+    draw_rollouts,
+    objective_of_step,
+    samples,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -135,3 +142,88 @@ def test_dp2_cp2_packed_steps_equal_the_unsharded_models(world4):
 
 def test_dp1_cp2_padded_steps_equal_the_unsharded_models(world2):
     _check(world2.run(_fit, 2, False)[0])
+
+
+class _Gradients(Callback):
+    """The model's gradients of the step (the module's own hook has rescaled them by then), whole (FSDP's
+    shards gathered while the groups live)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.whole = {
+            n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+            for n, p in pl_module.model.named_parameters()
+            if p.grad is not None
+        }
+
+
+def _fit_with_lora(cp: int, fsdp: bool) -> dict:
+    """The qwen3 case's step with LoRA adapters (made non-zero first, so that the policy is not its base) and
+    rollouts without ``ref_logprobs``: the reference log-probs are the base model's, adapters off, computed
+    in the step. The reference: ``transformers`` + ``peft``'s policy and ``transformers``' base model of the
+    same weights, the rollouts' ``ref`` the base's log-probs."""
+    peft = pytest.importorskip("peft")
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    config, objective = CASES["qwen3"]
+    module = HFCausalLM(config, lr=1e-3, objective=objective, lora={"rank": 4, "alpha": 8.0})
+    seed_everything(0)
+    module.configure_model()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in module.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    initial = copy.deepcopy(module.model.state_dict())
+    policy = peft.inject_adapter_in_model(
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), _model(config)
+    )
+    policy.load_state_dict(initial)
+    base = _model(config, {k.replace(".base_layer", ""): v for k, v in initial.items() if "lora_" not in k})
+
+    def logits(model, ids):
+        return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+
+    steps = draw_rollouts(
+        lambda ids: logits(policy, ids),
+        range(3, config["vocab_size"]),
+        MICRO_BATCHES,
+        1,
+        seed=5,
+        temperature=objective.temperature,
+    )
+    rollouts = [r for slots in steps for slot in slots for r in slot]
+    with torch.no_grad():
+        for r in rollouts:
+            r.ref = completion_logprobs(logits(base, r.ids), r, objective.temperature)[0].tolist()
+    batches = [
+        collate_padded([{k: v for k, v in s.items() if k != "ref_logprobs"} for s in samples(slots[0])])
+        for slots in steps
+    ]
+    strategy = (MegatronCPFSDPStrategy if fsdp else MegatronCPStrategy)(cp=cp)
+    grads = _Gradients()
+    trainer = cp_trainer(
+        cp, max_steps=1, accumulate_grad_batches=MICRO_BATCHES, strategy=strategy, callbacks=[grads]
+    )
+    trainer.fit(module, DataLoader(batches, batch_size=None, shuffle=False))
+    metrics = {
+        key.removeprefix("train/rl/"): value.item()
+        for key, value in trainer.callback_metrics.items()
+        if key.startswith("train/rl/") and key.endswith(("_step", "_epoch"))
+    }
+    result = {"metrics": metrics, "grads": grads.whole}
+    if dist.get_rank() == 0:
+        loss, expected_metrics = objective_of_step(
+            rollouts, [logits(policy, r.ids) for r in rollouts], objective
+        )
+        loss.backward()
+        lora = {n: p.grad for n, p in policy.named_parameters() if "lora_" in n}
+        result["expected"] = {"metrics": expected_metrics, "grads": lora}
+    return {"qwen3-lora": result}
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_with_lora_the_kl_reference_is_the_base_model_computed_in_the_step(world2, fsdp):
+    """No ``ref_logprobs`` in the rollouts, no ``predict`` pass: the KL term (its metric and every adapter's
+    gradient) is against the base model, as ``peft``'s ``disable_adapter()`` gives it; under FSDP the
+    reference's forward (the step's first, without a graph) leaves the adapters trainable."""
+    _check(world2.run(_fit_with_lora, 2, fsdp)[0])
