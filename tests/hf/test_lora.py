@@ -51,6 +51,7 @@ class _Record:
             self.start = {n: _whole(p).clone() for n, p in self._net().named_parameters() if not _nf4(p)}
 
     def on_before_optimizer_step(self, optimizer):
+        super().on_before_optimizer_step(optimizer)  # the loss's rescale of the step's gradients first
         net = self._net()
         self.trainable = sorted(n for n, p in net.named_parameters() if p.requires_grad)
         self.optimized = sum(len(group["params"]) for group in optimizer.param_groups)
