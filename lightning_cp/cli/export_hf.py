@@ -2,10 +2,12 @@
 
 Run::
 
-    lightning-cp export-hf CHECKPOINT OUTPUT_DIR [--dtype bfloat16] [--tokenizer DIR] [--max-shard-mb 5120] [--overwrite]
+    lightning-cp export-hf CHECKPOINT OUTPUT_DIR [--dtype bfloat16] [--tokenizer DIR] [--max-shard-mb 5120] [--overwrite] [--adapter]
 
 ``CHECKPOINT`` is a ``.ckpt`` file (``MegatronCPStrategy``) or a ``MegatronCPFSDPStrategy`` checkpoint folder
-of :class:`~lightning_cp.models.HFCausalLM`; see :func:`lightning_cp.export_hf`. One process, no GPU, one
+of :class:`~lightning_cp.models.HFCausalLM`; see :func:`lightning_cp.export_hf`. A LoRA run's checkpoint is
+written merged, or with ``--adapter`` as the ``peft`` adapter directory that ``PeftModel.from_pretrained``
+loads on the pretrained base. One process, no GPU, one
 safetensors shard in memory at a time. A bad checkpoint, or an ``OUTPUT_DIR`` that already holds weights
 (the pretrained directory, an earlier export) without ``--overwrite``, is one line on stderr and exit
 status 2, with nothing written.
@@ -38,6 +40,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="replace the weights OUTPUT_DIR already holds (every model*.safetensors, index, pytorch_model*.bin)",
     )
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run: write the peft adapter directory (adapter_config.json, adapter_model.safetensors), "
+        "not the merged model",
+    )
     args = parser.parse_args(argv)
     try:
         output = export_hf(
@@ -47,9 +55,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokenizer=args.tokenizer,
             max_shard_bytes=int(args.max_shard_mb * 2**20),
             overwrite=args.overwrite,
+            adapter=args.adapter,
         )
     except ValueError as error:
         print(f"lightning-cp export-hf: error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {output}: AutoModelForCausalLM.from_pretrained({str(output)!r})")
+    load = (
+        "PeftModel.from_pretrained(base, {!r})"
+        if args.adapter
+        else "AutoModelForCausalLM.from_pretrained({!r})"
+    )
+    print(f"wrote {output}: {load.format(str(output))}")
     return 0

@@ -36,6 +36,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_cp.checkpoint_format import Checkpoint, open_checkpoint
 from lightning_cp.hf.composite import StoredNames, is_composite, text_config
 from lightning_cp.hf.loading import check_causal_lm_config
+from lightning_cp.hf.lora_export import TrainedWeights, lora_of, write_adapter
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -54,10 +55,14 @@ WEIGHT_FILES = (
     "model.safetensors.index.json",
     "pytorch_model*.bin",
     "pytorch_model.bin.index.json",
+    "adapter_config.json",
+    "adapter_model.safetensors",
 )
-"""The files ``from_pretrained`` reads weights from (patterns): what an output directory must not hold already
-unless ``overwrite=True``, and what an overwrite removes."""
+"""The files ``from_pretrained`` reads weights from (patterns; a ``peft`` adapter's too, which ``transformers``
+loads on its base in place of the directory's weights): what an output directory must not hold already unless
+``overwrite=True``, and what an overwrite removes."""
 _ENTRY_POINTS = (
+    "adapter_config.json",
     "model.safetensors",
     "model.safetensors.index.json",
     "pytorch_model.bin",
@@ -75,8 +80,14 @@ def export_hf(
     tokenizer: str | Path | None = None,
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = False,
+    adapter: bool = False,
 ) -> Path:
     """Write the ``transformers`` model of a Lightning checkpoint as a ``save_pretrained`` directory.
+
+    A checkpoint of a LoRA run (``HFCausalLM(lora=...)``) is written merged (each adapted weight
+    ``W + (alpha / rank) B A``, computed in fp32, under the pretrained model's names); with ``adapter=True``
+    as the ``peft`` adapter directory instead (:mod:`lightning_cp.hf.lora_export`), which
+    ``PeftModel.from_pretrained(base, output_dir)`` loads on the pretrained base.
 
     Args:
         checkpoint: a ``.ckpt`` file, or a ``MegatronCPFSDPStrategy`` checkpoint folder, of a module whose
@@ -92,6 +103,8 @@ def export_hf(
         overwrite: replace the weights ``output_dir`` already holds (the pretrained directory, an earlier
             export): every file of :data:`WEIGHT_FILES` there is removed and the new set moved in, the files
             ``from_pretrained`` reads first last, so that no state in between loads a mix of the two.
+        adapter: write a LoRA run's adapters alone (``adapter_config.json``, ``adapter_model.safetensors``) and
+            the tokenizer files, not the merged model.
 
     Returns:
         ``output_dir``.
@@ -99,7 +112,9 @@ def export_hf(
     Raises:
         ValueError: a checkpoint that is missing, unreadable, without a ``config`` hyperparameter, whose
             config is not a ``transformers`` causal LM's, or without parameters under ``prefix``; an
-            ``output_dir`` that holds weights already without ``overwrite`` (:func:`check_output_dir`).
+            ``output_dir`` that holds weights already without ``overwrite`` (:func:`check_output_dir`);
+            ``adapter=True`` for a checkpoint of a run without LoRA; a merge that would change the model
+            (:class:`~lightning_cp.hf.lora_export.TrainedWeights`).
     """
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -111,8 +126,21 @@ def export_hf(
     check_output_dir(output, overwrite)
     source = open_checkpoint(path)
     config, pretrained = _transformers_config(source)
-    names = _stored_names(text_config(config))
-    shapes = {name: source.shapes[prefix + name] for name in names if prefix + name in source.shapes}
+    lora = lora_of(source)
+    if adapter:
+        if lora is None:
+            raise ValueError(
+                f"export_hf({str(checkpoint)!r}, adapter=True): the checkpoint is of a run without LoRA (its "
+                "hyperparameter 'lora' is None): export the whole model (adapter=False)."
+            )
+        with _staged(output) as staging:
+            write_adapter(source, lora, text_config(config), pretrained, staging, prefix, dtype)
+            _copy_tokenizer(tokenizer if tokenizer is not None else pretrained, staging)
+        return output
+    text = text_config(config)
+    weights = TrainedWeights(source, prefix, lora, tied=bool(getattr(text, "tie_word_embeddings", False)))
+    names = _stored_names(text)
+    shapes = {name: weights.shapes[name] for name in names if name in weights.shapes}
     missing = [name for name in names if name not in shapes]
     if missing:
         raise ValueError(
@@ -121,7 +149,7 @@ def export_hf(
         )
     with _staged(output) as staging:
         if pretrained is not None and is_composite(config):
-            _export_composite(source, pretrained, staging, {prefix + n: n for n in names}, dtype)
+            _export_composite(weights, pretrained, staging, names, dtype)
             _copy_tokenizer(tokenizer, staging)
             return output
         shards = _plan_shards(shapes, dtype, max_shard_bytes)
@@ -130,7 +158,7 @@ def export_hf(
             file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
             tensors = {}
             for name in shard:
-                tensor = source.read(prefix + name)
+                tensor = weights.read(name)
                 tensors[name] = (tensor.to(dtype) if dtype is not None else tensor).contiguous()
                 weight_map[name] = file
             save_file(tensors, staging / file, metadata={"format": "pt"})
@@ -262,13 +290,13 @@ def _copy_tokenizer(directory: str | Path | None, output: Path) -> None:
 
 
 def _export_composite(
-    source: Checkpoint, pretrained: Path, output: Path, trained: dict[str, str], dtype: torch.dtype | None
+    weights: TrainedWeights, pretrained: Path, output: Path, trained: list[str], dtype: torch.dtype | None
 ) -> None:
     """The composite ``pretrained`` with its text model's tensors replaced by the trained ones.
 
     Every safetensors file of ``pretrained`` is written again under its name with every tensor it holds: the
-    text model's (``trained``: checkpoint name -> text model name, stored under the composite's name, see
-    :class:`~lightning_cp.hf.composite.StoredNames`) from ``source`` (cast to ``dtype`` if given), the others
+    text model's (``trained``: text model names, stored under the composite's names, see
+    :class:`~lightning_cp.hf.composite.StoredNames`) from ``weights`` (cast to ``dtype`` if given), the others
     (vision tower, projector, audio) as they were, byte for byte. Every other file of ``pretrained`` (the
     composite's config, generation config, processor and tokenizer files) is copied. One file in memory at a
     time.
@@ -277,7 +305,7 @@ def _export_composite(
     from safetensors.torch import save_file
 
     names = StoredNames(pretrained, composite=True)
-    replace = {names(text): checkpoint for checkpoint, text in trained.items()}
+    replace = {names(text): text for text in trained}
     sizes: dict[str, int] = {}
     for file in sorted(pretrained.glob("*.safetensors")):
         tensors = {}
@@ -285,7 +313,7 @@ def _export_composite(
             metadata = handle.metadata()
             for key in list(handle.keys()):
                 if key in replace:
-                    tensor = source.read(replace[key])
+                    tensor = weights.read(replace[key])
                     tensors[key] = (tensor.to(dtype) if dtype is not None else tensor).contiguous()
                 else:
                     tensors[key] = handle.get_tensor(key)

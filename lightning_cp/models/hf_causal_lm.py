@@ -19,6 +19,7 @@ from lightning_cp.constants import (
     REF_LOGPROBS,
 )
 from lightning_cp.hf.causal_lm import decoder, output_head
+from lightning_cp.hf.export import ExportHFOnFitEnd
 from lightning_cp.hf.loading import causal_lm_config, check_causal_lm_config, load_pretrained
 from lightning_cp.hf.lora import LoRA, adapters_off, add_adapters, require_peft
 from lightning_cp.hf.qlora import require_torchao
@@ -251,3 +252,33 @@ class HFCausalLM(CPLossMixin, LightningModule):
         warmup = max(1, hparams.warmup_steps)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def setup(self, stage: str) -> None:
+        """Refuse, before the first step, a QLoRA fit that would save a checkpoint (a ``ModelCheckpoint``, as
+        ``Trainer`` adds by default, or :class:`~lightning_cp.hf.export.ExportHFOnFitEnd`): see
+        :meth:`on_save_checkpoint`."""
+        saves = bool(self.trainer.checkpoint_callbacks) or any(
+            isinstance(callback, ExportHFOnFitEnd) for callback in self.trainer.callbacks
+        )
+        if stage == "fit" and saves:
+            self._refuse_quantized_checkpoints()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a checkpoint of a QLoRA run (a LoRA run's holds the frozen base, the adapters and their AdamW
+        state, and names the base in its hyperparameters; it resumes exactly and ``export_hf`` merges it).
+
+        Raises:
+            ValueError: ``lora.quantize="nf4"``: its base weights are ``torchao`` NF4 tensors, which the
+                checkpoint format, the resume and ``export_hf`` are not made or tested for.
+        """
+        self._refuse_quantized_checkpoints()
+
+    def _refuse_quantized_checkpoints(self) -> None:
+        if self.lora is not None and self.lora.quantize is not None:
+            raise ValueError(
+                f"HFCausalLM(lora=LoRA(quantize={self.lora.quantize!r})): lightning_cp does not checkpoint QLoRA "
+                "runs yet: the frozen base is torchao NF4 tensors, which its checkpoints (file or sharded "
+                "folder), their resume and export_hf do not handle. Train without checkpoints (no "
+                "ModelCheckpoint: Trainer(enable_checkpointing=False), no ExportHFOnFitEnd), or with "
+                "quantize=None."
+            )

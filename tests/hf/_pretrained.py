@@ -81,16 +81,17 @@ class _Logits(HFCausalLM):
         return {"logits": logits, "ids": batch["input_ids"], "local": self.local, "tied": tied}
 
 
-def sharded_logits(directory, cp, precision, ckpt_path=None, fsdp=True):
+def sharded_logits(directory, cp, precision, ckpt_path=None, fsdp=True, **options):
     """Every rank: predict on one batch per DP rank over DP x CP (FSDP or DDP), from the pretrained
-    ``directory`` or the checkpoint ``ckpt_path`` of a module fine-tuned from it; returns a list of (full input
-    ids, full logits) per DP rank, and every rank's parameter shards."""
+    ``directory`` or the checkpoint ``ckpt_path`` of a module fine-tuned from it (``HFCausalLM``'s ``options``,
+    such as ``lora``); returns a list of (full input ids, full logits) per DP rank, and every rank's parameter
+    shards."""
     torch.manual_seed(1)
     data = [{"input_ids": torch.randint(0, VOCAB, (SEQ,))} for _ in range(4)]
     dp = dist.get_world_size() // cp
     trainer = quiet_trainer(devices=dist.get_world_size(), strategy=_strategy(cp, fsdp), precision=precision)
     loader = DataLoader(data, batch_size=len(data) // dp, collate_fn=collate_padded)
-    [out] = trainer.predict(_Logits(str(directory)), loader, ckpt_path=ckpt_path)
+    [out] = trainer.predict(_Logits(str(directory), **options), loader, ckpt_path=ckpt_path)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, out)
     rows = []
