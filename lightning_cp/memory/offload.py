@@ -41,6 +41,13 @@ from lightning_cp.adaptation import add_hooks
 MIN_OFFLOAD_BYTES = 2**16
 """Saved inputs smaller than this stay on the device: a copy costs more than it saves (default ``min_bytes``)."""
 
+HOST_PAGE_BYTES = 2**26
+"""An offloaded tensor is held on the host in pages of this many bytes (the last one shorter). PyTorch's
+caching host allocator rounds every pinned block up to a power of two (torch 2.13:
+``CachingHostAllocatorImpl``), so a 4.9 GiB layer input in one block would take 8 GiB; in 64 MiB pages (a
+power of two, reused from the allocator's cache step after step) it takes its size and at most one rounded
+page more. Each page is one copy of 64 MiB: large enough for the copy engines' full speed."""
+
 
 @dataclass
 class OffloadStats:
@@ -61,13 +68,14 @@ class OffloadStats:
 
 
 class _HostCopy:
-    """One offloaded tensor: its host copy, and its device copy while brought back."""
+    """One offloaded tensor: its bytes in host pages (:data:`HOST_PAGE_BYTES`), and its device copy while
+    brought back."""
 
-    __slots__ = ("device", "device_copy", "host", "ready", "uses")
+    __slots__ = ("device", "device_copy", "dtype", "pages", "ready", "shape", "uses")
 
-    def __init__(self, host: Tensor, device: torch.device, ready: Any) -> None:
-        self.host = host
-        self.device = device
+    def __init__(self, pages: list[Tensor], like: Tensor, ready: Any) -> None:
+        self.pages = pages  # uint8, in order: the tensor's bytes
+        self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
         self.ready = ready  # CUDA event after the copy to host; None on CPU
         self.device_copy: Tensor | None = None
         self.uses = 0  # saves not yet unpacked: the device copy is dropped after the last one
@@ -210,34 +218,52 @@ class ActivationOffload:
         return len(missing)
 
     def _to_host(self, tensor: Tensor) -> _HostCopy:
-        """A host copy of ``tensor``; on CUDA pinned and asynchronous, on the offload stream."""
+        """A host copy of ``tensor`` in pages; on CUDA pinned and asynchronous, on the offload stream."""
+        source = _bytes_of(tensor.detach())
+        pages = [
+            torch.empty(len(part), dtype=torch.uint8, pin_memory=tensor.is_cuda)
+            for part in source.split(HOST_PAGE_BYTES)
+        ]
         if not tensor.is_cuda:
-            return _HostCopy(tensor.detach().clone(), tensor.device, None)
+            for page, part in zip(pages, source.split(HOST_PAGE_BYTES), strict=True):
+                page.copy_(part)
+            return _HostCopy(pages, tensor, None)
         to_host, _ = self._side_streams(tensor.device)
-        host = torch.empty_like(tensor, device="cpu", pin_memory=True)
         to_host.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(to_host):
-            host.copy_(tensor, non_blocking=True)
-            tensor.record_stream(to_host)  # its memory is reused only after this copy ran
-        return _HostCopy(host, tensor.device, to_host.record_event())
+            for page, part in zip(pages, source.split(HOST_PAGE_BYTES), strict=True):
+                page.copy_(part, non_blocking=True)
+            source.record_stream(to_host)  # its memory is reused only after these copies ran
+        return _HostCopy(pages, tensor, to_host.record_event())
 
     def _fetch(self, copy: _HostCopy) -> None:
         """Start copying ``copy`` back to its device (on CUDA on the prefetch stream, after its copy to host)."""
         if copy.device.type != "cuda":
-            copy.device_copy = torch.empty_like(copy.host, device=copy.device).copy_(copy.host)
+            copy.device_copy = self._from_pages(copy, non_blocking=False)
             return
         _, to_device = self._side_streams(copy.device)
-        with torch.cuda.stream(to_device):
+        with torch.cuda.stream(to_device):  # allocated on this stream: no pending compute reads its memory
             to_device.wait_event(copy.ready)
-            copy.device_copy = torch.empty_like(copy.host, device=copy.device).copy_(
-                copy.host, non_blocking=True
-            )
+            copy.device_copy = self._from_pages(copy, non_blocking=True)
             copy.ready = to_device.record_event()
+
+    @staticmethod
+    def _from_pages(copy: _HostCopy, non_blocking: bool) -> Tensor:
+        """A new tensor on ``copy``'s device filled from its pages (on the current stream)."""
+        tensor = torch.empty(copy.shape, dtype=copy.dtype, device=copy.device)
+        for part, page in zip(_bytes_of(tensor).split(HOST_PAGE_BYTES), copy.pages, strict=True):
+            part.copy_(page, non_blocking=non_blocking)
+        return tensor
 
     def _side_streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         if device not in self._streams:
             self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         return self._streams[device]
+
+
+def _bytes_of(tensor: Tensor) -> Tensor:
+    """``tensor``'s elements as one flat ``uint8`` view (of a contiguous copy, when it is not contiguous)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 def offload_checkpointed(

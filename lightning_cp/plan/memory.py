@@ -95,9 +95,9 @@ class MemoryEstimate:
     reserve: int
     """:data:`RESERVE_BYTES` plus :data:`RESERVE_FRACTION` of the rest."""
     host: int
-    """Host memory per rank (not on the device): the offloaded layer inputs (on CUDA each in a pinned block
-    rounded up to a power of two: :func:`~lightning_cp.plan.terms.pinned_bytes`), and under ``cpu_offload``
-    the rank's shards of the parameters, gradients and AdamW state."""
+    """Host memory per rank (not on the device): the offloaded layer inputs (on CUDA each in 64 MiB pinned
+    pages, the last rounded up to a power of two: :func:`~lightning_cp.plan.terms.pinned_bytes`), and under
+    ``cpu_offload`` the rank's shards of the parameters, gradients and AdamW state."""
     host_transfer: int
     """Bytes copied between host and device per step besides the batch: the offloaded layer inputs out and
     back, and under ``cpu_offload`` the parameter shards in for every unit's forward and backward gather and

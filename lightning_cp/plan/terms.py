@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lightning_cp.memory.offload import HOST_PAGE_BYTES
 from lightning_cp.memory.tiling import auto_tile_tokens
 from lightning_cp.ops._plan import chunk_budget, chunk_tokens
 from lightning_cp.parallel.attention import blocked_kernel_score_bytes
@@ -197,19 +198,20 @@ def frozen_norms(step: Step) -> tuple[int, int]:
 
 
 def pinned_bytes(nbytes: int, device: str) -> int:
-    """Host bytes one pinned copy of ``nbytes`` holds. On CUDA PyTorch's caching host allocator
-    (``torch.empty(..., pin_memory=True)``, as the offload allocates) rounds every block up to a power of two
-    and keeps freed blocks for reuse (torch 2.13: ``CachingHostAllocatorImpl::allocate`` in
-    ``ATen/core/CachingHostAllocator.h``; ``PYTORCH_ALLOC_CONF``'s ``pinned_max_round_threshold_mb``, unset
-    by default, would stop it above a size); on the CPU the offload's host copies are plain tensors."""
+    """Host bytes one offloaded copy of ``nbytes`` holds. The offload keeps it in pinned pages of
+    :data:`~lightning_cp.memory.offload.HOST_PAGE_BYTES` (the last one shorter), and on CUDA PyTorch's
+    caching host allocator rounds every pinned block up to a power of two and keeps freed blocks for reuse
+    (torch 2.13: ``CachingHostAllocatorImpl::allocate`` in ``ATen/core/CachingHostAllocator.h``): the full
+    pages take their size, the last one its next power of two. On the CPU the pages are plain tensors."""
     if device != "cuda" or nbytes == 0:
         return nbytes
-    return 1 << (nbytes - 1).bit_length()
+    full, rest = divmod(nbytes, HOST_PAGE_BYTES)
+    return full * HOST_PAGE_BYTES + (1 << (rest - 1).bit_length() if rest else 0)
 
 
 def activations(step: Step, layer: LayerSaved) -> tuple[int, int, int]:
     """``(on the device, on the host, copied between them)``: what the forward saves for the backward.
-    Offloaded layer inputs take their pinned blocks on the host (:func:`pinned_bytes`); their bytes
+    Offloaded layer inputs take their pinned pages on the host (:func:`pinned_bytes`); their bytes
     cross twice."""
     shape, layout, tokens = step.shape, step.layout, step.tokens
     stream = step.dtypes["residual_bytes"]
@@ -359,8 +361,10 @@ def communication(step: Step, index_sent: int) -> int:
         sent = step.ulysses_sent * (layout.cp - 1) // layout.cp
         gathering -= shape.dense_attention_layers
         communication += (2 + recomputed) * shape.dense_attention_layers * sent
-    kv = step.padded * (shape.kv_dim + shape.v_dim) * compute
-    communication += (3 + recomputed) * gathering * ring(layout.cp, kv)  # forward, backward, reduced
+    kv = step.padded * (shape.kv_dim + shape.v_dim)
+    # Gathered in the compute dtype (forward, backward, recomputation); the gradients reduced in fp32.
+    gathered = (2 + recomputed) * ring(layout.cp, kv * compute) + ring(layout.cp, kv * max(compute, 4))
+    communication += gathering * gathered
     communication += (1 + recomputed) * index_sent  # the indexer keys, forward (recomputed)
     if shape.mixer is not None:  # two all-to-alls forward, two backward, two more to recompute
         exchanged = step.tokens * shape.mixer.exchanged_per_token(layout.cp) * compute

@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_cp import MegatronCPFSDPStrategy, MegatronCPStrategy
 from lightning_cp.memory import ActivationOffload, offload_checkpointed
+from lightning_cp.memory import offload as offload_module
 from lightning_cp.models.gpt import GPT, GPTConfig
 
 N_LAYER = 3
@@ -137,7 +138,7 @@ def test_each_layers_inputs_are_brought_back_when_the_next_layers_backward_start
         block.register_full_backward_pre_hook(lambda m, g, i=i: order.append(("backward", i)))
     original = offload._fetch
     offload._fetch = lambda host_copy: (
-        order.append(("fetch", host_copy.host.shape[-1])),
+        order.append(("fetch", host_copy.shape[-1])),
         original(host_copy),
     )
     _step(offloaded_model)
@@ -294,15 +295,45 @@ def test_offload_without_checkpointing_fails_at_construction(strategy):
             strategy(cp=2, activation_checkpointing=["_Block"], offload_activations=bad)
 
 
+def test_host_copies_in_pages_give_the_same_gradients(monkeypatch):
+    """Every offloaded tensor is held in pages of ``HOST_PAGE_BYTES`` (the last one shorter; pinned pages of
+    a power of two are not rounded up by PyTorch's host allocator): pages that cut through elements give
+    checkpointing's gradients bit for bit."""
+    monkeypatch.setattr(offload_module, "HOST_PAGE_BYTES", 100)  # 12.5 float64 elements
+    model = _gpt()
+    alone = _step(_checkpointed(model, offload=False)[0])
+    offloaded_model, offload = _checkpointed(model, offload=True)
+    made = []
+    to_host = offload._to_host
+    monkeypatch.setattr(offload, "_to_host", lambda tensor: made.append(to_host(tensor)) or made[-1])
+    got = _step(offloaded_model)
+    for a, b in zip([got[0], *got[1]], [alone[0], *alone[1]], strict=True):
+        assert torch.equal(a, b)
+    sizes = [[len(page) for page in copy.pages] for copy in made]
+    # A block's input [2, 24, 16] float64: 6,144 bytes, in 61 pages of 100 and one of 44.
+    assert [100] * 61 + [44] in sizes and all(max(s) <= 100 for s in sizes)
+    assert sum(map(sum, sizes)) == offload.stats.offloaded_bytes
+
+
 @pytest.mark.gpu
 def test_cuda_offload_gives_the_same_gradients_and_pinned_host_copies():
     device = torch.device("cuda")
     model = _gpt().to(device)
     alone_model, _ = _checkpointed(model, offload=False)
     offloaded_model, offload = _checkpointed(model, offload=True)
+    pages = []
+    to_host = offload._to_host
+
+    def recorded(tensor):
+        copy = to_host(tensor)
+        pages.extend(copy.pages)
+        return copy
+
+    offload._to_host = recorded
     tokens = torch.randint(0, 64, (2, 24), device=device)
     alone, offloaded = _step(alone_model, tokens), _step(offloaded_model, tokens)
     for a, b in zip([offloaded[0], *offloaded[1]], [alone[0], *alone[1]], strict=True):
         assert torch.equal(a, b)
     assert offload.stats.prefetched_tensors == N_LAYER - 1
     assert all(streams[0] != torch.cuda.current_stream() for streams in offload._streams.values())
+    assert pages and all(page.is_pinned() for page in pages)

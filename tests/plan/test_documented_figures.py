@@ -18,7 +18,9 @@ import yaml
 
 from lightning_cp.cli.plan import main, read_model
 from lightning_cp.plan import Candidate, layouts, max_seq_len
+from lightning_cp.plan.lora import LoRA
 from lightning_cp.plan.search import candidate
+from lightning_cp.plan.shape import ModelShape
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "examples" / "configs" / "models"
@@ -301,17 +303,25 @@ def test_the_sample_output_is_the_plan_s() -> None:
 
 
 def test_the_2tb_node_example_is_the_plan_s() -> None:
-    """An 8-GPU node of 2 TB (``--host-memory 250GB``): Llama-3-8B and Qwen3-30B-A3B both shorter than
-    without the check."""
+    """An 8-GPU node of 2 TB (``--host-memory 250GB``): Llama-3-8B shorter than without the check (at its
+    longest it keeps more than 250 GB per GPU on the host), Qwen3-30B-A3B not (its longest keeps less)."""
     llama = _plan("llama3_8b.json", "--gpus", "8", "--max-seq", "--host-memory", "250GB")
     qwen = _longest(_plan("qwen3_30b_a3b.json", "--gpus", "8", "--max-seq", "--host-memory", "250GB"))
-    qwen_free = _longest(_plan("qwen3_30b_a3b.json", "--gpus", "8", "--max-seq"))
-    llama_free = _longest(_plan("llama3_8b.json", "--gpus", "8", "--max-seq"))
-    assert qwen < qwen_free and _longest(llama) < llama_free
+    qwen_out = _plan("qwen3_30b_a3b.json", "--gpus", "8", "--max-seq")
+    llama_out = _plan("llama3_8b.json", "--gpus", "8", "--max-seq")
+    qwen_free, llama_free = _longest(qwen_out), _longest(llama_out)
+    limit = 250 * 10**9 / GiB
+    llama_host, qwen_host = (float(_rows(out)[0]["host"]) for out in (llama_out, qwen_out))
+    assert _longest(llama) < llama_free and llama_host > limit
+    assert qwen == qwen_free and qwen_host <= limit
     row = _rows(llama)[0]
     stated = (
         f"`--host-memory 250GB` plans {_longest(llama):,} tokens at {float(row['host']):.0f} GiB",
         f"Llama-3-8B {_longest(llama):,} tokens and Qwen3-30B-A3B {qwen:,} ({llama_free:,} and {qwen_free:,}",
+        (
+            f"at its longest Llama-3-8B keeps {llama_host:.1f} GiB per GPU on the host, more than 250 GB, "
+            f"{limit:.1f} GiB; Qwen3-30B-A3B {qwen_host:.1f}, within it"
+        ),
     )
     for phrase in stated:
         assert phrase in _flat(PLAN_DOC), phrase
@@ -341,20 +351,71 @@ def test_the_lora_targets_table_is_the_plan_s(model: str, argv: str, target: tup
     assert phrase in _flat(PLAN_DOC), phrase
 
 
+def _at_longest_and_past(
+    model: str, argv: str, lora: LoRA, host_bytes: int
+) -> tuple[int, Candidate, Candidate]:
+    """A LoRA row's longest sequence, its candidate there and at 1,024 tokens more (the same layout before
+    the host split, the same host memory)."""
+    out = _plan(model, *argv.split(), "--max-seq")
+    longest, row = _longest(out), _rows(out)[0]
+    shape = read_model(str(MODELS / model))
+    name = re.sub(r"\+offload:\d+", "+offload", row["name"])
+    layout = next(layout for layout in layouts(1, shape) if layout.name() == name)
+    at, past = (
+        candidate(shape, n, layout, lora=lora, host_bytes=host_bytes) for n in (longest, longest + 1024)
+    )
+    assert at.layout.name() == row["name"], (at.layout, row)
+    return longest, at, past
+
+
+def _host_split(found: Candidate, layers: int) -> tuple[int, int]:
+    """(layers whose inputs are on the host, layers whose inputs are on the GPU)."""
+    on_host = found.layout.offloaded_layers(layers)
+    return on_host, layers - on_host
+
+
+def _beside_the_inputs(found: Candidate, shape: ModelShape, tokens: int) -> float:
+    """GiB the host holds besides the offloaded layer inputs (one GPU: each input is ``tokens x hidden``
+    bf16, in its pinned pages)."""
+    from lightning_cp.plan.terms import pinned_bytes
+
+    inputs = _host_split(found, shape.layers)[0] * pinned_bytes(tokens * shape.hidden * 2, "cuda")
+    return (found.estimate.host - inputs) / GiB
+
+
 def test_what_binds_the_lora_targets_is_the_plan_s(monkeypatch) -> None:
-    """The LoRA section's figures: the bases' sizes, the Llama-3.1-8B split and recomputation, the longest
-    without the host check, and with host blocks of their exact size."""
+    """The LoRA section's figures: the bases' sizes; for each target its layer input, how many layers' inputs
+    the host holds beside the base, and at 1,024 tokens more one fewer, which the GPU cannot hold; the longest
+    without the host check; with host copies of their exact size; and with the whole-block power-of-two
+    rounding the offload's pages replaced, which missed two targets."""
     from lightning_cp.plan import terms
-    from lightning_cp.plan.lora import LoRA
 
     llama, llama70 = (read_model(str(MODELS / m)) for m in ("llama3_8b.json", "llama3_70b.json"))
-    out = _plan("llama3_8b.json", "--gpus", "1", "--lora", "16", "--host-memory", "256GB", "--max-seq")
-    longest, row = _longest(out), _rows(out)[0]
-    kept = int(re.search(r"\+offload:(\d+)", row["name"])[1])
+    host256, host64 = 256 * 10**9, 64 * 10**9
+    eight = _at_longest_and_past(
+        "llama3_8b.json", "--gpus 1 --lora 16 --host-memory 256GB", LoRA(16), host256
+    )
+    seventy = _at_longest_and_past(
+        "llama3_70b.json", "--gpus 1 --qlora --host-memory 256GB", LoRA(16, "nf4"), host256
+    )
+    small = _at_longest_and_past(
+        "llama3_8b.json", "--gpus 1 --qlora --gpu-memory 24GB --host-memory 64GB", LoRA(16, "nf4"), host64
+    )
+    for (_, at, past), shape, gpu_bytes, host_bytes in (
+        (eight, llama, GB80, host256),
+        (seventy, llama70, GB80, host256),
+        (small, llama, 24 * 10**9, host64),
+    ):  # the host holds one layer's input fewer, and the GPU cannot hold it
+        assert at.estimate.host <= host_bytes and at.estimate.peak <= gpu_bytes
+        assert _host_split(past, shape.layers)[0] == _host_split(at, shape.layers)[0] - 1
+        assert past.estimate.peak > gpu_bytes
     free = {
         m: _plan(m, "--gpus", "1", a, "--max-seq")
         for m, a in (("llama3_8b.json", "--lora=16"), ("llama3_70b.json", "--qlora"))
     }
+
+    longest, at, past = eight
+    assert _host_split(at, 32) == (32, 0)
     phrases = [
         f"Llama-3.1-8B: {LoRA(16).base_bytes(llama, 2) / GiB:.1f} GiB, not the 119.7",
         f"{LoRA(16).adapters(llama) / 1e6:.1f}M for Llama-3.1-8B",
@@ -364,25 +425,66 @@ def test_what_binds_the_lora_targets_is_the_plan_s(monkeypatch) -> None:
         ),
         f"(Llama-3.3-70B's MLP: {LoRA(16, 'nf4').dequantized_bytes(llama70) / GiB:.1f} GiB)",
         (
-            f"input at {longest:,} tokens is {longest * 4096 * 2 / GiB:.1f} GiB, in an 8 GiB block: {kept} of 32 "
-            f"fit beside the base on the host, and the other {32 - kept} on the GPU"
+            f"Llama-3.1-8B's layer input at {longest:,} tokens is {longest * 4096 * 2 / GiB:.2f} GiB: all 32 fit "
+            f"on the host beside the base and the adapters' state (together {_beside_the_inputs(at, llama, longest):.1f} GiB), "
+            f"{at.estimate.host / GiB:.1f} of the {host256 / GiB:.1f} GiB that 256 GB is, at a peak of "
+            f"{at.estimate.peak / GiB:.1f} GiB on the GPU; at 1,024 tokens more the host holds 31, and the one "
+            f"kept on the GPU takes it to {past.estimate.peak / GiB:.1f} GiB."
         ),
-        f"(the recomputation of one layer, {row['transient']} GiB, bounds the rest)",
         f"it plans {_longest(free['llama3_8b.json']):,} tokens ({_rows(free['llama3_8b.json'])[0]['host']} GiB",
+    ]
+    longest, at, past = seventy
+    kept, on_gpu = _host_split(at, 80)
+    phrases += [
+        (
+            f"Llama-3.3-70B's layer input at {longest:,} tokens is {longest * 8192 * 2 / GiB:.2f} GiB: {kept} of "
+            f"80 fit on the host beside the NF4 base and the adapters' state (together "
+            f"{_beside_the_inputs(at, llama70, longest):.1f} GiB), the other {on_gpu} stay on the GPU beside the recomputation of one "
+            f"layer, {at.estimate.transient / GiB:.1f} GiB: {at.estimate.peak / GiB:.1f} GiB; at 1,024 tokens "
+            f"more the host holds {kept - 1} and the GPU's {on_gpu + 1} take it to "
+            f"{past.estimate.peak / GiB:.1f} GiB"
+        ),
         (
             f"(without the host check: {_longest(free['llama3_70b.json']):,} tokens, "
             f"{_rows(free['llama3_70b.json'])[0]['host']} GiB)"
         ),
     ]
-    monkeypatch.setattr(terms, "pinned_bytes", lambda nbytes, device: nbytes)
-    exact = [
-        max(
-            max_seq_len(shape, layout, GB80, host_bytes=256 * 10**9, lora=lora)
-            for layout in layouts(1, shape)
-        )
-        for shape, lora in ((llama, LoRA(16)), (llama70, LoRA(16, "nf4")))
+    longest, at, past = small
+    kept, on_gpu = _host_split(at, 32)
+    assert on_gpu == 1
+    phrases.append(
+        f"reaches {longest:,} tokens, {kept} of 32 layers' inputs on the host ({at.estimate.host / GiB:.1f} GiB), "
+        f"the other on the GPU: {at.estimate.peak / GiB:.1f} GiB; at 1,024 tokens more, {kept - 1} and "
+        f"{past.estimate.peak / GiB:.1f}."
+    )
+
+    def longest_with(rule, *rows) -> list[int]:
+        """The longest of every one-GPU layout with ``pinned_bytes`` replaced by ``rule``."""
+        monkeypatch.setattr(terms, "pinned_bytes", rule)
+        found = [
+            max(max_seq_len(shape, layout, gpu, host_bytes=host, lora=lora) for layout in layouts(1, shape))
+            for shape, lora, gpu, host in rows
+        ]
+        monkeypatch.undo()
+        return found
+
+    targets = ((llama, LoRA(16), GB80, host256), (llama70, LoRA(16, "nf4"), GB80, host256))
+    exact = longest_with(lambda nbytes, device: nbytes, *targets)
+    costs = [
+        f"{e - n:,} tokens" if e > n else "none" for e, n in zip(exact, (eight[0], seventy[0]), strict=True)
     ]
-    phrases.append(f"the plan gives {exact[0]:,} and {exact[1]:,} tokens: both targets met")
-    assert exact[0] >= 684_000 and exact[1] >= 178_000
+    phrases.append(
+        f"the plan gives {exact[0]:,} and {exact[1]:,} tokens: the last page's rounding costs the 8B "
+        f"{costs[0]} and the 70B {costs[1]}."
+    )
+    whole_block = longest_with(
+        lambda nbytes, device: nbytes if device != "cuda" or nbytes == 0 else 1 << (nbytes - 1).bit_length(),
+        *targets,
+        (llama, LoRA(16, "nf4"), 24 * 10**9, host64),
+    )
+    assert whole_block[0] < 684_000 and whole_block[1] < 178_000
+    phrases.append(f"the first two targets were not met: {whole_block[0]:,} and {whole_block[1]:,} tokens")
+    phrases.append(f"and {whole_block[2]:,} on the 24 GB GPU.")
+    assert eight[0] >= 684_000 and seventy[0] >= 178_000 and small[0] >= 2**17
     for phrase in phrases:
         assert phrase in _flat(PLAN_DOC), phrase

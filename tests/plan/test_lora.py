@@ -14,16 +14,8 @@ from lightning_cp.plan.lora import NF4_DEQUANTIZE_BYTES, LoRA, nf4_bytes
 from lightning_cp.plan.search import candidate
 from lightning_cp.plan.terms import pinned_bytes
 from tests.plan._measure import PeakTracker
+from tests.plan.test_memory import LLAMA_8B
 
-LLAMA_8B = {
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-}
 GiB = 2**30
 
 
@@ -104,21 +96,24 @@ def test_qlora_counts_nf4_linear_weights_and_one_dequantized_weight(llama: Model
 
 
 def test_the_host_bound_keeps_the_other_layers_inputs_on_the_gpu(llama: ModelShape) -> None:
-    """Llama-3-8B with LoRA at 640K tokens on one GPU: 32 layer inputs of 5 GiB take 8 GiB pinned blocks
-    (256 GiB); with 200 GiB of host memory (besides the state) 25 go to the host, 7 stay on the GPU."""
+    """Llama-3-8B with LoRA at 658,432 tokens on one GPU: each layer input is 5 GiB and 24 MiB, held in 80
+    pinned pages of 64 MiB and a last one of 24 MiB that PyTorch rounds up to 32 (5,152 MiB, not the 8 GiB
+    of one block); with the host memory of 25 such inputs and a half, 25 go to the host, 7 stay on the GPU."""
     layout = Layout(1, 1, fsdp=True, checkpointing=True, offload=True, tiled=True)
-    seq, lora = 640 * 1024, LoRA(16)
+    seq, lora, MiB = 658_432, LoRA(16), 2**20
+    layer_input = seq * 4096 * 2
+    assert layer_input == 5 * GiB + 24 * MiB
+    block = 80 * 64 * MiB + 32 * MiB
     full = estimate(llama, seq, layout, lora=lora)
-    block = pinned_bytes(seq * 4096 * 2, "cuda")
-    assert block == 8 * GiB and full.host == 32 * block
-    found = candidate(llama, seq, layout, lora=lora, host_bytes=200 * GiB + 1)
+    assert pinned_bytes(layer_input, "cuda") == block and full.host == 32 * block
+    found = candidate(llama, seq, layout, lora=lora, host_bytes=25 * block + block // 2)
     assert found.layout == replace(layout, offload_layers=25)
     assert found.estimate.host == 25 * block
-    assert found.estimate.activations - full.activations == 7 * seq * 4096 * 2
-    assert found.estimate.host_transfer == 2 * 25 * seq * 4096 * 2
+    assert found.estimate.activations - full.activations == 7 * layer_input
+    assert found.estimate.host_transfer == 2 * 25 * layer_input
     assert found.arguments(llama)["strategy"]["offload_activations"] == 25
-    assert candidate(llama, seq, layout, lora=lora, host_bytes=300 * GiB).layout == layout
-    assert candidate(llama, seq, layout, lora=lora, host_bytes=GiB).layout == layout  # not even one
+    assert candidate(llama, seq, layout, lora=lora, host_bytes=32 * block).layout == layout
+    assert candidate(llama, seq, layout, lora=lora, host_bytes=block - 1).layout == layout  # not even one
 
 
 def test_bad_lora_settings_and_shapes_are_refused(llama: ModelShape) -> None:

@@ -95,19 +95,24 @@ def test_a_recomputed_layer_under_offload_holds_its_input_brought_back_and_the_p
     assert one_rise == (copies - 1) * layer_input
 
 
-def test_offloaded_inputs_take_power_of_two_pinned_blocks_on_cuda(llama: ModelShape) -> None:
-    """On CUDA the offload's host copies come from PyTorch's caching host allocator, which rounds every
-    block up to a power of two (torch 2.13, ``ATen/core/CachingHostAllocator.h``); on the CPU they are plain
-    tensors. At 1,124,352 tokens on one GPU each bf16 layer input is 8.6 GiB: a 16 GiB block."""
-    seq = 1_124_352
+def test_offloaded_inputs_take_their_pinned_pages_on_cuda(llama: ModelShape) -> None:
+    """On CUDA the offload holds each input in pinned pages of 64 MiB (the last one shorter) from PyTorch's
+    caching host allocator, which rounds every block up to a power of two (torch 2.13,
+    ``ATen/core/CachingHostAllocator.h``): the full pages take their size, the last one its power of two. On
+    the CPU the pages are plain tensors. At 1,125,376 tokens on one GPU each bf16 layer input is 137 pages and
+    24 MiB: 137 pages and 32 MiB on the host (8.6 GiB, not the 16 GiB of one block)."""
+    MiB, seq = 2**20, 1_125_376
     layer_input = seq * llama.hidden * 2
-    assert 8 * 2**30 < layer_input < 16 * 2**30
+    assert layer_input == 137 * 64 * MiB + 24 * MiB
     layout = Layout(gpus=1, cp=1, fsdp=True, checkpointing=True, offload=True, tiled=True)
-    assert estimate(llama, seq, layout).host == llama.layers * 16 * 2**30  # 512 GiB, not 274
+    pinned = 137 * 64 * MiB + 32 * MiB
+    assert estimate(llama, seq, layout).host == llama.layers * pinned
     assert estimate(llama, seq, layout, device="cpu").host == llama.layers * layer_input
     assert estimate(llama, seq, layout).host_transfer == 2 * llama.layers * layer_input  # bytes copied
-    # A power of two is its own block: 1M tokens, 8 GiB per layer.
+    # Whole pages are their own size: 1M tokens, 8 GiB per layer (128 pages).
     assert estimate(llama, 1 << 20, layout).host == llama.layers * 8 * 2**30
+    # An input shorter than a page is one block: 40 MiB (5,120 tokens) takes 64.
+    assert estimate(llama, 5 * 1024, layout).host == llama.layers * 64 * MiB
 
 
 @pytest.mark.parametrize(
