@@ -350,11 +350,12 @@ def communication(step: Step, index_sent: int) -> int:
     all-gathers and their gradients' reduce-scatters (ring volumes) or Ulysses' all-to-alls, the indexer keys,
     the hybrid mixers' all-to-alls; recomputation repeats the forward's."""
     shape, layout, compute = step.shape, step.layout, step.compute
-    params = shape.params
-    if layout.fsdp:
-        communication = 2 * ring(layout.gpus, params * compute) + ring(layout.gpus, params * 4)
+    trained = step.trained  # under LoRA the adapters: only they have gradients to reduce
+    if layout.fsdp:  # gathered for the forward and the backward (the frozen base too), gradients reduced
+        gathered = trained * compute + step.frozen
+        communication = 2 * ring(layout.gpus, gathered) + ring(layout.gpus, trained * 4)
     else:
-        communication = 2 * ring(layout.gpus, params * step.master)
+        communication = 2 * ring(layout.gpus, trained * step.master)
     recomputed = 1 if layout.checkpointing else 0
     gathering = shape.attention_layers  # the layers whose K/V are all-gathered (sparse ones always)
     if step.ulysses:  # two all-to-alls forward, two backward, two more to recompute

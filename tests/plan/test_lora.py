@@ -75,6 +75,16 @@ def test_lora_counts_a_frozen_bf16_base_and_the_adapters_state(llama: ModelShape
     assert lora.activations == full.activations
     assert lora.recompute - full.recompute == (1 << 16) * 7 * 16 * 2
 
+    # Communication: FSDP gathers the base and the adapters (bf16) for the forward and the backward and
+    # reduce-scatters only the adapters' gradients (fp32); DDP all-reduces only those.
+    def wrapper(layout: Layout, settings: LoRA | None) -> int:
+        return estimate(llama, 1 << 16, layout, lora=settings).communication
+
+    fsdp8, ddp8 = Layout(8, 1, fsdp=True), Layout(8, 1)
+    base = 2 * llama.params
+    assert wrapper(fsdp8, LoRA(16)) == 2 * (7 * (base + 2 * adapters) // 8) + 7 * (4 * adapters) // 8
+    assert wrapper(ddp8, LoRA(16)) == 2 * (7 * (4 * adapters) // 8)
+
 
 def test_qlora_counts_nf4_linear_weights_and_one_dequantized_weight(llama: ModelShape) -> None:
     """QLoRA: the linear weights in NF4 (0.5157 bytes each), the embeddings, norms and head in bf16; each
