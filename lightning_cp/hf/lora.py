@@ -114,8 +114,9 @@ def add_adapters(model: nn.Module, settings: LoRA) -> nn.Module:
 
     With ``quantize="nf4"`` the decoder's linear weights are quantized first
     (:func:`~lightning_cp.hf.qlora.quantize_linear_weights`: on a ``meta`` build, the loader quantizes them as
-    it reads them). Afterwards only the adapters require a gradient, in the base weights' dtype (on a
-    ``meta`` build on ``meta``: :func:`materialize_adapters` allocates them). No communication.
+    it reads them). Afterwards only the adapters require a gradient, in fp32 (or the base weights' dtype
+    where wider; on a ``meta`` build on ``meta``: :func:`materialize_adapters` allocates them). No
+    communication.
 
     Raises:
         ImportError: ``peft`` (or, for NF4, ``torchao``) is not installed.
@@ -137,13 +138,26 @@ def add_adapters(model: nn.Module, settings: LoRA) -> nn.Module:
         bias="none",
     )
     try:
-        return inject_adapter_in_model(config, model)
+        inject_adapter_in_model(config, model)
     except ValueError as error:  # peft: "Target modules ... not found in the base model"
         first = str(error).splitlines()[0]
         raise ValueError(
             f"LoRA(target_modules={settings.target_modules!r}): {first} ({type(model).__name__}'s linear layers "
             f"are named {', '.join(sorted(_linear_names(model)))})."
         ) from None
+    _adapters_in_fp32(model)
+    return model
+
+
+def _adapters_in_fp32(model: nn.Module) -> None:
+    """The adapters of a bf16 / fp16 base in fp32: the trained weights' master copy (AdamW's updates of a
+    rank-16 adapter are far below bf16's resolution), while the frozen base stays as it was built. Under
+    ``bf16-mixed`` autocast runs them in bf16; ``bf16-true`` casts the whole module afterwards."""
+    for _, layer in adapter_layers(model):
+        for kind in layer.adapter_layer_names:
+            for parameter in getattr(layer, kind).parameters():
+                if parameter.dtype in (torch.bfloat16, torch.float16):
+                    parameter.data = parameter.data.float()
 
 
 def _linear_names(model: nn.Module) -> set[str]:

@@ -88,6 +88,8 @@ class Candidate:
             model["chunk_size"] = self.loss_chunk
         if self.lora is not None:
             model["lora"] = self.lora.argument()
+            if self.precision == "bf16-mixed":  # the frozen base in bf16, as counted; the adapters in fp32
+                model["dtype"] = "bfloat16"
         return {"strategy": strategy, "model": model}
 
     def config(self, shape: ModelShape) -> dict[str, dict[str, object]]:

@@ -214,6 +214,7 @@ def test_qlora_plans_a_4_bit_base_and_prints_the_lora_argument(capsys) -> None:
     given = yaml.safe_load(out.split("The first, as arguments:\n")[1])
     lora = {"rank": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear", "quantize": "nf4"}
     assert given["model"]["init_args"]["lora"] == lora
+    assert given["model"]["init_args"]["dtype"] == "bfloat16"  # the frozen base as counted
     assert isinstance(given["trainer"]["strategy"]["init_args"]["offload_activations"], int)
     assert main([*argv, "--lora", "8", "--gpu-memory", "80GB"]) == 0
     out = capsys.readouterr().out

@@ -304,3 +304,16 @@ def test_a_cast_of_the_module_keeps_the_nf4_weights_quantized():
     assert _nf4(weights[name]) and torch.equal(_codes(weights[name]), codes)
     assert weights[name].dtype == torch.bfloat16
     assert weights["model.layers.0.self_attn.q_proj.lora_A.default.weight"].dtype == torch.bfloat16
+
+
+def test_a_bf16_base_stays_bf16_and_its_adapters_are_fp32_master_weights():
+    """``HFCausalLM(dtype="bfloat16", lora=...)`` (what ``lightning-cp plan`` prints under ``bf16-mixed``):
+    the frozen base in bf16, never upcast; the adapters in fp32, their gradients fp32 under autocast."""
+    module = HFCausalLM(CONFIGS["llama"], dtype="bfloat16", lora=SETTINGS)
+    module.configure_model()
+    dtypes = {(p.requires_grad, p.dtype) for p in module.model.parameters()}
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = module.model(input_ids=torch.randint(0, VOCAB, (1, 8))).logits
+    logits.float().sum().backward()
+    assert {p.grad.dtype for p in module.model.parameters() if p.grad is not None} == {torch.float32}
