@@ -1,0 +1,131 @@
+"""``benchmarks/efficiency.py``'s counts held at tiny shapes: what one CP rank's layer dispatches, the dtype of
+its matmuls under ``bf16-mixed``, the bytes it sends.
+
+Each count runs a tiny Llama layer on fake tensors (no data) with its CP peers simulated, as the benchmark
+runs the real models; the module is imported as the script imports its siblings (``benchmarks/`` first on
+``sys.path``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from pathlib import Path
+
+import pytest
+
+from lightning_cp.parallel.attention_mode import AttentionMode
+from lightning_cp.plan import Layout, ModelShape, estimate
+from lightning_cp.plan.terms import ring
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+TINY = {
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "tie_word_embeddings": False,
+}
+KV_BYTES_PER_TOKEN = 2 * (2 * 16) * 2  # keys and values: 2 heads x 16 each, bf16
+
+
+@pytest.fixture(scope="module")
+def efficiency() -> types.ModuleType:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(BENCHMARKS))
+        yield importlib.import_module("efficiency")
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_layer_dispatches_as_many_operators_at_4x_the_tokens(efficiency, checkpointing):
+    # No tiles: a loop per query, per key block or per token would dispatch more operators at 1024 tokens.
+    ops = [
+        efficiency.count_layer(TINY, 0, cp=2, tokens=tokens, checkpointing=checkpointing).ops
+        for tokens in (256, 1024)
+    ]
+    assert ops[0] == ops[1]
+    assert ops[0] > 50  # the layer ran: projections, attention, MLP, forward and backward
+
+
+@pytest.mark.parametrize("style", ["fsdp", "ddp"])
+def test_no_matmul_runs_in_fp32_under_bf16_mixed(efficiency, style):
+    # FSDP2: bf16 parameters; DDP: fp32 parameters under autocast (the loss's backward runs outside it).
+    layer = efficiency.count_layer(TINY, 0, cp=2, tokens=256, style=style)
+    loss = efficiency.count_loss(TINY, 256, style, chunk_size=64)
+    for counts in (layer, loss):
+        assert counts.flops["torch.float32"] == 0, dict(counts.flops)
+        assert counts.flops["torch.bfloat16"] > 0
+    # The loss's matmuls, 2 N H V FLOPs each: the logits and the two gradients, and for a bf16 weight (FSDP2)
+    # the logits again in the vocabulary-outer pass that sums its gradient in fp32 (ops/_engine.py).
+    assert loss.total_flops == (4 if style == "fsdp" else 3) * 2 * 256 * 64 * 256
+
+
+def test_the_all_gather_and_the_fp32_gradients_reduce_scatter_send_the_plan_s_bytes(efficiency):
+    cp, tokens = 4, 256
+    counts = efficiency.count_layer(TINY, 0, cp=cp, tokens=tokens)
+    local = tokens * KV_BYTES_PER_TOKEN
+    # Forward and backward each gather every peer's keys and values once.
+    assert counts.sent["all_gather"] == 2 * (cp - 1) * local
+    # The reduce-scatter sums the [cp * T_local] key/value gradients in fp32 (the kernels' accumulation).
+    # (cp - 1) / cp of the [cp * T_local] buffer, at twice the bytes of bf16.
+    assert counts.sent["reduce_scatter"] == (cp - 1) * 2 * local
+    plan = estimate(ModelShape.from_hf_config(TINY), cp * tokens, Layout(cp, cp))
+    plan_cp = plan.communication - efficiency.wrapper_bytes(
+        ModelShape.from_hf_config(TINY).params, Layout(cp, cp)
+    )
+    # The plan counts the two gathers of the bf16 K/V and the reduce-scatter of their fp32 gradients.
+    assert plan_cp == counts.sent["all_gather"] + counts.sent["reduce_scatter"]
+    assert counts.sent["all_gather"] == 2 * ring(cp, cp * local)
+
+
+def test_ulysses_all_to_alls_send_the_plan_s_bytes(efficiency):
+    cp, tokens = 2, 256
+    layout = Layout(cp, cp, attention="ulysses")
+    counts = efficiency.count_layer(TINY, 0, cp=cp, tokens=tokens, attention=AttentionMode("ulysses"))
+    shape = ModelShape.from_hf_config(TINY)
+    plan = estimate(shape, cp * tokens, layout)
+    assert counts.sent["all_to_all"] == plan.communication - efficiency.wrapper_bytes(shape.params, layout)
+    assert set(counts.sent) == {"all_to_all"}
+
+
+TINY_DSA = {  # GLM-5's family at a tiny width: 4 heads, top-4 keys
+    "model_type": "glm_moe_dsa",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "index_topk": 4,
+    "index_head_dim": 16,
+    "index_n_heads": 8,
+    "mlp_layer_types": ["sparse"],
+    "indexer_types": ["full"],
+}
+
+
+def test_a_sparse_layer_s_operators_grow_with_the_top_k_attention_s_query_blocks(efficiency, monkeypatch):
+    # The sparse layer runs on fake tensors once it gets the model's deferred mask (it slices it for its
+    # indexer). Blocks of 4 queries (4 keys x 4 heads x (24 + 16) dims in fp32 = 2,560 bytes a query): the
+    # operators grow by the same number for every 4 more tokens, the kernel's loop (issue 47), shown as is.
+    from lightning_cp.parallel import sparse_attention
+
+    monkeypatch.setattr(sparse_attention, "SELECTED_BLOCK_BYTES", 4 * 2560)
+    assert sparse_attention.query_block_tokens(4, 4, 40) == 4
+    ops = [efficiency.count_layer(TINY_DSA, 0, cp=2, tokens=t).ops for t in (16, 32, 48)]
+    per_block = (ops[1] - ops[0]) / 4
+    assert ops[2] - ops[1] == ops[1] - ops[0]
+    assert per_block > 20  # a block's gathers, scores, softmax and products, forward and backward
