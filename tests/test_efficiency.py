@@ -17,6 +17,7 @@ import pytest
 from lightning_cp.parallel.attention_mode import AttentionMode
 from lightning_cp.plan import Layout, ModelShape, estimate
 from lightning_cp.plan.terms import ring
+from tests.hf.test_sparse_attention import SPARSE
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 TINY = {
@@ -92,26 +93,9 @@ def test_ulysses_all_to_alls_send_the_plan_s_bytes(efficiency):
     assert set(counts.sent) == {"all_to_all"}
 
 
-TINY_DSA = {  # GLM-5's family at a tiny width: 4 heads, top-4 keys
-    "model_type": "glm_moe_dsa",
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "moe_intermediate_size": 32,
+TINY_DSA = {  # GLM-5's family at a tiny width (tests/hf's): 4 heads, top-4 keys, one sparse layer
+    **SPARSE["glm_moe_dsa"],
     "num_hidden_layers": 1,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "kv_lora_rank": 16,
-    "q_lora_rank": 32,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 16,
-    "v_head_dim": 16,
-    "index_topk": 4,
-    "index_head_dim": 16,
-    "index_n_heads": 8,
     "mlp_layer_types": ["sparse"],
     "indexer_types": ["full"],
 }
