@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import sys
 
 COMMANDS = {
@@ -18,6 +19,11 @@ COMMANDS = {
 }
 """The package's own commands: name -> module with ``main(argv: list[str]) -> int`` (the exit status) and a
 module docstring whose first line describes the command."""
+
+_IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+"""Loggers that warn while ``transformers`` imports ``torchao`` (the QLoRA extra) on a CPU build of torch: its
+CUDA extensions that cannot load there, and the enums it registers with torch's pytree. Nothing a command's user
+can act on, printed above every table; errors still show."""
 
 
 def main(args: list[str] | None = None) -> int:
@@ -31,6 +37,8 @@ def main(args: list[str] | None = None) -> int:
             documents (status 2 with one line on stderr for a configuration error).
     """
     argv = sys.argv[1:] if args is None else list(args)
+    for name in _IMPORT_NOISE:
+        logging.getLogger(name).setLevel(logging.ERROR)
     if argv and argv[0] in COMMANDS:
         return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
     if argv[:1] in (["-h"], ["--help"]):

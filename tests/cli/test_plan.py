@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,27 @@ def test_plan_reads_the_shipped_hf_configs(capsys) -> None:
     pytest.importorskip("transformers")
     assert main(["plan", str(MODELS / "qwen3_8b.json"), "--seq-len", "128K", "--gpus", "8"]) == 0
     assert "36 layers, hidden 4096, 32/8 heads x 128, ffn 12288, vocab 151936" in capsys.readouterr().out
+
+
+def test_the_command_prints_its_table_without_the_qlora_extra_s_import_warnings() -> None:
+    """transformers imports torchao when it is installed; on a CPU build of torch torchao warns that its CUDA
+    extensions do not load. Only a fresh interpreter imports it, so this runs the command as users do."""
+    pytest.importorskip("torchao")
+    model = MODELS / "qwen3_8b.json"
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_cp.cli",
+        "plan",
+        str(model),
+        "--seq-len",
+        "128K",
+        "--gpus",
+        "8",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
+    assert result.stdout.startswith("transformers: ")
+    assert result.stderr == ""
 
 
 def test_plan_is_a_listed_command(capsys) -> None:
