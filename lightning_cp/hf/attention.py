@@ -50,6 +50,10 @@ _NOT_IN_SDPA = ("softcap", "s_aux")
 # Attention variants the CP kernels do not compute, with what to set instead.
 _UNSUPPORTED = {
     "position_bias": "additive position biases are not supported; use a rotary-embedding model",
+    "block_indices": (
+        "block-sparse key selection (MiniMax-M3's sparse layers) is not computed; use a config whose layer_types "
+        "has no sparse layers, or train with attn_implementation='sdpa' and cp=1"
+    ),
 }
 
 
@@ -103,9 +107,9 @@ def hf_context_parallel_attention(
     cp_shard = kwargs.pop(CP_SHARD, None)
     indices = kwargs.pop("indices", None)
     if cp_shard is None:
-        return _sdpa(
-            module, query, key, value, _with_selection(attention_mask, indices), scaling, dropout, kwargs
-        )
+        mask = _with_selection(attention_mask, indices)
+        mask = _with_blocks(module, mask, kwargs.pop("block_indices", None), query, key, kwargs)
+        return _sdpa(module, query, key, value, mask, scaling, dropout, kwargs)
     _check_supported(module, query, key, dropout, kwargs)
     _check_mask(attention_mask, cp_shard)
     _check_tokens(cp_shard, query)
@@ -155,6 +159,30 @@ def _with_selection(attention_mask: DeferredMask | Tensor | None, indices: Tenso
     if mask.dtype == torch.bool:
         return mask & ~unselected
     return mask.masked_fill(unselected, torch.finfo(mask.dtype).min)
+
+
+def _with_blocks(
+    module: nn.Module,
+    attention_mask: DeferredMask | Tensor | None,
+    blocks: Tensor | None,
+    query: Tensor,
+    key: Tensor,
+    kwargs: dict[str, Any],
+) -> DeferredMask | Tensor | None:
+    """Without ``cp_shard``: the mask ``[B, Hq, S, T]`` of the key blocks a block-sparse indexer selected
+    (MiniMax-M3's ``block_indices`` ``[B, H_index, S, n]``), built by the layer's own indexer as the model's eager
+    and SDPA paths build it; ``attention_mask`` itself without blocks."""
+    if blocks is None:
+        return attention_mask
+    if isinstance(attention_mask, DeferredMask):
+        attention_mask = attention_mask.build()
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(key.shape[2] - query.shape[2], key.shape[2], device=query.device)
+    positions = (positions if positions.ndim > 1 else positions.unsqueeze(0)).expand(query.shape[0], -1)
+    return module.indexer.build_block_mask(
+        blocks, attention_mask, key.shape[2], query.dtype, query.device, positions
+    )
 
 
 def _sdpa(

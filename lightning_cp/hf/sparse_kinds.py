@@ -160,6 +160,11 @@ REFUSED: dict[str, str] = {
         "is a sparse-attention indexer that lightning_cp's CP indexer does not compute: Mistral-Large-4's queries "
         "come from a normed residual with a learned per-position log scale, and some layers have no rotary part"
     ),
+    "MiniMaxM3VLIndexer": (
+        "is a sparse-attention indexer that lightning_cp's CP indexer does not compute: MiniMax-M3 selects blocks "
+        "of keys per key/value head, anchored to absolute key slots, and hands them to the attention as "
+        "block_indices"
+    ),
     "DeepseekV4Indexer": (
         "is a sparse-attention indexer that lightning_cp's CP indexer does not compute: DeepSeek-V4 selects among "
         "compressed keys (overlapping pooled windows), whose compression crosses the CP shards"

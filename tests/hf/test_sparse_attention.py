@@ -184,3 +184,50 @@ def test_indices_no_adapted_indexer_selected_are_refused():
     local = torch.zeros(1, 6, 2, dtype=torch.int32)  # what transformers' own indexer returns
     with pytest.raises(ValueError, match="did not select for this batch's shard"):
         hf_context_parallel_attention(nn.Module(), q, k, v, None, cp_shard=shard, indices=local)
+
+
+def test_minimax_m3_s_block_sparse_layers_are_its_sdpa_without_a_shard_and_refused_with_one():
+    """MiniMax-M3's sparse layers hand the attention ``block_indices`` (blocks of keys, per key/value head). Without
+    ``cp_shard`` the attention folds them into the mask as the model's SDPA path does; with a shard (any ``cp``) it
+    refuses them rather than attend densely, and the setup checks refuse the indexer by name under CP."""
+    from lightning_cp.hf.check import check_token_mixers
+    from lightning_cp.parallel import shard_batch
+
+    def build(implementation: str):
+        config = transformers.AutoConfig.for_model(
+            "minimax_m3_vl_text",
+            vocab_size=_exactness.VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            layer_types=["full_attention", "minimax_m3_sparse"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            index_n_heads=2,
+            index_head_dim=8,
+            index_block_size=2,
+            index_topk_blocks=2,
+            index_local_blocks=1,
+        )
+        return transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation=implementation
+        ).eval()
+
+    torch.manual_seed(0)
+    ours, sdpa = build("lightning_cp"), build("sdpa")
+    sdpa.load_state_dict(ours.state_dict())
+    ids = torch.randint(3, _exactness.VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = sdpa(ids, use_cache=False).logits
+        torch.testing.assert_close(ours(ids, use_cache=False).logits, expected, rtol=1e-5, atol=1e-5)
+        batch = shard_batch({"input_ids": ids}, 1, 0)
+        with pytest.raises(ValueError, match="passed block_indices=.*block-sparse key selection"):
+            ours.model(
+                input_ids=batch["input_ids"],
+                position_ids=batch["position_ids"],
+                cp_shard=batch["cp_shard"],
+                use_cache=False,
+            )
+    with pytest.raises(ValueError, match="MiniMaxM3VLIndexer"):
+        check_token_mixers(ours, "model", cp=2)
