@@ -18,8 +18,9 @@ softcap slope. The backend writes it over the chunk, and a sink streams it into 
   vocabulary-outer pass (:func:`_weight_grad_by_vocab_blocks`): per block of ``V_block`` vocabulary
   rows, an fp32 ``[V_block, H]`` accumulator sums ``d_block.T @ hidden[chunk]`` over all token chunks
   (the block's logits recomputed, ``d`` from the saved per-token ``lse``) and is rounded once. That
-  pass costs 2 more matmuls per chunk and ``[chunk, V_block] + 2 x [V_block, H]`` fp32, each at most
-  ``_WEIGHT_BLOCK_BYTES``;
+  pass costs 2 more matmuls per chunk; its accumulator and one chunk's ``[chunk, V_block]`` logits take no
+  more than the sweep's ``[chunk, V]`` logits (:func:`_vocab_block_rows`), since on CUDA the products are
+  summed into the accumulator in place (:func:`_add_fp32_product`);
 * ``grad_bias`` (an LM-head bias, ``[V_local]``): ``grad_bias += d.sum(0)`` in the same sweep, into an fp32
   accumulator rounded to the bias's dtype once (``V_local`` floats, whatever the weight's dtype);
 * logits path: ``grad_logits[chunk] = d``, one buffer in the logits' dtype.
@@ -46,8 +47,11 @@ from lightning_cp.ops._partials import merge
 from lightning_cp.ops._plan import Plan
 from lightning_cp.ops.token_stats import TokenStats
 
-# Bytes of the fp32 [V_block, H] weight-gradient accumulator of a low-precision weight.
+# At most these bytes of the fp32 [V_block, H] weight-gradient accumulator of a low-precision weight.
 _WEIGHT_BLOCK_BYTES = 256 * 2**20
+# Devices whose aten::addmm.dtype_out sums a bf16 / fp16 GEMM into an fp32 `self` given as `out`, in place: CUDA
+# (cuBLAS), and meta, whose kernel lets the CPU tests count what CUDA allocates; the CPU has no such kernel.
+_IN_PLACE_FP32_DEVICES = ("cuda", "meta")
 
 
 LogitsOf = Callable[[int, int], tuple[torch.Tensor, bool]]
@@ -232,19 +236,32 @@ def _weight_grad_by_vocab_blocks(
     """
     grad = torch.empty_like(weight, memory_format=torch.contiguous_format)
     n_tokens, hidden_size = head.hidden.shape
-    vocab_block = max(1, _WEIGHT_BLOCK_BYTES // (4 * hidden_size))
+    rows = min(plan.chunk_size, n_tokens)  # the tokens of the sweep's largest chunk
+    vocab_block = _vocab_block_rows(weight.shape[0], hidden_size, rows, head.dtype.itemsize)
     for v0, v1 in chunk_bounds(weight.shape[0], vocab_block):
         block_labels = torch.where((labels >= v0) & (labels < v1), labels - v0, -1)
         acc = torch.zeros((v1 - v0, hidden_size), dtype=torch.float32, device=weight.device)
         for start, stop in chunk_bounds(n_tokens, plan.chunk_size):
-            logits = head.logits(start, stop, slice(v0, v1))
-            chunk = plan.chunk(logits, block_labels[start:stop], writable=True)
+            chunk = plan.chunk(
+                head.logits(start, stop, slice(v0, v1)), block_labels[start:stop], writable=True
+            )
             d = _coefs_at(plan, coefs, start, stop).logits_grad(chunk)
             del chunk
             _add_fp32_product(acc, d.t().to(head.dtype), head.rows(start, stop))
-            del d
+            del d  # before the next chunk's logits: one chunk's block at a time
         grad[v0:v1] = acc
+        del acc  # before the next block's: one accumulator at a time
     return grad
+
+
+def _vocab_block_rows(vocab: int, hidden: int, chunk: int, itemsize: int) -> int:
+    """Vocabulary rows per block of :func:`_weight_grad_by_vocab_blocks`: its fp32 ``[rows, hidden]``
+    accumulator and one chunk's ``[chunk, rows]`` logits (``itemsize`` bytes each) take at most the bytes of
+    the sweep's ``[chunk, vocab]`` logits, so the weight gradient's pass never raises the loss's peak above
+    the sweep's (which is what Liger's fused linear cross-entropy holds at the same chunk); and the
+    accumulator at most :data:`_WEIGHT_BLOCK_BYTES`."""
+    within_sweep = chunk * vocab * itemsize // (4 * hidden + chunk * itemsize)
+    return max(1, min(within_sweep, _WEIGHT_BLOCK_BYTES // (4 * hidden)))
 
 
 @functools.cache
@@ -253,10 +270,35 @@ def _mm_has_fp32_output() -> bool:
     return "dtype" in torch.ops.aten.mm.overloads()
 
 
+@functools.cache
+def _addmm_sums_into_fp32(device_type: str) -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` sums a bf16 GEMM into an fp32
+    ``acc`` in place on devices of ``device_type``. Torch 2.8 and 2.9 refuse an fp32 ``self`` beside bf16
+    matrices (pytorch#167931 lifts it), and no GPU has run this package yet: so it is tried once, on a 2 x 2
+    product, and its sum checked; meta (the CPU tests' stand-in for CUDA) is taken at its kernel's word."""
+    if device_type not in _IN_PLACE_FP32_DEVICES or "dtype_out" not in torch.ops.aten.addmm.overloads():
+        return False
+    if device_type == "meta":
+        return True
+    acc = torch.ones(2, 2, device=device_type)
+    ones = torch.ones(2, 2, device=device_type, dtype=torch.bfloat16)
+    try:
+        torch.addmm(acc, ones, ones, out_dtype=torch.float32, out=acc)
+    except RuntimeError:
+        return False
+    return bool((acc == 3).all())
+
+
 def _add_fp32_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with fp32 ``acc`` and products, whatever the dtypes of ``a`` and ``b``."""
+    """``acc += a @ b`` with fp32 ``acc`` and products, whatever the dtypes of ``a`` and ``b``.
+
+    Bf16 / fp16 ``a`` and ``b`` on CUDA: one GEMM in their dtype that sums into ``acc`` in place (cuBLAS's
+    beta = 1), with no ``[m, n]`` fp32 temporary as large as ``acc`` (torch 2.8 and 2.9: the GEMM's fp32
+    output, then added). Elsewhere (the CPU) in fp32."""
     low_precision = a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16)
-    if low_precision and a.is_cuda and _mm_has_fp32_output():
+    if low_precision and _addmm_sums_into_fp32(a.device.type):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    elif low_precision and a.is_cuda and _mm_has_fp32_output():
         acc.add_(torch.mm(a, b, out_dtype=torch.float32))
     else:
         acc.addmm_(a.float(), b.float())
