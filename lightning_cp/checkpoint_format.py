@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save
+from lightning.fabric.strategies.fsdp import _distributed_checkpoint_load, _distributed_checkpoint_save
 from lightning.fabric.strategies.model_parallel import _load_checkpoint
 from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
 from lightning.fabric.utilities.types import _PATH
@@ -37,6 +37,10 @@ METADATA_FILE = _METADATA_FILENAME
 """The file of a sharded checkpoint folder that holds everything but the tensors (``meta.pt``)."""
 STATE_DICT = "state_dict"
 """The module's state: a key of the checkpoint dict, and the prefix of its tensors in a folder."""
+FROZEN_BASE = "frozen_base"
+"""The key of a checkpoint whose module state holds only the parameters that train (a LoRA run's adapters):
+the record of the frozen rest, which the module rebuilds itself (:mod:`lightning_cp.hf.lora_checkpoint`).
+The strategies check one with :func:`check_partial_state` before loading it, then load what it holds."""
 _OPTIMIZER_PREFIX = "optimizer_"
 
 
@@ -140,6 +144,43 @@ def open_checkpoint(path: _PATH, *, tensors: bool = True) -> Checkpoint:
     return Checkpoint(path, metadata, shapes)
 
 
+def check_partial_state(path: _PATH, module: nn.Module) -> set[str] | None:
+    """Before ``module`` loads the checkpoint ``path``: ``None`` for a checkpoint that holds the whole module
+    state; for one that holds only the parameters that train (:data:`FROZEN_BASE`), the module's
+    ``check_frozen_base(record, path)`` compares the base it built with the one the checkpoint names, and the
+    names of the tensors to load are returned. Reads the checkpoint's metadata only; no communication.
+
+    Raises:
+        ValueError: the module cannot check a frozen base (it has no ``check_frozen_base``); the
+            checkpoint lacks a parameter of ``module`` that trains, or holds a tensor ``module`` does not have;
+            what ``check_frozen_base`` raises (another base).
+    """
+    source = open_checkpoint(path)
+    record = source.metadata.get(FROZEN_BASE)
+    if record is None:
+        return None
+    owner = type(module).__name__
+    check = getattr(module, "check_frozen_base", None)
+    if check is None:
+        raise ValueError(
+            f"{str(source.path)!r} holds only the trained parameters of a model whose frozen base it names "
+            f"({record.get('pretrained')!r}); {owner} has no check_frozen_base to rebuild and check that base: "
+            "load it into the module that saved it (lightning_cp.models.HFCausalLM)."
+        )
+    check(record, source.path)
+    saved = set(source.shapes)
+    trained = {name for name, p in module.named_parameters() if p.requires_grad}
+    missing, unknown = sorted(trained - saved), sorted(saved - set(module.state_dict()))
+    if missing or unknown:
+        problem = f"lacks {missing[0]}" if missing else f"holds {unknown[0]}, which {owner} does not have"
+        count = len(missing) + len(unknown)
+        raise ValueError(
+            f"{str(source.path)!r} {problem} ({count} tensor(s) in all): it was saved from a model with other "
+            "trained parameters (other LoRA target_modules?); resume with the settings the run trained with."
+        )
+    return saved
+
+
 def save_sharded(checkpoint: dict[str, Any], path: Path, global_rank: int) -> None:
     """Write ``checkpoint`` as the folder ``path`` with ``torch.distributed.checkpoint``.
 
@@ -174,20 +215,55 @@ def _barrier() -> None:
 
 
 def load_sharded(
-    path: Path, module: nn.Module, optimizers: list[Optimizer], strict: bool, weights_only: bool | None
+    path: Path,
+    module: nn.Module,
+    optimizers: list[Optimizer],
+    strict: bool,
+    weights_only: bool | None,
+    only: set[str] | None = None,
 ) -> dict[str, Any]:
     """Load a folder written by :func:`save_sharded` (resharded if the layout differs), or a consolidated file.
 
     The model and optimizer states go straight into the sharded ``module`` and ``optimizers``; the rest of
-    the checkpoint is returned.
+    the checkpoint is returned. ``only``: the module tensors the checkpoint holds when it holds part of the
+    module state (:func:`check_partial_state`); the others keep their values.
 
     Communication: the collectives of ``torch.distributed.checkpoint.load`` (every rank must call this).
     """
+    if only is not None and path.is_dir():
+        return _load_part(path, module, optimizers, only, weights_only)
     state: dict[str, Any] = {STATE_DICT: module}
     state.update({f"{_OPTIMIZER_PREFIX}{index}": optimizer for index, optimizer in enumerate(optimizers)})
     return _load_checkpoint(
-        path=path, state=state, strict=strict, optimizer_states_from_list=True, weights_only=weights_only
+        path=path,
+        state=state,
+        strict=strict and only is None,
+        optimizer_states_from_list=True,
+        weights_only=weights_only,
     )
+
+
+def _load_part(
+    path: Path, module: nn.Module, optimizers: list[Optimizer], names: set[str], weights_only: bool | None
+) -> dict[str, Any]:
+    """Lightning's load of a sharded folder (``_load_checkpoint``), for the module tensors ``names`` only."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = {name: t for name, t in get_model_state_dict(module).items() if name in names}
+    _distributed_checkpoint_load({STATE_DICT: state}, path)
+    module.load_state_dict(state, strict=False)
+    for index, optimizer in enumerate(optimizers):
+        key = f"{_OPTIMIZER_PREFIX}{index}"
+        found = {key: get_optimizer_state_dict(module, optimizer)}
+        _distributed_checkpoint_load(found, path)
+        options = StateDictOptions(cpu_offload=True)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=found[key], options=options)
+    return torch.load(path / METADATA_FILE, weights_only=weights_only)
 
 
 def consolidate_checkpoint(folder: _PATH, output_file: _PATH) -> None:

@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_cp.checkpoint_format import open_checkpoint, save_sharded
+from lightning_cp.checkpoint_format import FROZEN_BASE, check_partial_state, open_checkpoint, save_sharded
 
 _WEIGHTS = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor([0.5, -1.5])}
 
@@ -59,3 +60,31 @@ def test_a_folder_is_read_back_in_each_tensor_s_stored_dtype(tmp_path):
     for name, tensor in weights.items():
         read = checkpoint.read(name)
         assert read.dtype == tensor.dtype and torch.equal(read, tensor), name
+
+
+def test_a_checkpoint_without_its_frozen_base_is_checked_before_it_loads(tmp_path):
+    """``check_partial_state``: a whole checkpoint is none of its business; one that names a frozen base needs a
+    module that checks that base, and must hold every parameter that trains and nothing the module lacks."""
+
+    class Adapted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+            self.adapter = torch.nn.Parameter(torch.zeros(2))
+            self.checked = []
+
+        def check_frozen_base(self, record, path):
+            self.checked.append((record, path))
+
+    record = {"pretrained": "/models/base"}
+    whole, part, wrong = (tmp_path / f"{name}.ckpt" for name in ("whole", "part", "wrong"))
+    torch.save({"state_dict": {"base": torch.ones(2), "adapter": torch.ones(2)}}, whole)
+    torch.save({"state_dict": {"adapter": torch.ones(2)}, FROZEN_BASE: record}, part)
+    torch.save({"state_dict": {"other": torch.ones(2)}, FROZEN_BASE: record}, wrong)
+    module = Adapted()
+    assert check_partial_state(whole, module) is None and not module.checked
+    assert check_partial_state(part, module) == {"adapter"} and module.checked == [(record, part)]
+    with pytest.raises(ValueError, match=r"wrong\.ckpt' lacks adapter \(2 tensor\(s\) in all\)"):
+        check_partial_state(wrong, module)
+    with pytest.raises(ValueError, match=r"names \('/models/base'\); Linear has no check_frozen_base"):
+        check_partial_state(part, torch.nn.Linear(2, 2))

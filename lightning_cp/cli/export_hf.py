@@ -2,12 +2,14 @@
 
 Run::
 
-    lightning-cp export-hf CHECKPOINT OUTPUT_DIR [--dtype bfloat16] [--tokenizer DIR] [--max-shard-mb 5120] [--overwrite] [--adapter]
+    lightning-cp export-hf CHECKPOINT OUTPUT_DIR [--dtype bfloat16] [--tokenizer DIR] [--max-shard-mb 5120] [--overwrite] [--adapter] [--base DIR]
 
 ``CHECKPOINT`` is a ``.ckpt`` file (``MegatronCPStrategy``) or a ``MegatronCPFSDPStrategy`` checkpoint folder
 of :class:`~lightning_cp.models.HFCausalLM`; see :func:`lightning_cp.export_hf`. A LoRA run's checkpoint is
 written merged, or with ``--adapter`` as the ``peft`` adapter directory that ``PeftModel.from_pretrained``
-loads on the pretrained base. One process, no GPU, one
+loads on the pretrained base. Its checkpoint holds the adapters alone and names the base's pretrained
+directory, from which the merged model reads the base (``--base DIR`` where the directory has moved; it must
+be the same base, which the checkpoint's fingerprint checks). One process, no GPU, one
 safetensors shard in memory at a time. A bad checkpoint, or an ``OUTPUT_DIR`` that already holds weights
 (the pretrained directory, an earlier export) without ``--overwrite``, is one line on stderr and exit
 status 2, with nothing written.
@@ -46,6 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a LoRA run: write the peft adapter directory (adapter_config.json, adapter_model.safetensors), "
         "not the merged model",
     )
+    parser.add_argument(
+        "--base",
+        help="a LoRA run's pretrained base directory, where it is not at the path the checkpoint names",
+    )
     args = parser.parse_args(argv)
     try:
         output = export_hf(
@@ -56,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_shard_bytes=int(args.max_shard_mb * 2**20),
             overwrite=args.overwrite,
             adapter=args.adapter,
+            base=args.base,
         )
     except ValueError as error:
         print(f"lightning-cp export-hf: error: {error}", file=sys.stderr)

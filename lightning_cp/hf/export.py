@@ -36,7 +36,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_cp.checkpoint_format import Checkpoint, open_checkpoint
 from lightning_cp.hf.composite import StoredNames, is_composite, text_config
 from lightning_cp.hf.loading import check_causal_lm_config
-from lightning_cp.hf.lora_export import TrainedWeights, lora_of, write_adapter
+from lightning_cp.hf.lora_export import PretrainedBase, TrainedWeights, lora_of, write_adapter
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -81,13 +81,16 @@ def export_hf(
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = False,
     adapter: bool = False,
+    base: str | Path | None = None,
 ) -> Path:
     """Write the ``transformers`` model of a Lightning checkpoint as a ``save_pretrained`` directory.
 
     A checkpoint of a LoRA run (``HFCausalLM(lora=...)``) is written merged (each adapted weight
     ``W + (alpha / rank) B A``, computed in fp32, under the pretrained model's names); with ``adapter=True``
     as the ``peft`` adapter directory instead (:mod:`lightning_cp.hf.lora_export`), which
-    ``PeftModel.from_pretrained(base, output_dir)`` loads on the pretrained base.
+    ``PeftModel.from_pretrained(base, output_dir)`` loads on the pretrained base. Its frozen base is read from
+    the pretrained directory the checkpoint names (or ``base``), checked against the checkpoint's fingerprint
+    (:mod:`lightning_cp.hf.lora_checkpoint`); QLoRA's merged weights are its dequantized NF4 plus the update.
 
     Args:
         checkpoint: a ``.ckpt`` file, or a ``MegatronCPFSDPStrategy`` checkpoint folder, of a module whose
@@ -105,6 +108,8 @@ def export_hf(
             ``from_pretrained`` reads first last, so that no state in between loads a mix of the two.
         adapter: write a LoRA run's adapters alone (``adapter_config.json``, ``adapter_model.safetensors``) and
             the tokenizer files, not the merged model.
+        base: the pretrained directory of a LoRA run's frozen base, where it is not (any more) at the path the
+            checkpoint names (``None``: that path); also what ``adapter_config.json`` names as the base.
 
     Returns:
         ``output_dir``.
@@ -114,7 +119,8 @@ def export_hf(
             config is not a ``transformers`` causal LM's, or without parameters under ``prefix``; an
             ``output_dir`` that holds weights already without ``overwrite`` (:func:`check_output_dir`);
             ``adapter=True`` for a checkpoint of a run without LoRA; a merge that would change the model
-            (:class:`~lightning_cp.hf.lora_export.TrainedWeights`).
+            (:class:`~lightning_cp.hf.lora_export.TrainedWeights`); a ``base`` (or named base) that is not the
+            one the checkpoint's adapters were trained on, or ``base`` for a checkpoint that names none.
     """
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -125,8 +131,11 @@ def export_hf(
     output = Path(output_dir)
     check_output_dir(output, overwrite)
     source = open_checkpoint(path)
-    config, pretrained = _transformers_config(source)
+    config, pretrained = _transformers_config(source, base)
     lora = lora_of(source)
+    text = text_config(config)
+    names = _stored_names(text)
+    frozen = PretrainedBase.of(source, pretrained, config, names, given=base is not None)
     if adapter:
         if lora is None:
             raise ValueError(
@@ -137,9 +146,8 @@ def export_hf(
             write_adapter(source, lora, text_config(config), pretrained, staging, prefix, dtype)
             _copy_tokenizer(tokenizer if tokenizer is not None else pretrained, staging)
         return output
-    text = text_config(config)
-    weights = TrainedWeights(source, prefix, lora, tied=bool(getattr(text, "tie_word_embeddings", False)))
-    names = _stored_names(text)
+    tied = bool(getattr(text, "tie_word_embeddings", False))
+    weights = TrainedWeights(source, prefix, lora, tied, frozen)
     shapes = {name: weights.shapes[name] for name in names if name in weights.shapes}
     missing = [name for name in names if name not in shapes]
     if missing:
@@ -211,9 +219,9 @@ def _weight_files(directory: Path) -> list[str]:
     return sorted(names, key=lambda name: (name not in _ENTRY_POINTS, name))
 
 
-def _transformers_config(source: Checkpoint) -> tuple[Any, Path | None]:
+def _transformers_config(source: Checkpoint, base: str | Path | None) -> tuple[Any, Path | None]:
     """The ``transformers`` config of ``source``'s model (a composite's whole config), and the pretrained
-    directory it came from (``None`` for a config dict).
+    directory it came from (``base`` where given; ``None`` for a config dict).
 
     Raises:
         ValueError: no ``config`` hyperparameter, or one no ``AutoModelForCausalLM`` is built from (another
@@ -238,6 +246,8 @@ def _transformers_config(source: Checkpoint) -> tuple[Any, Path | None]:
             "checkpoints of lightning_cp.models.HFCausalLM, or of a module that saves its transformers config as "
             "hyperparameter 'config'."
         )
+    if base is not None and isinstance(value, str):
+        value = str(base)
     try:
         check_causal_lm_config(value)
     except ValueError as error:
@@ -380,23 +390,40 @@ class ExportHFOnFitEnd(Callback):
         dtype: as :func:`export_hf` (``"bfloat16"`` to halve an fp32 export), ``None``: the parameters'.
         tokenizer: as :func:`export_hf`.
         overwrite: as :func:`export_hf`: replace the weights ``output_dir`` holds (an earlier run's export).
+        adapter: as :func:`export_hf`: a LoRA run's ``peft`` adapter directory (``adapter_config.json``,
+            ``adapter_model.safetensors``) for ``PeftModel.from_pretrained(base, output_dir)``, not the merged
+            model (``lightning-cp export-hf --adapter``).
 
     Raises:
         ValueError: when built, an ``output_dir`` that already holds weights without ``overwrite``
-            (:func:`check_output_dir`): before training, not after it.
+            (:func:`check_output_dir`); at setup, ``adapter=True`` for a module without LoRA adapters (its
+            ``lora`` is ``None``): before training, not after it.
 
     Communication: a broadcast of the checkpoint folder's name, the checkpoint's collectives and the
     strategy's barrier.
     """
 
     def __init__(
-        self, output_dir: str, dtype: str | None = None, tokenizer: str | None = None, overwrite: bool = False
+        self,
+        output_dir: str,
+        dtype: str | None = None,
+        tokenizer: str | None = None,
+        overwrite: bool = False,
+        adapter: bool = False,
     ) -> None:
         check_output_dir(output_dir, overwrite)
         self.output_dir = Path(output_dir)
         self.dtype = getattr(torch, dtype) if dtype else None
         self.tokenizer = tokenizer
         self.overwrite = overwrite
+        self.adapter = adapter
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.adapter and getattr(pl_module, "lora", None) is None:
+            raise ValueError(
+                f"ExportHFOnFitEnd({str(self.output_dir)!r}, adapter=True): {type(pl_module).__name__} trains no "
+                "LoRA adapters (its lora is None): export the whole model (adapter=False), or give it lora=."
+            )
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         folder = None
@@ -416,6 +443,7 @@ class ExportHFOnFitEnd(Callback):
                     dtype=self.dtype,
                     tokenizer=self.tokenizer,
                     overwrite=self.overwrite,
+                    adapter=self.adapter,
                 )
         finally:
             if trainer.is_global_zero:

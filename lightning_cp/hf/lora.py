@@ -67,8 +67,8 @@ class LoRA:
     dropout: float = 0.0
     """Dropout on the adapters' input; must be 0 under ``cp > 1`` (refused at setup otherwise)."""
     target_modules: str | list[str] = "all-linear"
-    """``"all-linear"``: every ``nn.Linear`` but the output head; or module names / suffixes (``["q_proj",
-    "v_proj"]``), as ``peft.LoraConfig`` takes them."""
+    """``"all-linear"``: every ``nn.Linear`` but the output head (not a mixture of experts' fused expert weights
+    or its router); or module names / suffixes (``["q_proj", "v_proj"]``), as ``peft.LoraConfig`` takes them."""
     quantize: Literal["nf4"] | None = None
     """``"nf4"``: QLoRA, the decoder's frozen linear weights stored as ``torchao`` NF4 (4-bit, about 0.52 bytes
     per weight with the block scales); ``None``: the base in ``HFCausalLM``'s ``dtype``."""
@@ -130,11 +130,12 @@ def add_adapters(model: nn.Module, settings: LoRA) -> nn.Module:
         from lightning_cp.hf.qlora import quantize_linear_weights
 
         quantize_linear_weights(model, settings.nf4_block_size, settings.nf4_scaler_block_size)
+    targets = settings.target_modules
     config = LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=settings.target_modules,
+        target_modules=_all_linear(model) if targets == "all-linear" else targets,
         bias="none",
     )
     try:
@@ -158,6 +159,17 @@ def _adapters_in_fp32(model: nn.Module) -> None:
             for parameter in getattr(layer, kind).parameters():
                 if parameter.dtype in (torch.bfloat16, torch.float16):
                     parameter.data = parameter.data.float()
+
+
+def _all_linear(model: nn.Module) -> list[str]:
+    """What ``"all-linear"`` means here: the names of every ``nn.Linear`` of ``model`` but its output head. Given
+    ``"all-linear"`` itself, ``peft`` also adapts a mixture of experts' fused ``[experts, out, in]`` weights and
+    its router through ``target_parameters`` (Qwen3-MoE under ``transformers`` 5), which are not ``nn.Linear``:
+    :func:`check_adapters` would refuse them, and ``lightning-cp plan`` counts the linear layers only."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [
+        name for name, module in model.named_modules() if isinstance(module, nn.Linear) and module is not head
+    ]
 
 
 def _linear_names(model: nn.Module) -> set[str]:
@@ -254,8 +266,9 @@ def check_adapters(model: nn.Module, where: str, cp: int) -> None:
         if cp > 1 and rates:
             raise ValueError(
                 f"{name}: {layer_name} has LoRA dropout {rates[0]}; under context parallelism (cp={cp}) each rank "
-                "would draw the masks of its own tokens, not those the unsharded model draws for the whole "
-                "sequence: set the LoRA dropout to 0 (LoRA(dropout=0.0), LoraConfig(lora_dropout=0.0)), or cp=1."
+                "would draw the masks of its own tokens from its own generator (peft's nn.Dropout), not those the "
+                "unsharded model draws for the whole sequence, so the run would not be the unsharded model's: "
+                "set the LoRA dropout to 0 (LoRA(dropout=0.0), LoraConfig(lora_dropout=0.0)), or cp=1."
             )
 
 

@@ -107,7 +107,7 @@ def fill_quantized(
     """
     from safetensors import safe_open
 
-    files = _files_by_name(directory) if names else {}
+    files = files_by_name(directory) if names else {}
     for name in names:
         param = model.get_parameter(name)
         key = stored(stored_name(name))
@@ -159,7 +159,7 @@ def _this_ranks_rows(name: str, quantized: torch.Tensor, param: DTensor) -> torc
     return torch.chunk(quantized, world, dim=0)[rank]
 
 
-def _files_by_name(directory: Path) -> Mapping[str, str]:
+def files_by_name(directory: Path) -> Mapping[str, str]:
     """``{stored tensor name: safetensors file name}`` of ``directory``."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -22,6 +23,7 @@ from lightning_cp.hf.causal_lm import decoder, output_head
 from lightning_cp.hf.export import ExportHFOnFitEnd
 from lightning_cp.hf.loading import causal_lm_config, check_causal_lm_config, load_pretrained
 from lightning_cp.hf.lora import LoRA, adapters_off, add_adapters, require_peft
+from lightning_cp.hf.lora_checkpoint import base_record, check_base, keep_adapters_only
 from lightning_cp.hf.qlora import require_torchao
 from lightning_cp.hf.registration import UnsupportedAttentionClasses
 from lightning_cp.hf.router_loss import load_balancing_loss
@@ -82,6 +84,8 @@ class HFCausalLM(CPLossMixin, LightningModule):
             quantized as they load (:mod:`lightning_cp.hf.qlora`). Both strategies, any dp x cp. With an
             ``objective`` whose ``kl_coef > 0`` on rollouts without ``ref_logprobs``, the reference policy is
             the base model, adapters off, its log-probs computed in the step (one forward without a graph).
+            Checkpoints hold the adapters and their optimizer state and name the pretrained base, which a resume
+            rebuilds and checks (:meth:`on_save_checkpoint`, :mod:`lightning_cp.hf.lora_checkpoint`).
 
     Raises:
         ImportError: ``transformers`` is not installed (``pip install 'lightning-cp[hf]'``); ``lora`` without
@@ -254,31 +258,67 @@ class HFCausalLM(CPLossMixin, LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def setup(self, stage: str) -> None:
-        """Refuse, before the first step, a QLoRA fit that would save a checkpoint (a ``ModelCheckpoint``, as
-        ``Trainer`` adds by default, or :class:`~lightning_cp.hf.export.ExportHFOnFitEnd`): see
-        :meth:`on_save_checkpoint`."""
+        """Refuse, before the first step, a fit that would save a checkpoint (a ``ModelCheckpoint``, as
+        ``Trainer`` adds by default, or :class:`~lightning_cp.hf.export.ExportHFOnFitEnd`) that
+        :meth:`on_save_checkpoint` would refuse."""
         saves = bool(self.trainer.checkpoint_callbacks) or any(
             isinstance(callback, ExportHFOnFitEnd) for callback in self.trainer.callbacks
         )
         if stage == "fit" and saves:
-            self._refuse_quantized_checkpoints()
+            self._refuse_unnamed_quantized_base()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse a checkpoint of a QLoRA run (a LoRA run's holds the frozen base, the adapters and their AdamW
-        state, and names the base in its hyperparameters; it resumes exactly and ``export_hf`` merges it).
+        """With LoRA on a pretrained directory, keep the adapters alone in the checkpoint's module state (their
+        AdamW state is all the optimizer holds) and name the frozen base instead of saving it
+        (:data:`~lightning_cp.checkpoint_format.FROZEN_BASE`, :mod:`lightning_cp.hf.lora_checkpoint`): a resume
+        rebuilds it from the directory and checks it first (:meth:`check_frozen_base`). LoRA on a config dict
+        (a random base, which nothing else names) saves the base too. Every rank, no communication.
 
         Raises:
-            ValueError: ``lora.quantize="nf4"``: its base weights are ``torchao`` NF4 tensors, which the
-                checkpoint format, the resume and ``export_hf`` are not made or tested for.
+            ValueError: QLoRA on a config dict: its NF4 base could be neither saved nor rebuilt.
         """
-        self._refuse_quantized_checkpoints()
+        if self.lora is None:
+            return
+        self._refuse_unnamed_quantized_base()
+        if isinstance(self.hparams.config, str):
+            keep_adapters_only(checkpoint, self._base_record())
 
-    def _refuse_quantized_checkpoints(self) -> None:
-        if self.lora is not None and self.lora.quantize is not None:
+    def check_frozen_base(self, record: Mapping[str, Any], checkpoint: Path) -> None:
+        """Before the strategy loads ``checkpoint``, a checkpoint of the adapters alone whose frozen base is
+        ``record`` (:meth:`on_save_checkpoint`): refuse it unless this module's base, rebuilt from its pretrained
+        directory, is that base (:func:`~lightning_cp.hf.lora_checkpoint.check_base`). Reads the directory's
+        safetensors headers and a few rows; no communication.
+
+        Raises:
+            ValueError: this module has no LoRA, or a config dict for a base, or another base.
+        """
+        where = f"HFCausalLM: the checkpoint {str(checkpoint)!r} holds LoRA adapters trained on "
+        where += repr(record["pretrained"])
+        if self.lora is None or not isinstance(self.hparams.config, str):
+            missing = (
+                "lora=None" if self.lora is None else "a config dict for a base (a random initialization)"
+            )
             raise ValueError(
-                f"HFCausalLM(lora=LoRA(quantize={self.lora.quantize!r})): lightning_cp does not checkpoint QLoRA "
-                "runs yet: the frozen base is torchao NF4 tensors, which its checkpoints (file or sharded "
-                "folder), their resume and export_hf do not handle. Train without checkpoints (no "
-                "ModelCheckpoint: Trainer(enable_checkpointing=False), no ExportHFOnFitEnd), or with "
-                "quantize=None."
+                f"{where}, and this module has {missing}: build it as the run was, HFCausalLM(config="
+                f"{record['pretrained']!r}, lora=...)."
+            )
+        check_base(record, self._base_record(), checkpoint, "HFCausalLM")
+
+    def _base_record(self) -> dict[str, Any]:
+        """What names this module's frozen base (:func:`~lightning_cp.hf.lora_checkpoint.base_record`)."""
+        dtype = self.model.get_input_embeddings().weight.dtype
+        return base_record(Path(self.hparams.config), dtype, self.lora)
+
+    def _refuse_unnamed_quantized_base(self) -> None:
+        if (
+            self.lora is not None
+            and self.lora.quantize is not None
+            and not isinstance(self.hparams.config, str)
+        ):
+            raise ValueError(
+                f"HFCausalLM(lora=LoRA(quantize={self.lora.quantize!r})) on a config dict: its checkpoints would "
+                "need the randomly initialized NF4 base, which they do not hold (a QLoRA checkpoint holds the "
+                "adapters and names the pretrained directory its base is quantized from again). Train from a "
+                "pretrained directory (save_pretrained the model first), or without checkpoints (no "
+                "ModelCheckpoint: Trainer(enable_checkpointing=False), no ExportHFOnFitEnd)."
             )

@@ -3,10 +3,12 @@
 LoRA (``peft``, ``target_modules="all-linear"``: every ``nn.Linear`` of the decoder, not the LM head) freezes
 the base: its weights are held in the compute dtype (bf16 under ``bf16-mixed`` / ``bf16-true``), with no
 master copy, gradient or optimizer state, and only the adapters (``A: [r, in]``, ``B: [out, r]`` per linear)
-are trained in the master dtype (fp32 under ``bf16-mixed``). QLoRA keeps those linear weights, and a mixture
-of experts' fused expert weights one expert's matrix at a time, as ``torchao``'s NF4 tensor
-(``torchao.quantization.quantize_.workflows.nf4.nf4_tensor.to_nf4``, 64-element blocks, their scales
-double-quantized in blocks of 256); the embeddings, norms and LM head stay in bf16. The byte counts here are
+are trained in the master dtype (fp32 under ``bf16-mixed``). QLoRA keeps those linear weights as ``torchao``'s
+NF4 tensor (``torchao.quantization.quantize_.workflows.nf4.nf4_tensor.to_nf4``, 64-element blocks, their
+scales double-quantized in blocks of 256), as ``HFCausalLM``'s QLoRA does (:mod:`lightning_cp.hf.qlora`); the
+embeddings, norms, LM head and a mixture of experts' fused expert weights stay in bf16 (``to_nf4`` takes 2-D
+weights only, and ``NF4Tensor`` has no grouped or per-expert matmul for the experts' ``[experts, out, in]``
+parameters: their NF4 would need a kernel of its own). The byte counts here are
 ``torchao``'s tensors' (``tests/plan/test_lora.py`` holds them against ``to_nf4`` on the CPU).
 """
 
@@ -76,14 +78,14 @@ class LoRA:
         return self.rank * _linears(shape).dims
 
     def base_bytes(self, shape: ModelShape, compute_bytes: int) -> int:
-        """The frozen base: every parameter in the compute dtype, but under QLoRA the linear and expert weights
-        in NF4 (:func:`nf4_bytes`)."""
+        """The frozen base: every parameter in the compute dtype, but under QLoRA the ``nn.Linear`` weights in NF4
+        (:func:`nf4_bytes`; a mixture of experts' fused expert weights stay in the compute dtype)."""
         if self.quantize is None:
             return shape.params * compute_bytes
         linears = _linears(shape)
-        quantized = linears.params + linears.expert_params
-        matrices = linears.count + linears.expert_matrices
-        return (shape.params - quantized) * compute_bytes + nf4_bytes(quantized, matrices, compute_bytes)
+        return (shape.params - linears.params) * compute_bytes + nf4_bytes(
+            linears.params, linears.count, compute_bytes
+        )
 
     def layer_base_bytes(self, shape: ModelShape, compute_bytes: int) -> int:
         """One decoder layer's frozen base (what one FSDP unit gathers of it): the base's bytes outside the
@@ -98,7 +100,7 @@ class LoRA:
         return -(-_linears(shape).count // shape.layers) * self.rank * compute_bytes
 
     def dequantized_bytes(self, shape: ModelShape) -> int:
-        """QLoRA's transient (0 without): one dequantization of the largest quantized matrix
+        """QLoRA's transient (0 without): one dequantization of the largest quantized (``nn.Linear``) weight
         (:data:`NF4_DEQUANTIZE_BYTES` per element), in a linear's forward or backward."""
         return _linears(shape).largest * NF4_DEQUANTIZE_BYTES if self.quantize else 0
 

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_cp.checkpoint_format import FROZEN_BASE, check_partial_state
 from lightning_cp.constants import CP_SHARD
 from lightning_cp.memory.offload import ActivationOffload
 from lightning_cp.parallel import groups
@@ -345,14 +346,27 @@ class MegatronCPBase(StopOnSigterm, DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint, a run stopped before the end of its epoch resuming inside that epoch
-        (:func:`~lightning_cp.strategies.epoch_position.resume_inside_the_epoch`)."""
-        checkpoint = self._read_checkpoint(checkpoint_path, weights_only)
+        (:func:`~lightning_cp.strategies.epoch_position.resume_inside_the_epoch`). One that holds only the
+        parameters that train (a LoRA run's adapters, :data:`~lightning_cp.checkpoint_format.FROZEN_BASE`) is
+        checked against the module's own frozen base first, before anything is loaded
+        (:func:`~lightning_cp.checkpoint_format.check_partial_state`), and loads into those parameters only."""
+        only = check_partial_state(checkpoint_path, self.lightning_module)
+        checkpoint = self._read_checkpoint(checkpoint_path, weights_only, only)
         resume_inside_the_epoch(checkpoint)
         return checkpoint
 
-    def _read_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:
-        """The checkpoint file, read by the ``CheckpointIO`` (the FSDP strategy reads its shards)."""
+    def _read_checkpoint(
+        self, checkpoint_path: _PATH, weights_only: bool | None, only: set[str] | None
+    ) -> dict[str, Any]:
+        """The checkpoint file, read by the ``CheckpointIO`` (the FSDP strategy reads its shards, ``only``
+        those tensors of the module when given)."""
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Lightning's, not strict for a checkpoint that holds only the parameters that train (checked in
+        :meth:`load_checkpoint`: the frozen rest is the module's own)."""
+        super().load_model_state_dict(checkpoint, strict=strict and FROZEN_BASE not in checkpoint)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

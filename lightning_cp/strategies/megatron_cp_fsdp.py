@@ -315,11 +315,13 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
         save_sharded(checkpoint, Path(self.broadcast(filepath)), self.global_rank)
 
     @override
-    def _read_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:
+    def _read_checkpoint(
+        self, checkpoint_path: _PATH, weights_only: bool | None, only: set[str] | None
+    ) -> dict[str, Any]:
         """Load a sharded folder (resharded by DCP if the layout differs) or a consolidated file.
 
-        The model and optimizer states go straight into the sharded model and optimizers; the rest of the
-        checkpoint is returned for Lightning to restore.
+        The model and optimizer states go straight into the sharded model and optimizers (``only`` those
+        tensors of the model, when given); the rest of the checkpoint is returned for Lightning to restore.
         """
         return load_sharded(
             Path(self.broadcast(checkpoint_path)),
@@ -327,6 +329,7 @@ class MegatronCPFSDPStrategy(MegatronCPBase):
             self.optimizers,
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
+            only=only,
         )
 
     @override

@@ -105,6 +105,55 @@ def test_qlora_counts_nf4_linear_weights_and_one_dequantized_weight(llama: Model
     assert quantized.loss == plain.loss  # the head is bf16: nothing dequantized there
 
 
+_MOE = {  # a tiny Qwen3-MoE whose linear weights hold whole NF4 blocks of torchao's defaults (64 x 256)
+    "model_type": "qwen3_moe",
+    "hidden_size": 256,
+    "moe_intermediate_size": 128,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 64,
+}
+
+
+def test_lora_and_qlora_of_a_mixture_of_experts_count_what_the_run_builds() -> None:
+    """``HFCausalLM(lora=...)`` on a Qwen3-MoE (fused ``[experts, out, in]`` expert weights): ``"all-linear"``
+    adapts the ``nn.Linear`` layers only (not the experts or the router, which the setup would refuse), as
+    many adapter parameters as the plan counts; QLoRA quantizes those layers' weights and leaves the experts
+    bf16 (``to_nf4`` takes 2-D weights only), and the frozen base's bytes (NF4 storage, bf16 tensors) are the
+    plan's."""
+    pytest.importorskip("peft")
+    nf4_tensor = _nf4_module()
+    from lightning_cp.hf.lora import check_adapters
+    from lightning_cp.models import HFCausalLM
+
+    shape = ModelShape.from_hf_config(_MOE)
+    assert shape.linears is not None and shape.linears.expert_params > 0
+    module = HFCausalLM(_MOE, dtype="bfloat16", lora={"rank": 4, "quantize": "nf4"})
+    module.configure_model()
+    check_adapters(module.model, "model", 2)
+    adapters = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
+    assert adapters == LoRA(4).adapters(shape)
+    frozen = [p for p in module.model.parameters() if not p.requires_grad]
+    quantized = [p for p in frozen if isinstance(p, nf4_tensor.NF4Tensor)]
+    assert len(quantized) == shape.linears.count
+    assert sum(p.numel() for p in quantized) == shape.linears.params
+    experts = [p for p in frozen if p.dim() == 3]
+    assert sum(p.numel() for p in experts) == shape.linears.expert_params
+    assert all(p.dtype == torch.bfloat16 and not isinstance(p, nf4_tensor.NF4Tensor) for p in experts)
+
+    def stored(p: torch.Tensor) -> int:
+        if not isinstance(p, nf4_tensor.NF4Tensor):
+            return p.untyped_storage().nbytes()
+        names, _ = p.__tensor_flatten__()
+        return sum(getattr(p, name).untyped_storage().nbytes() for name in names)
+
+    assert sum(stored(p) for p in frozen) == LoRA(4, "nf4").base_bytes(shape, 2)
+
+
 def test_the_host_bound_keeps_the_other_layers_inputs_on_the_gpu(llama: ModelShape) -> None:
     """Llama-3-8B with LoRA at 658,432 tokens on one GPU: each layer input is 5 GiB and 24 MiB, held in 80
     pinned pages of 64 MiB and a last one of 24 MiB that PyTorch rounds up to 32 (5,152 MiB, not the 8 GiB
