@@ -27,6 +27,7 @@ Run from the repository root::
 
     python benchmarks/sparse_attention.py --quick
     python benchmarks/sparse_attention.py --tokens 16384 32768 --markdown
+    python benchmarks/sparse_attention.py --operators 32768 --cp 8 --heads 128 --latent 576 512
 """
 
 from __future__ import annotations
@@ -124,17 +125,24 @@ class StoragePeak(TorchDispatchMode):
 
 
 def layer_shape(
-    heads: int, qk_head_dim: int, v_head_dim: int, index_heads: int, index_head_dim: int, topk: int
+    heads: int,
+    qk_head_dim: int,
+    v_head_dim: int,
+    index_heads: int,
+    index_head_dim: int,
+    topk: int,
+    kv_heads: int | None = None,
 ) -> Any:
     """The plan's :class:`~lightning_cp.plan.ModelShape` of one such sparse attention layer (no MLP, no
-    vocabulary: only the attention's sizes count)."""
+    vocabulary: only the attention's sizes count), with a key/value head per query head unless ``kv_heads``
+    (MLA's absorbed form: 1)."""
     from lightning_cp.plan.shape import ModelShape, SparseIndexer
 
     return ModelShape(
         hidden=heads * qk_head_dim,
         layers=1,
         heads=heads,
-        kv_heads=heads,
+        kv_heads=kv_heads or heads,
         head_dim=qk_head_dim,
         ffn=0,
         vocab=1,
@@ -147,12 +155,12 @@ def layer_shape(
 
 
 def layer_step(
-    shape: Any, tokens: int, cp: int, seed: int = 0
+    shape: Any, tokens: int, cp: int, seed: int = 0, latent: bool = False
 ) -> tuple[Callable[[], float], tuple[Tensor, ...]]:
     """One rank's sparse attention layer of ``shape`` on ``tokens`` (one sequence) over ``cp`` ranks: a step
     that runs the selection, the attention and its backward and returns the output's sum, and its inputs
-    (made here, outside the step). The step leaves ``dq``, ``dk``, ``dv`` in their ``.grad`` and drops them at
-    its next call."""
+    (made here, outside the step). ``latent``: the values are the keys' first ``v_head_dim`` columns (no
+    ``v``). The step leaves ``dq``, ``dk``, ``dv`` in their ``.grad`` and drops them at its next call."""
     from lightning_cp.parallel import shard_batch
     from lightning_cp.parallel.key_indexer import select_topk_keys
     from lightning_cp.parallel.sparse_attention import sparse_attention
@@ -167,24 +175,76 @@ def layer_step(
         return torch.randn(*size, generator=generator)
 
     q = randn(1, shape.heads, local, shape.head_dim).requires_grad_()
-    k = randn(1, shape.heads, local, shape.head_dim).requires_grad_()
-    v = randn(1, shape.heads, local, shape.v_head_dim).requires_grad_()
+    k = randn(1, shape.kv_heads, local, shape.head_dim).requires_grad_()
+    v = None if latent else randn(1, shape.kv_heads, local, shape.v_head_dim).requires_grad_()
     index_queries = randn(local, sparse.heads, sparse.head_dim)
     index_weights = randn(local, sparse.heads)
     index_keys = randn(local, sparse.head_dim)
     scale = shape.head_dim**-0.5
+    leaves = (q, k) if latent else (q, k, v)
+    value_dim = shape.v_head_dim if latent else None
 
     def step() -> float:
-        for leaf in (q, k, v):
+        for leaf in leaves:
             leaf.grad = None
         selected = select_topk_keys(
             index_queries, index_weights, index_keys, shard, sparse.topk, sparse.head_dim**-0.5
         ).int()
-        out = sparse_attention(q, k, v, selected, shard, scale)
+        out = sparse_attention(q, k, v, selected, shard, scale, value_dim=value_dim)
         out.backward(torch.randn_like(out))
         return out.detach().sum().item()
 
-    return step, (q, k, v, index_queries, index_weights, index_keys)
+    return step, (*leaves, index_queries, index_weights, index_keys)
+
+
+def attention_operators(
+    heads: int, key_dim: int, value_dim: int, kv_heads: int, latent: bool, tokens: int, cp: int, topk: int
+) -> int:
+    """Operators :func:`~lightning_cp.parallel.sparse_attention.sparse_attention` dispatches, forward and
+    backward, on rank 0 of ``cp`` with ``tokens`` local tokens of one sequence and ``topk`` keys a query, on
+    bf16 fake tensors (``_counting.DispatchCounter``, as ``efficiency.py`` counts a layer); ``latent``: the
+    values are the keys' first ``value_dim`` columns."""
+    from _counting import Counts, DispatchCounter
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_cp.parallel import shard_batch
+    from lightning_cp.parallel.sparse_attention import sparse_attention
+
+    ids = {"input_ids": torch.zeros(1, cp * tokens, dtype=torch.long)}
+    shard = shard_batch(ids, cp, 0, cp_group=one_rank_exchange(cp))["cp_shard"]
+    counts = Counts()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = (
+            torch.empty(1, h, tokens, d, dtype=torch.bfloat16, requires_grad=True)
+            for h, d in ((heads, key_dim), (kv_heads, key_dim), (kv_heads, value_dim))
+        )
+        selected = torch.empty(tokens, topk, dtype=torch.int32)
+        with DispatchCounter(counts):
+            value_dim_arg = value_dim if latent else None
+            out = sparse_attention(q, k, None if latent else v, selected, shard, 1.0, value_dim=value_dim_arg)
+            out.backward(torch.empty_like(out))
+    return counts.ops
+
+
+def _operators(args: argparse.Namespace) -> None:
+    """Print the top-k attention's operators per layer at ``args.operators`` local tokens: counted at two
+    lengths whose whole sequences hold ``topk`` keys, extrapolated along the query blocks (which grow with the
+    tokens)."""
+    low = max(256, -(-args.topk // args.cp))
+    forms = [("expanded", args.heads, args.qk_head_dim, args.v_head_dim, args.heads, False)]
+    if args.latent:
+        forms.append(("absorbed", args.heads, *args.latent, 1, True))
+    for name, heads, key_dim, value_dim, kv_heads, latent in forms:
+        a, b = (
+            attention_operators(heads, key_dim, value_dim, kv_heads, latent, t, args.cp, args.topk)
+            for t in (low, 2 * low)
+        )
+        at = a + (b - a) * (args.operators - low) // low
+        print(
+            f"{name}: {heads} heads over {kv_heads} key/value heads of {key_dim} (values {value_dim}), "
+            f"top-{args.topk}, cp {args.cp}: {a:,} operators at {low} tokens, {b:,} at {2 * low}, "
+            f"~{at:,} at {args.operators:,}"
+        )
 
 
 def _measure(spec: dict[str, Any]) -> dict[str, Any]:
@@ -244,10 +304,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes: T 2048 and 4096, cp 2, top-256")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument(
+        "--operators",
+        type=int,
+        metavar="T_LOCAL",
+        help="instead: count the top-k attention's operators per layer at T_LOCAL tokens per rank (fake tensors)",
+    )
+    parser.add_argument(
+        "--latent",
+        type=int,
+        nargs=2,
+        metavar=("KEY_DIM", "VALUE_DIM"),
+        help="with --operators: MLA's absorbed form too (one key of KEY_DIM, its first VALUE_DIM the values)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker_main(args.worker, _measured)
+        return
+    if args.operators:
+        _operators(args)
         return
     if args.quick:
         args.tokens, args.cp, args.topk, args.heads = [2048, 4096], 2, 256, 2

@@ -53,7 +53,7 @@ class SparseLayerBytes:
 
 
 def sparse_layer_bytes(
-    shape: ModelShape, tokens: int, cp: int, heads_per_round: int, compute_bytes: int
+    shape: ModelShape, tokens: int, cp: int, heads_per_round: int, compute_bytes: int, *, latent: bool = False
 ) -> SparseLayerBytes:
     """The bytes of one of ``shape``'s sparse attention layers on a rank of ``tokens`` local tokens of ``cp``.
 
@@ -64,6 +64,9 @@ def sparse_layer_bytes(
         heads_per_round: key/value heads all-gathered per round (``h``: all of them, or the strategies'
             ``kv_heads_per_gather``).
         compute_bytes: bytes of the compute dtype (the layer's ``q``, ``k``, ``v`` and output).
+        latent: the values are the keys' first ``shape.v_head_dim`` columns (``sparse_attention(v=None)``:
+            MLA's absorbed form, a shape of ``kv_heads=1`` and ``head_dim`` the latent's width, e.g. 576 with
+            ``value_head_dim=512``); only the keys are gathered.
 
     Raises:
         ValueError: ``shape`` has no sparse attention.
@@ -73,8 +76,6 @@ def sparse_layer_bytes(
         raise ValueError("sparse_layer_bytes: the model has no sparse attention (ModelShape.sparse is None).")
     gathered = tokens * cp
     width = min(sparse.topk, gathered)
-    round_dims = heads_per_round * (shape.head_dim + shape.v_head_dim)
-    round_heads = shape.heads * heads_per_round // shape.kv_heads
     upcast = compute_bytes if compute_bytes < 4 else 0  # a compute-dtype copy made before an fp32 one
     rows_bytes = key_indexer.ROWS_DTYPE.itemsize
     selection = SELECTION_DTYPE.itemsize * tokens * width
@@ -98,19 +99,38 @@ def sparse_layer_bytes(
         selection,
     )
 
-    # The attention: a round's K/V gathered and in sequence order; blocks of selected keys and values (fp32).
+    # The attention: a round's K/V gathered and in sequence order; blocks of selected keys and values (fp32)
+    # and their scores.
+    value_dim = 0 if latent else shape.v_head_dim
+    round_dims = heads_per_round * (shape.head_dim + value_dim)
     round_kv = gathered * round_dims * compute_bytes
     round_grads = gathered * round_dims * 4
-    size = sparse_kernel.query_block_tokens(width, heads_per_round, shape.head_dim + shape.v_head_dim)
+    group = shape.heads // shape.kv_heads
+    size, block_heads = sparse_kernel.query_block(width, heads_per_round, group, shape.head_dim + value_dim)
     selected = min(size, tokens) * width
-    block_scores = 3 * 4 * selected * round_heads + (rows_bytes + 1) * selected
-    one_side = selected * heads_per_round * max(shape.head_dim, shape.v_head_dim)
-    forward = max(2 * round_kv, round_kv + one_side * (4 + upcast) + block_scores)
-    block_kv = selected * round_dims * 4
-    # A block's selected keys and values beside one side's fp32 gradient, made and then flattened (a copy),
-    # and the selected keys' int64 rows in the gathered buffer.
-    block_backward = block_kv + one_side * (2 * 4 + upcast) + block_scores + 8 * selected
-    local_grads = tokens * (shape.q_dim + shape.out_dim + shape.kv_dim + shape.v_dim) * compute_bytes
+    keys_side, values_side = (selected * block_heads * d for d in (shape.head_dim, value_dim))
+    block_scores = 4 * selected * block_heads * group
+    # The int64 rows and the mask of the selection, the keys and values gathered (in the compute dtype, then
+    # fp32: one side's copy at a time), the scores and a softmax's temporary of their size.
+    block_forward = (
+        (rows_bytes + 1) * selected
+        + 4 * (keys_side + values_side)
+        + upcast * max(keys_side, values_side)
+        + 2 * block_scores
+    )
+    forward = max(2 * round_kv, round_kv + block_forward)
+    # The backward's block: the rows, mask and rows in the gathered buffer, the keys and values (fp32), the
+    # values' gradient beside them, and the probabilities beside ds.
+    values_grad = 4 * selected * block_heads * shape.v_head_dim
+    block_backward = (
+        (2 * rows_bytes + 1) * selected
+        + 4 * (keys_side + values_side)
+        + upcast * max(keys_side, values_side)
+        + values_grad
+        + 2 * block_scores
+    )
+    local_dims = shape.q_dim + shape.out_dim + shape.kv_dim + (0 if latent else shape.v_dim)
+    local_grads = tokens * local_dims * compute_bytes
     delta = tokens * shape.out_dim * 4 * (3 if upcast else 1)
     backward = local_grads + max(
         delta,

@@ -5,12 +5,17 @@ sequence: the indexer's ``[S, S]`` scores in one matmul, the causal mask, ``topk
 softmax attention under the combined mask (float64 for the attention).
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from lightning_cp.parallel import CPShard, CPSplit, context_parallel_attention, groups, shard_batch, unshard
 from lightning_cp.parallel.key_indexer import select_topk_keys, sequence_rows
 from lightning_cp.parallel.sparse_attention import sparse_attention
+from tests.ops.test_triton import _cases_env
 
 HEADS, KV_HEADS, DIM, VALUE_DIM = 4, 2, 8, 6
 INDEX_HEADS, INDEX_DIM, TOPK, INDEX_SCALE = 8, 8, 5, 0.35
@@ -200,3 +205,177 @@ def test_on_cuda_in_bf16_the_selection_is_the_cpu_s_and_the_attention_the_fp64_r
     for got, want in zip((out, lq.grad, lk.grad, lv.grad), expected, strict=True):
         got = got.double().cpu()
         assert ((got - want).norm() / want.norm()).item() < 2e-2
+
+
+TRITON_CASES = Path(__file__).with_name("_sparse_triton_cases.py")
+
+# The kernel on its own: a selection drawn per query (a random subset of its document's earlier keys, some
+# with fewer keys than KERNEL_TOPK, the -1 entries interleaved), against SDPA under the selection as a mask.
+KERNEL_TOPK = 6
+FORMS = {"expanded": (HEADS, KV_HEADS), "latent": (HEADS, 1)}
+"""Query and key/value heads: grouped heads with values of their own, or one key shared by every query head
+whose first VALUE_DIM columns are the values (MLA's absorbed form, ``v=None``)."""
+
+
+def _kernel_inputs(form, batch, total):
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads = FORMS[form]
+    q = torch.randn(batch, heads, total, DIM, generator=g)
+    k = torch.randn(batch, kv_heads, total, DIM, generator=g)
+    v = torch.randn(batch, kv_heads, total, VALUE_DIM, generator=g) if form == "expanded" else None
+    dout = torch.randn(batch, heads, total, VALUE_DIM, generator=g)
+    return q, k, v, dout, torch.randn(heads, generator=g)
+
+
+def _kernel_selection(length):
+    """``[length, KERNEL_TOPK]`` positions within a document, ``-1`` for none, in a random order: query ``p``
+    selects ``min(KERNEL_TOPK, p + 1)`` of its earlier keys, one fewer for every third query."""
+    g = torch.Generator().manual_seed(length)
+    chosen = torch.full((length, KERNEL_TOPK), -1)
+    for p in range(length):
+        count = min(KERNEL_TOPK, p + 1) - (p % 3 == 2)
+        slots = torch.randperm(KERNEL_TOPK, generator=g)[:count]
+        chosen[p, slots] = torch.randperm(p + 1, generator=g)[:count]
+    return chosen
+
+
+def _kernel_reference(inputs, cu, with_sinks):
+    q, k, v, dout, sinks = (
+        None if t is None else t.clone().requires_grad_() for t in _kernel_inputs(*inputs)
+    )
+    outs = torch.zeros_like(dout)
+    group = q.shape[1] // k.shape[1]
+    for b, start, stop in _documents(q.shape[0], q.shape[2], cu):
+        length = stop - start
+        keys = k[b, :, start:stop].repeat_interleave(group, 0)
+        values = keys[..., :VALUE_DIM] if v is None else v[b, :, start:stop].repeat_interleave(group, 0)
+        chosen = _kernel_selection(length)
+        mask = torch.zeros(length, length + 1, dtype=torch.bool)
+        mask.scatter_(1, chosen.clamp(min=0) + (chosen < 0) * length, True)  # -1 into the spare column
+        bias = torch.zeros(q.shape[1], length, length).masked_fill(~mask[:, :length], float("-inf"))
+        if with_sinks:  # one more key of zeros whose logit is the sink, with a zero value
+            bias = torch.cat([bias, sinks[:, None, None].expand(-1, length, 1)], -1)
+            keys = torch.cat([keys, keys.new_zeros(keys.shape[0], 1, DIM)], 1)
+            values = torch.cat([values, values.new_zeros(values.shape[0], 1, VALUE_DIM)], 1)
+        outs[b, :, start:stop] = torch.nn.functional.scaled_dot_product_attention(
+            q[b, :, start:stop], keys, values, attn_mask=bias, scale=DIM**-0.5
+        )
+    outs.backward(dout)
+    return outs.detach(), q.grad, k.grad, None if v is None else v.grad, sinks.grad if with_sinks else None
+
+
+def _local_selection(shard, docs):
+    """Each local query's ``_kernel_selection`` as rows in sequence order; CP's padding selects its own row."""
+    row, first = sequence_rows(shard)
+    lengths = shard.sequence_lengths
+    sequence = torch.searchsorted(torch.cumsum(lengths, 0) - lengths, row, right=True) - 1
+    selections = [_kernel_selection(stop - start) for _, start, stop in docs]
+    selected = torch.full((row.numel(), KERNEL_TOPK), -1, dtype=torch.int32)
+    for token, (r, f, s) in enumerate(zip(row.tolist(), first.tolist(), sequence.tolist(), strict=True)):
+        if r - f < len(selections[s]):
+            chosen = selections[s][r - f]
+            selected[token] = torch.where(chosen >= 0, chosen + f, -1)
+        else:
+            selected[token, 0] = r
+    return selected
+
+
+def _kernel_run(form, packed, with_sinks, block):
+    """On every rank of world2, at cp 1 and 2: the kernel's outputs and gradients of this rank's tokens, with
+    blocks of ``block`` queries and one key/value head when given (else the module's own)."""
+    from lightning_cp.parallel import sparse_attention as kernel
+
+    saved = kernel.MIN_BLOCK_QUERIES, kernel.SELECTED_BLOCK_BYTES
+    if block is not None:
+        kernel.MIN_BLOCK_QUERIES, kernel.SELECTED_BLOCK_BYTES = block, 1
+    cu = PACKED_CU if packed else None
+    batch, total = (1, int(PACKED_CU[-1])) if packed else PADDED_SHAPE
+    q, k, v, dout, sinks = _kernel_inputs(form, batch, total)
+    results = {}
+    try:
+        for cp in (1, 2):
+            layout = groups.initialize(tp=1, cp=cp)
+            rank = layout.cp_rank
+            local = [
+                None if t is None else _shard(t.transpose(1, 2), cp, rank, cu, layout.cp_group)
+                for t in (q, k, v, dout)
+            ]
+            shard = local[0][1]
+            lq, lk, lv, ldout = (None if t is None else t[0].transpose(1, 2) for t in local)
+            leaves = [t.requires_grad_() for t in (lq, lk, lv) if t is not None]
+            local_sinks = sinks.clone().requires_grad_() if with_sinks else None
+            selected = _local_selection(shard, _documents(batch, total, cu))
+            value_dim = VALUE_DIM if lv is None else None
+            out = sparse_attention(lq, lk, lv, selected, shard, DIM**-0.5, local_sinks, value_dim=value_dim)
+            out.backward(ldout)
+            grads = [t.grad for t in leaves] + ([None] if lv is None else [])
+            results[cp] = (rank, out.detach(), *grads, local_sinks.grad if with_sinks else None)
+            groups.destroy()
+    finally:
+        kernel.MIN_BLOCK_QUERIES, kernel.SELECTED_BLOCK_BYTES = saved
+    return results
+
+
+@pytest.mark.parametrize(
+    ("form", "packed", "with_sinks", "block"),
+    [
+        ("expanded", False, False, 3),
+        ("expanded", True, True, None),
+        ("latent", True, False, 4),
+        ("latent", False, True, None),
+    ],
+    ids=["expanded-padded-blocks-of-3", "expanded-packed-sinks", "latent-packed-blocks-of-4", "latent-sinks"],
+)
+def test_the_kernel_matches_sdpa_under_the_selection_as_a_mask(world2, form, packed, with_sinks, block):
+    """Blocks of a few queries (the last one short) and one key/value head each, or the module's (one block):
+    outputs and every gradient within fp32's error of the reference, at cp 1 and 2. With ``v=None`` the keys'
+    gradient carries the values'."""
+    cu = PACKED_CU if packed else None
+    batch, total = (1, int(PACKED_CU[-1])) if packed else PADDED_SHAPE
+    expected = _kernel_reference((form, batch, total), cu, with_sinks)
+    per_rank = world2.run(_kernel_run, form, packed, with_sinks, block)
+    for cp in (1, 2):
+        by_cp_rank = {}
+        for results in per_rank:
+            rank, *tensors = results[cp]
+            by_cp_rank.setdefault(rank, tensors)
+        for i, name in enumerate(("out", "dq", "dk", "dv")):
+            if expected[i] is None:
+                continue
+            shards = [by_cp_rank[r][i].transpose(1, 2) for r in range(cp)]
+            full = unshard(shards, seq_len=None if packed else total, cu_seqlens=cu).transpose(1, 2)
+            torch.testing.assert_close(full, expected[i], rtol=1e-5, atol=1e-5, msg=f"cp={cp} {name}")
+        if with_sinks:
+            total_grad = sum(by_cp_rank[r][4] for r in range(cp))
+            torch.testing.assert_close(total_grad, expected[4], rtol=1e-5, atol=1e-5, msg=f"cp={cp} dsinks")
+
+
+def test_the_values_are_v_or_the_keys_columns_named_by_value_dim():
+    q, k = torch.zeros(1, 2, 4, 8), torch.zeros(1, 1, 4, 8)
+    shard = CPShard.build(CPSplit(1, 0), torch.tensor([4]), "cpu")
+    selected = torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"v=None with value_dim.*value_dim=None"):
+        sparse_attention(q, k, None, selected, shard, 1.0)
+    with pytest.raises(ValueError, match=r"value_dim=9 must be in 1..8"):
+        sparse_attention(q, k, None, selected, shard, 1.0, value_dim=9)
+    with pytest.raises(ValueError, match=r"got v=\(1, 1, 4, 8\) and value_dim=8"):
+        sparse_attention(q, k, k, selected, shard, 1.0, value_dim=8)
+
+
+@pytest.mark.parametrize(
+    "interpret", [True, pytest.param(False, marks=pytest.mark.gpu)], ids=["interpreter", "cuda"]
+)
+def test_the_triton_kernels_match_sdpa(interpret):
+    """``_sparse_triton_cases.py`` in a fresh process: in Triton's interpreter on CPU tensors (the variable must
+    be set before Triton is first imported), or compiled on a GPU."""
+    pytest.importorskip("triton")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(TRITON_CASES)],
+        check=False,
+        cwd=TRITON_CASES.resolve().parents[2],
+        env=_cases_env(interpret=interpret),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, f"Triton cases failed:\n{result.stdout[-8000:]}\n{result.stderr[-4000:]}"
