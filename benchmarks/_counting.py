@@ -239,6 +239,7 @@ def _build(config: dict[str, Any], style: str, cp: int, tiled: bool) -> nn.Modul
     import transformers
 
     from lightning_cp.hf.indexers import adapt_indexers
+    from lightning_cp.hf.latent import adapt_latent_attention
     from lightning_cp.hf.mixers import adapt_token_mixers
     from lightning_cp.memory import tile_model
 
@@ -250,6 +251,7 @@ def _build(config: dict[str, Any], style: str, cp: int, tiled: bool) -> nn.Modul
     model.train()
     adapt_token_mixers(model, cp)
     adapt_indexers(model)
+    adapt_latent_attention(model)
     if tiled:
         tile_model(model)
     return model

@@ -161,7 +161,7 @@ def chosen(config: dict[str, Any], gpus: int, seq_len: int, gpu_bytes: int = 80 
 
 def wrapper_bytes(params: int, layout: Any) -> int:
     """Bytes a rank sends per step for FSDP's gathers (bf16, forward and backward) and fp32 reduce-scatter,
-    or DDP's fp32 all-reduce: the plan's formula (``lightning_cp.plan.terms.communication``)."""
+    or DDP's fp32 all-reduce: the plan's formula (``lightning_cp.plan.terms.wrapper_communication``)."""
     from lightning_cp.plan.terms import ring
 
     if layout.fsdp:
@@ -277,18 +277,29 @@ def count_model(
 
 
 def _sparse_not_counted(shape: Any, layout: Any, tokens: int) -> str:
-    """Why a DSA model's row is left out: its top-k attention's query blocks at the rank's tokens, each ~181
-    operators forward, recomputed and backward (counted at 256 and 512 tokens per rank, GLM-5 on 8 GPUs), far
-    more than this benchmark can dispatch on fake tensors (~0.4 ms each on this CPU)."""
-    from lightning_cp.parallel.sparse_attention import query_block_tokens
+    """Why a DSA model's row is left out: its indexer scores each block of queries against every earlier key
+    block of the whole sequence (``key_indexer.score_block_tokens``), blocks that grow with the square of the
+    tokens (a fit of two reduced lengths, as for a hybrid's mixer, would not follow them), beside its top-k
+    attention's query blocks (``sparse_attention.query_block``; MLA's absorbed form where the model has a
+    latent: one key for every head), which grow with the tokens. Dispatched on fake tensors at ~0.4 ms an
+    operator here, too many at the rank's tokens."""
+    from lightning_cp.parallel.key_indexer import score_block_tokens
+    from lightning_cp.parallel.sparse_attention import query_block
 
-    per_round = layout.mode().kv_heads_per_gather or shape.kv_heads
     width = min(shape.sparse.topk, tokens * layout.cp)
-    block = query_block_tokens(width, per_round, shape.head_dim + shape.value_head_dim)
-    blocks = shape.kv_heads // per_round * math.ceil(tokens / block)
+    if shape.latent_dim is not None:
+        rounds, per_round, dims = 1, 1, shape.latent_dim
+    else:
+        per_round = layout.mode().kv_heads_per_gather or shape.kv_heads
+        rounds, dims = shape.kv_heads // per_round, shape.head_dim + shape.v_head_dim
+    queries, heads = query_block(width, per_round, shape.heads // (rounds * per_round), dims)
+    blocks = rounds * math.ceil(tokens / queries) * math.ceil(per_round / heads)
+    index_block = score_block_tokens(shape.sparse.heads)
+    index_blocks = math.ceil(tokens / index_block) * math.ceil(tokens * layout.cp / index_block) // 2
     return (
-        f"its top-k attention runs {blocks:,} query blocks of {block} per layer ({shape.kv_heads // per_round} "
-        f"rounds of {per_round} key/value heads), ~{blocks * 181:,} operators per layer: too many to dispatch here"
+        f"its indexer scores ~{index_blocks:,} blocks of {index_block} queries x {index_block} keys per layer "
+        f"(quadratic in the tokens) beside its top-k attention's {blocks:,} blocks of {queries} queries x {heads} "
+        "key/value heads: too many operators to dispatch here"
     )
 
 

@@ -20,10 +20,11 @@ from typing import Any
 
 from torch import nn
 
-STAGES = ("tiling", "token_mixer", "indexer", "sharded_calls", "offload")
+STAGES = ("tiling", "token_mixer", "indexer", "latent", "sharded_calls", "offload")
 """The kinds of adaptation, in the order they are applied to one module: tiles in ``configure_model``, then the
-strategies' setup (the context-parallel forwards, the check of sharded calls, then activation checkpointing and
-the offload of what it saves)."""
+strategies' setup (the context-parallel forwards, MLA's latent handed to the attention unexpanded
+(:mod:`lightning_cp.hf.latent`), the check of sharded calls, then activation checkpointing and the offload of
+what it saves)."""
 
 _APPLIED = "_lightning_cp_adaptations"
 
@@ -33,9 +34,11 @@ def applied(module: nn.Module) -> tuple[str, ...]:
     return getattr(module, _APPLIED, ())
 
 
-def replace_forward(module: nn.Module, stage: str, forward: Callable[..., Any], *, bind: bool = True) -> bool:
+def replace_forward(
+    module: nn.Module, stage: str, forward: Callable[..., Any], *, bind: bool = True, method: str = "forward"
+) -> bool:
     """Make ``forward`` ``module``'s forward (an instance attribute: the class and its other instances keep
-    theirs), once for ``stage``.
+    theirs), once for ``stage``; or its ``method`` of another name (MLA's ``expand_kv``).
 
     Args:
         module: the module to adapt.
@@ -43,6 +46,7 @@ def replace_forward(module: nn.Module, stage: str, forward: Callable[..., Any], 
         forward: the new forward; with ``bind``, a function taking the module first (bound to it), else a
             callable that stands for ``module.forward`` as it is (a wrapper built around it).
         bind: whether to bind ``forward`` to ``module``.
+        method: the name of the method replaced (``"forward"`` unless another, e.g. ``"expand_kv"``).
 
     Returns:
         ``False`` when ``stage`` was applied to ``module`` before (nothing changes), else ``True``.
@@ -53,7 +57,7 @@ def replace_forward(module: nn.Module, stage: str, forward: Callable[..., Any], 
     """
     if not _record(module, stage):
         return False
-    module.forward = types.MethodType(forward, module) if bind else forward
+    setattr(module, method, types.MethodType(forward, module) if bind else forward)
     return True
 
 

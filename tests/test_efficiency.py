@@ -93,6 +93,37 @@ def test_ulysses_all_to_alls_send_the_plan_s_bytes(efficiency):
     assert set(counts.sent) == {"all_to_all"}
 
 
+TINY_MLA = {  # DeepSeek-V3's attention at a tiny width: 4 heads, keys of 16 + 8, values of 12, a latent of 16
+    "model_type": "deepseek_v3",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 12,
+    "first_k_dense_replace": 1,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize("attention", ["allgather", "ulysses"])
+def test_an_mla_layer_sends_its_latent_as_the_plan_counts_it(efficiency, attention):
+    # The latent and rotary key part, 16 + 8 bf16 values per token, all-gathered forward and backward and its
+    # gradient reduce-scattered in fp32, under either mode: not the 4 x (24 + 12) expanded keys and values.
+    cp, tokens = 4, 256
+    counts = efficiency.count_layer(TINY_MLA, 0, cp=cp, tokens=tokens, attention=AttentionMode(attention))
+    local = tokens * (16 + 8) * 2
+    assert counts.sent == {"all_gather": 2 * (cp - 1) * local, "reduce_scatter": (cp - 1) * 2 * local}
+    layout = Layout(cp, cp, attention=attention)
+    plan = estimate(ModelShape.from_hf_config(TINY_MLA), cp * tokens, layout)
+    assert plan.cp_communication == counts.sent["all_gather"] + counts.sent["reduce_scatter"]
+
+
 TINY_DSA = {  # GLM-5's family at a tiny width (tests/hf's): 4 heads, top-4 keys, one sparse layer
     **SPARSE["glm_moe_dsa"],
     "num_hidden_layers": 1,
@@ -103,12 +134,14 @@ TINY_DSA = {  # GLM-5's family at a tiny width (tests/hf's): 4 heads, top-4 keys
 
 def test_a_sparse_layer_s_operators_grow_with_the_top_k_attention_s_query_blocks(efficiency, monkeypatch):
     # The sparse layer runs on fake tensors once it gets the model's deferred mask (it slices it for its
-    # indexer). Blocks of 4 queries (4 keys x 4 heads x (24 + 16) dims in fp32 = 2,560 bytes a query): the
-    # operators grow by the same number for every 4 more tokens, the kernel's loop (issue 47), shown as is.
+    # indexer) and attends in MLA's absorbed form (lightning_cp.hf.latent): one latent key of 16 + 8 dims, the
+    # values its first 16, read by the 4 query heads. Blocks of 4 queries (4 keys x (24 dims + 4 scores) in
+    # fp32 = 448 bytes a query): the operators grow by the same number for every 4 more tokens.
     from lightning_cp.parallel import sparse_attention
 
-    monkeypatch.setattr(sparse_attention, "SELECTED_BLOCK_BYTES", 4 * 2560)
-    assert sparse_attention.query_block_tokens(4, 4, 40) == 4
+    monkeypatch.setattr(sparse_attention, "SELECTED_BLOCK_BYTES", 4 * 448)
+    monkeypatch.setattr(sparse_attention, "MIN_BLOCK_QUERIES", 1)
+    assert sparse_attention.query_block(4, 1, 4, 24) == (4, 1)
     ops = [efficiency.count_layer(TINY_DSA, 0, cp=2, tokens=t).ops for t in (16, 32, 48)]
     per_block = (ops[1] - ops[0]) / 4
     assert ops[2] - ops[1] == ops[1] - ops[0]

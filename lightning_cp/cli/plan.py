@@ -34,11 +34,18 @@ import yaml
 
 from lightning_cp.plan import Candidate, Layout, ModelShape, layouts, max_seq_len, plan
 from lightning_cp.plan.activations import PRECISIONS
+from lightning_cp.plan.flops import StepFlops, step_flops
 from lightning_cp.plan.lora import LoRA
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20}
 _MEMORY_UNITS = {"GB": 10**9, "GIB": 2**30, "": 10**9}
 GiB = 2**30
+_COLUMNS = (
+    "GiB per rank; host: kept in host memory, h2d+d2h: copied between host and GPU per step; cp, dp: GiB sent "
+    "per step for context parallelism and by DDP / FSDP; PFLOP: one rank's per step, the model's (6NT + causal "
+    "attention) + recomputation's"
+)
+"""What the table's columns hold, after the line that says the sequence, the GPUs and the precision."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -188,19 +195,23 @@ def _header(sparse: bool) -> str:
     width = 22 if sparse else 20  # "sparse_attention" is the longest transient's name
     return (
         f"{'layout':<62}{'params':>7}{'grads':>7}{'optim':>7}{'fsdp':>6}{'saved':>7}{select}{'transient':>{width}}"
-        f"{'reserve':>8}{'peak':>7}{'host':>7}{'h2d+d2h':>8}{'comm':>8}"
+        f"{'reserve':>8}{'peak':>7}{'host':>7}{'h2d+d2h':>8}{'cp':>8}{'dp':>7}{'PFLOP':>13}"
     )
 
 
-def _row(candidate: Candidate, sparse: bool) -> str:
+def _row(candidate: Candidate, sparse: bool, flops: StepFlops) -> str:
+    """``candidate``'s line: its GiB per rank, the GiB it sends per step for CP and for the wrapper, and one
+    rank's PFLOP per step (the model's + the recomputation's, ``flops``)."""
     e = candidate.estimate
     transient = f"{_gib(e.transient)} {e.largest_transient}"
     select = f"{_gib(e.selections):>7}" if sparse else ""
     width = 22 if sparse else 20
+    pflop = f"{flops.model / 1e15:.1f}+{flops.recomputed / 1e15:.1f}"
     return (
         f"{candidate.layout.name():<62}{_gib(e.parameters):>7}{_gib(e.gradients):>7}{_gib(e.optimizer):>7}"
         f"{_gib(e.fsdp_gathered):>6}{_gib(e.activations):>7}{select}{transient:>{width}}{_gib(e.reserve):>8}"
-        f"{_gib(e.peak):>7}{_gib(e.host):>7}{_gib(e.host_transfer):>8}{_gib(e.communication):>8}"
+        f"{_gib(e.peak):>7}{_gib(e.host):>7}{_gib(e.host_transfer):>8}{_gib(e.cp_communication):>8}"
+        f"{_gib(e.communication - e.cp_communication):>7} {pflop:>12}"  # a space even past 12 characters
     )
 
 
@@ -217,15 +228,15 @@ def _print_plan(shape: ModelShape, seq_len: int, args: argparse.Namespace, gpu_b
     print(_describe(shape, args.adapters))
     print(
         f"{seq_len:,} tokens per sequence on {args.gpus} GPUs of {_gib(gpu_bytes)} GiB, {args.precision}; "
-        "GiB per rank; host: kept in host memory, h2d+d2h: copied between host and GPU per step; comm = GiB "
-        "sent per step"
+        + _COLUMNS
     )
     print()
     sparse = shape.sparse is not None
     print(_header(sparse))
     for candidate in candidates if args.all else fitting:
         fits = candidate.fits(gpu_bytes, args.host_bytes)
-        print(_row(candidate, sparse) + ("" if fits else "  does not fit"))
+        flops = step_flops(shape, seq_len, candidate.layout)
+        print(_row(candidate, sparse, flops) + ("" if fits else "  does not fit"))
     if not fitting:
         best = min(candidates, key=lambda c: c.estimate.peak)
         print(
@@ -255,9 +266,10 @@ def _print_max_seq(shape: ModelShape, args: argparse.Namespace, gpu_bytes: int) 
     print(
         f"longest sequence on {args.gpus} GPUs of {_gib(gpu_bytes)} GiB ({args.precision}): {longest:,} tokens"
     )
+    print(_COLUMNS)
     print()
     sparse = shape.sparse is not None
     print(_header(sparse))
     for candidate in best:
-        print(_row(candidate, sparse))
+        print(_row(candidate, sparse, step_flops(shape, longest, candidate.layout)))
     print(f"\nThe first, as arguments:\n{_arguments(shape, best[0])}")

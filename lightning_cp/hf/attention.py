@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_cp.constants import CP_SHARD
+from lightning_cp.hf.latent import attend, attend_selected, expand, latent_layer
 from lightning_cp.hf.masks import DeferredMask
 from lightning_cp.hf.sharded_calls import MASK_WITH_SHARD, WITHOUT_SHARD
 from lightning_cp.parallel.attention import context_parallel_attention
@@ -72,7 +73,10 @@ def hf_context_parallel_attention(
     Args:
         module: the calling attention layer (read for ``is_causal``).
         query: ``[B, Hq, S_local, D]``, this rank's queries (rotary embeddings applied).
-        key: ``[B, Hkv, S_local, D]`` with ``Hkv`` dividing ``Hq``; never repeated to ``Hq`` heads.
+        key: ``[B, Hkv, S_local, D]`` with ``Hkv`` dividing ``Hq``; never repeated to ``Hq`` heads. Or an MLA
+            layer's unexpanded latent ``[B, 1, S_local, R]`` (:mod:`lightning_cp.hf.latent`), ``value`` then its
+            rotary key part ``[B, 1, S_local, Dr]``: attended to from the latent with ``cp_shard``, else
+            expanded by the layer's own ``expand_kv`` first.
         value: ``[B, Hkv, S_local, Dv]`` (``Dv != D`` for multi-head latent attention).
         attention_mask: what :func:`mask_for_hf` returned (or a 4-D mask the model was called with).
         scaling: softmax scale (default ``D ** -0.5``).
@@ -92,7 +96,10 @@ def hf_context_parallel_attention(
         ``([B, S_local, Hq, Dv], None)``: the output (with ``cp_shard`` in the compute dtype of
         :func:`~lightning_cp.parallel.attention.compute_dtype`, else SDPA's), and no attention weights.
 
-    Communication: with ``cp_shard``, that of ``context_parallel_attention`` over the shard's CP group
+    Communication: with ``cp_shard``, an MLA latent's: one all-gather of ``[T_local, R + Dr]`` forward, the same
+    and one reduce-scatter backward (:func:`~lightning_cp.parallel.latent_attention.latent_attention`, or
+    ``sparse_attention``'s of that one key in the absorbed form); else that of ``context_parallel_attention``
+    over the shard's CP group
     (the all-gather: per round of key/value heads one all-gather of K and V forward, the same again and
     one reduce-scatter backward; Ulysses: one all-to-all each way, forward and backward; none without CP).
     Without ``cp_shard`` none: this is ``transformers``' SDPA attention.
@@ -106,6 +113,10 @@ def hf_context_parallel_attention(
     """
     cp_shard = kwargs.pop(CP_SHARD, None)
     indices = kwargs.pop("indices", None)
+    layer = latent_layer(key)
+    if layer is not None and not _on_latent(cp_shard, indices, kwargs):
+        key, value = expand(layer, key, value)  # as the family's own expand_kv would have handed them
+        layer = None
     if cp_shard is None:
         mask = _with_selection(attention_mask, indices)
         mask = _with_blocks(module, mask, kwargs.pop("block_indices", None), query, key, kwargs)
@@ -114,6 +125,10 @@ def hf_context_parallel_attention(
     _check_mask(attention_mask, cp_shard)
     _check_tokens(cp_shard, query)
     _check_positions(cp_shard, kwargs.get("position_ids"), attention_mask)
+    selected = None if indices is None else _selected(module, indices, cp_shard)
+    if layer is not None:
+        out = _latent_attention(layer, query, key, value, selected, cp_shard, scaling, kwargs)
+        return out.transpose(1, 2).contiguous(), None
     out = context_parallel_attention(
         query,
         key,
@@ -123,9 +138,44 @@ def hf_context_parallel_attention(
         window=kwargs.get("sliding_window"),
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
-        selected=None if indices is None else _selected(module, indices, cp_shard),
+        selected=selected,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _on_latent(cp_shard: CPShard | None, indices: Tensor | None, kwargs: dict[str, Any]) -> bool:
+    """Whether an MLA layer's unexpanded latent is attended to as it is (:mod:`lightning_cp.hf.latent`): with
+    ``cp_shard``, and for a sparse selection only without a window or softcap (which the selected keys'
+    attention refuses by name, as for any other model)."""
+    plain = all(kwargs.get(variant) is None for variant in ("sliding_window", "softcap"))
+    return cp_shard is not None and (indices is None or plain)
+
+
+def _latent_attention(
+    layer: nn.Module,
+    query: Tensor,
+    latent: Tensor,
+    k_rot: Tensor,
+    selected: Tensor | None,
+    cp_shard: CPShard,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+) -> Tensor:
+    """An MLA layer's attention from its latent ``[B, 1, S_local, R]`` and rotary part: over ``selected`` keys
+    in the absorbed form, else expanded per round of heads after one all-gather of the latent."""
+    if selected is not None:
+        return attend_selected(layer, query, latent, k_rot, selected, cp_shard, scaling, kwargs.get("s_aux"))
+    return attend(
+        layer,
+        query,
+        latent,
+        k_rot,
+        cp_shard,
+        scaling,
+        window=kwargs.get("sliding_window"),
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
+    )
 
 
 def _selected(module: nn.Module, indices: Tensor, cp_shard: CPShard) -> Tensor:

@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_cp.constants import ATTN_IMPLEMENTATION
 from lightning_cp.hf.indexers import adapt_indexers
+from lightning_cp.hf.latent import adapt_latent_attention
 from lightning_cp.hf.loading import causal_lm_config, deferred_loading, materialize_pretrained
 from lightning_cp.hf.lora import materialize_adapters
 from lightning_cp.hf.mixers import adapt_token_mixers
@@ -66,7 +67,9 @@ def prepare_models(module: nn.Module, layout: ParallelLayout) -> None:
     build allocated and initialized (:func:`~lightning_cp.hf.lora.materialize_adapters`), its token mixers that are not
     softmax attention get their context-parallel forward (:func:`~lightning_cp.hf.mixers.adapt_token_mixers`,
     at every CP size: they also keep packed documents apart), so do its sparse-attention indexers
-    (:func:`~lightning_cp.hf.indexers.adapt_indexers`), and under ``cp > 1`` a call on a shard without
+    (:func:`~lightning_cp.hf.indexers.adapt_indexers`), its multi-head latent attention layers hand the
+    attention their latent unexpanded (:func:`~lightning_cp.hf.latent.adapt_latent_attention`), and under
+    ``cp > 1`` a call on a shard without
     the batch's ``cp_shard`` is refused (:func:`~lightning_cp.hf.attention.guard_sharded_calls`). No
     communication.
 
@@ -80,6 +83,7 @@ def prepare_models(module: nn.Module, layout: ParallelLayout) -> None:
         except ValueError as error:
             raise ValueError(f"{where} ({type(model).__name__}): {error}") from None
         adapt_indexers(model)
+        adapt_latent_attention(model)
     if layout.cp > 1:
         guard_sharded_calls(module)
 

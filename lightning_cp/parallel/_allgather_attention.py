@@ -26,6 +26,7 @@ keys, in place, and nothing is gathered (:func:`local_attention`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -147,14 +148,10 @@ class AllGatherAttention(torch.autograd.Function):
         rngs = []
         for kv_heads, q_heads in head_rounds(k.shape[1], q.shape[1], per_round):
             ordered_k, ordered_v = _ordered_keys(_heads(k, kv_heads), _heads(v, kv_heads), keys, exchange)
-            round_q = _heads(q, q_heads)
-            if flash:
-                round_out, round_lse, rng = _flash_calls.forward(round_q, ordered_k, ordered_v, keys, scale)
-                rngs.append(rng)
-            else:
-                round_out, round_lse = _varlen.torch_forward(
-                    round_q, ordered_k, ordered_v, keys.pieces, scale, window=keys.window, softcap=softcap
-                )
+            round_out, round_lse, rng = round_forward(
+                _heads(q, q_heads), ordered_k, ordered_v, keys, scale, softcap, flash
+            )
+            rngs.append(rng)
             del ordered_k, ordered_v
             out[:, q_heads] = round_out
             lse[q_heads] = round_lse
@@ -190,17 +187,17 @@ class AllGatherAttention(torch.autograd.Function):
                 )
             else:
                 ordered_k, ordered_v = _ordered_keys(round_k, round_v, keys, exchange)
-                round_dq, round_dk, round_dv = _varlen.torch_backward(
+                round_dq, round_dk, round_dv = round_backward(
                     round_dout,
                     round_q,
                     ordered_k,
                     ordered_v,
                     round_out,
                     round_lse,
-                    keys.pieces,
+                    keys,
                     scale,
-                    window=keys.window,
-                    softcap=ctx.softcap,
+                    ctx.softcap,
+                    None,
                 )
                 del ordered_k, ordered_v
                 full = None if keys.order is None else _rank_major(round_dk, round_dv, keys)
@@ -214,6 +211,44 @@ class AllGatherAttention(torch.autograd.Function):
             dq[:, q_heads], dk[:, kv_heads], dv[:, kv_heads] = round_dq, round_dk, round_dv
         dsinks = _varlen.sink_grad(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None
         return dq, dk, dv, dsinks, None, None, None, None, None
+
+
+def round_forward(
+    q: Tensor, k: Tensor, v: Tensor, keys: KeySelection, scale: float, softcap: float | None, flash: bool
+) -> tuple[Tensor, Tensor, list[_flash_calls.Rng] | None]:
+    """One round's kernel forward over the keys ``k`` ``[K, h, D]`` and values ``v`` ``[K, h, Dv]`` in
+    sequence order: ``(out [T_local, hq, Dv], lse [hq, T_local], rng)``, by FlashAttention-2 (``flash``, see
+    :func:`~lightning_cp.parallel._varlen.use_flash`; ``rng`` for its backward) or the blocked torch kernel
+    (``rng`` ``None``)."""
+    if flash:
+        return _flash_calls.forward(q, k, v, keys, scale)
+    out, lse = _varlen.torch_forward(q, k, v, keys.pieces, scale, window=keys.window, softcap=softcap)
+    return out, lse, None
+
+
+def round_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    keys: KeySelection,
+    scale: float,
+    softcap: float | None,
+    rngs: list[_flash_calls.Rng] | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of :func:`round_forward` (``rngs`` what it returned): ``(dq, dk, dv)``, ``dk`` ``[K, h,
+    D]`` and ``dv`` ``[K, h, Dv]`` in sequence order and in the accumulation dtype (fp32), each key's
+    gradient summed over this rank's pieces. No communication."""
+    if rngs is None:
+        return _varlen.torch_backward(
+            dout, q, k, v, out, lse, keys.pieces, scale, window=keys.window, softcap=softcap
+        )
+    local = dataclasses.replace(keys, order=None)  # the calls add at the keys' rows in sequence order
+    dk, dv, _ = _key_gradient_buffers(k, v, local)
+    dq = _flash_calls.backward(dout, q, lambda: (k, v), out, lse, local, scale, rngs, dk, dv)
+    return dq, dk, dv
 
 
 def _ordered_keys(k: Tensor, v: Tensor, keys: KeySelection, exchange: GroupExchange) -> tuple[Tensor, Tensor]:

@@ -79,8 +79,10 @@ def attention_side_per_token(
     keys' norms' and the attention's tensors."""
     d = shape.hidden
     norm = residual_bytes * d if tiled else norm_bytes(d, residual_bytes) + compute_bytes * d
-    attention = shape.q_dim + shape.out_dim + shape.kv_dim + shape.v_dim + shape.heads
-    if ulysses:
+    # MLA's attention saves the latent and rotary key part (latent_dim), not the expanded keys and values, and
+    # takes no all-to-all under Ulysses (lightning_cp.parallel.latent_attention).
+    attention = shape.q_dim + shape.out_dim + (shape.latent_dim or shape.kv_dim + shape.v_dim) + shape.heads
+    if ulysses and shape.latent_dim is None:
         attention += shape.q_dim + 2 * (max(shape.kv_heads, cp) - shape.kv_heads) * shape.head_dim
     if shape.architecture == "gpt":
         attention += shape.q_dim + shape.kv_dim + (shape.q_dim if cp == 1 else 0)

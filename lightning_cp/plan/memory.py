@@ -19,7 +19,7 @@ from lightning_cp.plan.terms import (
     Step,
     activations,
     attention_transient,
-    communication,
+    cp_communication,
     dequantized,
     frozen_norms,
     layer_saved,
@@ -29,6 +29,7 @@ from lightning_cp.plan.terms import (
     model_state,
     recompute,
     sparse_terms,
+    wrapper_communication,
 )
 
 GiB = 2**30
@@ -104,7 +105,10 @@ class MemoryEstimate:
     the gradient shards out."""
     communication: int
     """Bytes each rank sends per step: the gradient all-reduce (DDP) or FSDP's gathers and reduce-scatter,
-    and CP attention's K/V all-gathers and dK/dV reduce-scatters (ring volumes)."""
+    and :attr:`cp_communication`."""
+    cp_communication: int
+    """Of :attr:`communication`, context parallelism's: CP attention's K/V all-gathers and dK/dV
+    reduce-scatters (ring volumes) or Ulysses' all-to-alls, the indexer keys, the hybrid mixers' all-to-alls."""
 
     @property
     def transient(self) -> int:
@@ -191,12 +195,13 @@ def estimate(
     layer_transient = max(dense, sparse.backward) - mlp_side
     attention = dense if shape.mixer is None else max(dense, mixer_transient(step) + dequant)
     mlp = mlp_transient(step) + dequant
+    cp_sent = cp_communication(step, sparse.index_sent)
     unreserved = MemoryEstimate(
         parameters=state.parameters,
         gradients=state.gradients,
         optimizer=state.optimizer,
         fsdp_gathered=state.gathered,
-        activations=saved,
+        activations=saved + sparse.absorbed,
         selections=sparse.selections,
         attention=attention,
         sparse_attention=sparse.backward,
@@ -208,6 +213,7 @@ def estimate(
         reserve=0,
         host=state.host + offloaded,
         host_transfer=state.host_transfer + moved,
-        communication=communication(step, sparse.index_sent),
+        communication=wrapper_communication(step) + cp_sent,
+        cp_communication=cp_sent,
     )
     return replace(unreserved, reserve=RESERVE_BYTES + int(RESERVE_FRACTION * unreserved.counted))

@@ -54,9 +54,9 @@ class TokenMixer:
 @dataclass(frozen=True)
 class LinearWeights:
     """The decoder's linear weights, counted on the ``meta`` build: every ``nn.Linear`` but the output layer's
-    (what ``peft``'s ``target_modules="all-linear"`` adapts), and a mixture of experts' fused expert weights
-    (``[experts, out, in]`` parameters, not ``nn.Linear``: quantized one expert's matrix at a time under
-    QLoRA, not adapted)."""
+    (what ``peft``'s ``target_modules="all-linear"`` adapts and QLoRA quantizes), and a mixture of experts'
+    fused expert weights (``[experts, out, in]`` parameters, not ``nn.Linear``: neither adapted nor quantized,
+    as ``torchao``'s ``to_nf4`` takes 2-D weights only)."""
 
     params: int
     """Elements of the ``nn.Linear`` weights."""
@@ -69,7 +69,7 @@ class LinearWeights:
     expert_matrices: int = 0
     """Matrices among them (each expert's gate-up and down)."""
     largest: int = 0
-    """Elements of the largest matrix of them all (a linear weight, or one expert's)."""
+    """Elements of the largest ``nn.Linear`` weight (the largest that QLoRA dequantizes)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,13 @@ class ModelShape:
     value_head_dim: int | None = None
     """Dimension of one value head where it differs from :attr:`head_dim` (multi-head latent attention's
     ``v_head_dim``); ``None``: :attr:`head_dim`."""
+    latent_dim: int | None = None
+    """Multi-head latent attention: the width of one token's latent and rotary key part (``kv_lora_rank +
+    qk_rope_head_dim``, 576 for DeepSeek-V3), what CP exchanges per token of an attention layer instead of the
+    expanded keys and values (:mod:`lightning_cp.hf.latent`); ``None``: not MLA."""
+    kv_lora_rank: int | None = None
+    """Multi-head latent attention: the latent's width without the rotary part (512 for DeepSeek-V3), the
+    values of the absorbed form a sparse (DSA) layer attends in; ``None``: not MLA."""
     sparse: SparseIndexer | None = None
     """DeepSeek Sparse Attention's sizes, for a model whose attention reads only the keys an indexer selects
     (:class:`~lightning_cp.hf.sparse_kinds.SparseIndexer`)."""
@@ -204,8 +211,9 @@ class ModelShape:
         A mixture of experts counts ``top_k`` experts' MLP per token in every layer (and its shared experts',
         ``ffn``); its parameters are counted exactly. A hybrid model's Gated DeltaNet, KDA, Mamba2 or
         short-convolution layers are :attr:`mixer` (the modules the package adapts, found on the ``meta``
-        build). Multi-head latent attention (``qk_nope_head_dim``) is planned as the attention receives it:
-        every query head with a key of ``qk_nope + qk_rope`` dims and a value of ``v_head_dim``; DeepSeek
+        build). Multi-head latent attention (``qk_nope_head_dim``) is planned as the attention expands it:
+        every query head with a key of ``qk_nope + qk_rope`` dims and a value of ``v_head_dim``, exchanged under
+        CP as the latent (:attr:`latent_dim` per token); DeepSeek
         Sparse Attention as :attr:`sparse`, sized as the family of the indexers found on the ``meta`` build
         describes it (:mod:`lightning_cp.hf.sparse_kinds`). A multimodal composite's text model is planned.
 
@@ -251,10 +259,13 @@ class ModelShape:
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        value_head_dim = None
-        if getattr(text, "qk_nope_head_dim", None):  # MLA: the latent expanded to every query head
+        value_head_dim = latent_dim = kv_lora_rank = None
+        if getattr(text, "qk_nope_head_dim", None):  # MLA: the latent exchanged, expanded to every query head
             head_dim, kv_heads = text.qk_nope_head_dim + text.qk_rope_head_dim, heads
             value_head_dim = text.v_head_dim
+            rank = getattr(text, "kv_lora_rank", None)
+            latent_dim = rank + text.qk_rope_head_dim if rank else None
+            kv_lora_rank = rank or None
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(text)
         tied = getattr(text, "tie_word_embeddings", None)
@@ -276,6 +287,8 @@ class ModelShape:
             qk_norm=any(name.rsplit(".", 1)[-1] == "q_norm" for name, _ in model.named_modules()),
             layer_classes=default_layer_classes(model),
             value_head_dim=value_head_dim,
+            latent_dim=latent_dim,
+            kv_lora_rank=kv_lora_rank,
             sparse=_sparse_indexer(model, text),
             linears=linear_weights(model, model.get_output_embeddings(), experts),
         )
@@ -288,14 +301,13 @@ def linear_weights(model: Any, output: Any, experts: int) -> LinearWeights:
 
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not output]
     fused = [p for p in model.parameters() if experts and p.dim() == 3 and p.shape[0] == experts]
-    matrices = [m.weight.numel() for m in linears] + [p[0].numel() for p in fused]
     return LinearWeights(
         params=sum(m.weight.numel() for m in linears),
         dims=sum(m.in_features + m.out_features for m in linears),
         count=len(linears),
         expert_params=sum(p.numel() for p in fused),
         expert_matrices=sum(p.shape[0] for p in fused),
-        largest=max(matrices, default=0),
+        largest=max((m.weight.numel() for m in linears), default=0),
     )
 
 

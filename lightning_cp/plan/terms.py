@@ -10,7 +10,7 @@ re-derived.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_cp.memory.offload import HOST_PAGE_BYTES
 from lightning_cp.memory.tiling import auto_tile_tokens
@@ -240,18 +240,38 @@ def attention_transient(step: Step) -> int:
         return 0
     if layout.cp == 1:
         return step.local_grads  # the fused SDPA kernel: its gradients, no K/V copy
+    if shape.latent_dim is not None:  # MLA: the latent gathered under either mode, expanded by rounds
+        return _latent_transient(step)
     if step.ulysses:  # the heads' side gradients and the exchange's buffers (the heads' K/V among the saved)
         # (A whole sequence on one rank runs the fused SDPA kernel where FlashAttention does not: no blocks.)
         replicated = max(shape.kv_heads, layout.cp) * shape.head_dim
         return 2 * tokens * (shape.q_dim + replicated) * compute + step.ulysses_sent
-    # A round's K/V copies at the backward's peak, as the rounds' budget counts them.
-    per_round = layout.gathered_kv_heads(shape.kv_heads)
-    per_head = gathered_bytes_per_head(step.padded, shape.head_dim, shape.v_head_dim, compute)
-    attention = per_round * per_head + step.local_grads
+    return _round_transient(step, layout.gathered_kv_heads(shape.kv_heads)) + step.local_grads
+
+
+def _round_transient(step: Step, per_round: int) -> int:
+    """A round of ``per_round`` key/value heads at the backward's peak: their K/V copies, as the rounds'
+    budget counts them, and the blocked kernel's score blocks."""
+    shape, compute = step.shape, step.compute
+    attention = per_round * gathered_bytes_per_head(step.padded, shape.head_dim, shape.v_head_dim, compute)
     if not step.flash:  # a score block and its softmax gradient, for a piece of tokens / 2 queries
         heads = shape.heads * per_round // shape.kv_heads  # a round's query heads
-        attention += 2 * min(blocked_kernel_score_bytes(), 4 * heads * (tokens // 2) * step.padded)
+        attention += 2 * min(blocked_kernel_score_bytes(), 4 * heads * (step.tokens // 2) * step.padded)
     return attention
+
+
+def _latent_transient(step: Step) -> int:
+    """An MLA layer's backward under CP (:mod:`lightning_cp.parallel.latent_attention`): its local gradients
+    (the latent's in place of the keys' and values'), the gathered latent (compute dtype, and an fp32 copy of
+    its first ``kv_lora_rank`` columns for the weight's gradient when the compute dtype is narrower), its
+    gradient at the gathered rows (fp32), and a round's expanded heads. Every head is one round under Ulysses,
+    which sizes no rounds."""
+    shape, layout, compute = step.shape, step.layout, step.compute
+    local = step.tokens * (shape.q_dim + shape.out_dim + shape.latent_dim) * compute
+    latent = step.padded * shape.latent_dim * (compute + 4)
+    if compute < 4:
+        latent += step.padded * (shape.kv_lora_rank or shape.latent_dim) * 4
+    return local + latent + _round_transient(step, layout.gathered_kv_heads(shape.kv_heads))
 
 
 @dataclass(frozen=True)
@@ -261,23 +281,37 @@ class SparseTerms:
     indexer: int = 0
     index_sent: int = 0
     """Bytes of every indexer layer's key all-gather, forward."""
+    absorbed: int = 0
+    """MLA's absorbed form: every sparse layer's latent-space queries and outputs kept for the backward (none
+    under checkpointing, which recomputes them in one layer's backward)."""
 
 
 def sparse_terms(step: Step) -> SparseTerms:
     """DeepSeek Sparse Attention's layers (the K/V all-gather's, not Ulysses): their kept selections, one
-    layer's attention backward and selection, and the indexer keys sent."""
+    layer's attention backward and selection, and the indexer keys sent.
+
+    An MLA model's sparse layers attend in the absorbed form (:func:`lightning_cp.hf.latent.attend_selected`):
+    one key of the latent's width shared by every head, its first ``kv_lora_rank`` columns the values, and each
+    head's query and output in the latent's space (``[T, H, latent_dim]`` and ``[T, H, kv_lora_rank]``, kept
+    for the backward beside the layer's own: with every sparse layer's activations, or in the one layer a
+    checkpointed backward recomputes)."""
     shape, layout = step.shape, step.layout
     if shape.sparse is None:
         return SparseTerms()
-    sparse = sparse_layer_bytes(
-        shape, step.tokens, layout.cp, layout.gathered_kv_heads(shape.kv_heads), step.compute
-    )
+    attended, per_round, absorbed = shape, layout.gathered_kv_heads(shape.kv_heads), 0
+    latent = shape.latent_dim is not None and shape.kv_lora_rank is not None
+    if latent:
+        attended = replace(shape, kv_heads=1, head_dim=shape.latent_dim, value_head_dim=shape.kv_lora_rank)
+        per_round = 1
+        absorbed = step.tokens * shape.heads * (shape.latent_dim + shape.kv_lora_rank) * step.compute
+    sparse = sparse_layer_bytes(attended, step.tokens, layout.cp, per_round, step.compute, latent=latent)
     index_sent = ring(layout.cp, step.padded * shape.sparse.head_dim * step.compute)
     return SparseTerms(
         selections=shape.sparse.indexer_layers * sparse.selection,
-        backward=sparse.backward,
+        backward=sparse.backward + absorbed,
         indexer=sparse.indexer,
         index_sent=shape.sparse.indexer_layers * index_sent,
+        absorbed=0 if layout.checkpointing else shape.sparse.layers * absorbed,
     )
 
 
@@ -345,24 +379,32 @@ def recompute(step: Step, layer: LayerSaved, attention_layer_transient: int, mlp
     )
 
 
-def communication(step: Step, index_sent: int) -> int:
-    """Bytes this rank sends: the wrapper's (DDP's all-reduce, FSDP's gathers and reduce-scatter), the K/V
-    all-gathers and their gradients' reduce-scatters (ring volumes) or Ulysses' all-to-alls, the indexer keys,
-    the hybrid mixers' all-to-alls; recomputation repeats the forward's."""
-    shape, layout, compute = step.shape, step.layout, step.compute
+def wrapper_communication(step: Step) -> int:
+    """Bytes this rank sends for the wrapper per step: DDP's all-reduce of the trained parameters' gradients
+    (two ring passes), or FSDP's gathers for the forward and the backward (the frozen base too) and its fp32
+    reduce-scatter of the gradients."""
+    layout, compute = step.layout, step.compute
     trained = step.trained  # under LoRA the adapters: only they have gradients to reduce
-    if layout.fsdp:  # gathered for the forward and the backward (the frozen base too), gradients reduced
+    if layout.fsdp:
         gathered = trained * compute + step.frozen
-        communication = 2 * ring(layout.gpus, gathered) + ring(layout.gpus, trained * 4)
-    else:
-        communication = 2 * ring(layout.gpus, trained * step.master)
+        return 2 * ring(layout.gpus, gathered) + ring(layout.gpus, trained * 4)
+    return 2 * ring(layout.gpus, trained * step.master)
+
+
+def cp_communication(step: Step, index_sent: int) -> int:
+    """Bytes this rank sends for context parallelism per step: the K/V all-gathers (MLA's: the latent's) and
+    their gradients' reduce-scatters (ring volumes) or Ulysses' all-to-alls, the indexer keys (``index_sent``,
+    forward), the hybrid mixers' all-to-alls; recomputation repeats the forward's."""
+    shape, layout, compute = step.shape, step.layout, step.compute
     recomputed = 1 if layout.checkpointing else 0
+    communication = 0
     gathering = shape.attention_layers  # the layers whose K/V are all-gathered (sparse ones always)
-    if step.ulysses:  # two all-to-alls forward, two backward, two more to recompute
+    if step.ulysses and shape.latent_dim is None:  # two all-to-alls forward, two backward, two to recompute
         sent = step.ulysses_sent * (layout.cp - 1) // layout.cp
         gathering -= shape.dense_attention_layers
         communication += (2 + recomputed) * shape.dense_attention_layers * sent
-    kv = step.padded * (shape.kv_dim + shape.v_dim)
+    # MLA gathers its latent (latent_dim per token) under either mode, in dense and sparse layers alike.
+    kv = step.padded * (shape.latent_dim or shape.kv_dim + shape.v_dim)
     # Gathered in the compute dtype (forward, backward, recomputation); the gradients reduced in fp32.
     gathered = (2 + recomputed) * ring(layout.cp, kv * compute) + ring(layout.cp, kv * max(compute, 4))
     communication += gathering * gathered

@@ -244,3 +244,40 @@ def test_qlora_plans_a_4_bit_base_and_prints_the_lora_argument(capsys) -> None:
     assert "LoRA rank 8 on 224 linear layers" in out and "the base frozen, in bf16: 15.0 GiB" in out
     given = yaml.safe_load(out.split("The first, as arguments:\n")[1])
     assert given["model"]["init_args"]["lora"] == {**lora, "rank": 8, "alpha": 16, "quantize": None}
+
+
+def test_the_per_step_columns_of_llama_3_1_8b_on_8_gpus_at_1m_are_the_hand_counts(capsys) -> None:
+    """The first layout for Llama-3.1-8B at 1M tokens on 8 GPUs (``dp1 x cp8 FSDP ulysses +ckpt +offload``):
+    its CP bytes (Ulysses' two all-to-alls of q, k, v, out each way and again for the recomputed forward), FSDP's
+    (bf16 gathers for the forward and the backward, the fp32 reduce-scatter), the offloaded layer inputs'
+    copies and one rank's FLOPs (6 N T + causal attention; checkpointing's forward again), by hand."""
+    pytest.importorskip("transformers")
+    from lightning_cp.plan.flops import step_flops
+
+    seq, gpus, cp, layers, hidden, vocab = 1 << 20, 8, 8, 32, 4096, 128256
+    heads, kv_heads, head_dim, params = 32, 8, 128, 8_030_261_248
+    argv = ["plan", str(MODELS / "llama3_8b.json"), "--seq-len", "1M", "--gpus", str(gpus)]
+    assert main(argv) == 0
+    first = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("dp"))
+    assert first[:62].rstrip() == "dp1 x cp8 FSDP ulysses +ckpt +offload"
+    tokens = seq // cp
+    # Ulysses: q and out (heads x 128), k and v (8 heads, cp = 8 of them), bf16; 7/8 of it leaves the rank.
+    all_to_all = tokens * (2 * heads * head_dim + 2 * max(kv_heads, cp) * head_dim) * 2 * (cp - 1) // cp
+    cp_sent = 3 * layers * all_to_all
+    fsdp_sent = 2 * (gpus - 1) * params * 2 // gpus + (gpus - 1) * params * 4 // gpus
+    copied = 2 * layers * tokens * hidden * 2  # every layer's bf16 input out and back
+    n = params - 2 * vocab * hidden + vocab * hidden  # the embedding is a lookup; the head a matmul
+    attention = 6 * 2 * head_dim * heads * layers * (seq * (seq + 1) // 2 // cp)
+    model, recomputed = 6 * n * tokens + attention, 2 * (n - vocab * hidden) * tokens + attention // 3
+
+    shape = ModelShape.from_hf_config(json.loads((MODELS / "llama3_8b.json").read_text()))
+    layout = next(layout for layout in layouts(gpus, shape) if layout.name() == first[:62].rstrip())
+    planned = candidate(shape, seq, layout).estimate
+    assert planned.cp_communication == cp_sent
+    assert planned.communication - planned.cp_communication == fsdp_sent
+    assert planned.host_transfer == copied
+    flops = step_flops(shape, seq, layout)
+    assert (flops.model, flops.recomputed) == (model, recomputed)
+    words = first.split()
+    assert words[-4:-1] == [f"{nbytes / 2**30:.1f}" for nbytes in (copied, cp_sent, fsdp_sent)]
+    assert words[-1] == f"{model / 1e15:.1f}+{recomputed / 1e15:.1f}"

@@ -50,7 +50,7 @@ STATED = _flat(PLAN_DOC) + " " + _flat(README)
 def _rows(out: str) -> list[dict[str, str]]:
     """The layouts of a plan's output that fit: name, the GiB columns and the largest transient's name."""
     columns = ("params", "grads", "optim", "fsdp", "saved", "transient", "largest", "reserve", "peak")
-    columns += ("host", "h2d", "comm")
+    columns += ("host", "h2d", "cp", "dp", "pflop")
     rows = []
     for line in out.splitlines():
         if line.startswith("dp") and not line.endswith("does not fit"):

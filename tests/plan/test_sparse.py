@@ -62,6 +62,7 @@ def bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     monkeypatch.setattr(key_indexer, "SCORE_BLOCK_BYTES", BLOCK_BYTES)
     monkeypatch.setattr(sparse_kernel, "SELECTED_BLOCK_BYTES", BLOCK_BYTES)
+    monkeypatch.setattr(sparse_kernel, "MIN_BLOCK_QUERIES", 1)
     return importlib.import_module("sparse_attention")
 
 
@@ -94,7 +95,7 @@ def test_the_plan_holds_at_cp_4_with_more_heads_and_fewer_keys(bench):
 # Queries (and keys) per score block of the indexer, queries per block of the attention: 256 and 12 at 1 MiB.
 _OTHER_BLOCKS = {
     "key_indexer": (key_indexer, "score_block_tokens", lambda heads: 512),
-    "sparse_attention": (sparse_kernel, "query_block_tokens", lambda width, kv_heads, dims: 64),
+    "sparse_attention": (sparse_kernel, "query_block", lambda width, kv_heads, group, dims: (64, kv_heads)),
 }
 
 
@@ -141,11 +142,15 @@ def test_the_estimate_saves_one_selection_per_full_indexer_and_never_plans_ulyss
     pytest.importorskip("transformers")
     shape = ModelShape.from_hf_config(_HY_V4)
     tokens = local_tokens(4096, 4)
+    # HY-V4 is MLA: its sparse layers attend in the absorbed form, one key of the latent's 16 + 8 dims for its 4
+    # heads, the values its first 16 columns; each head's query (24) and output (16) in the latent's space kept.
+    absorbed_shape = dataclasses.replace(shape, kv_heads=1, head_dim=24, value_head_dim=16)
+    absorbed = tokens * 4 * (24 + 16) * 4
     for layout in (Layout(4, 4), Layout(4, 4, fsdp=True, checkpointing=True, offload=True)):
         planned = estimate(shape, 4096, layout, precision="32-true")
         assert planned.selections == 3 * 4 * tokens * 64
-        layer = sparse_layer_bytes(shape, tokens, 4, heads_per_round=4, compute_bytes=4)
-        assert planned.sparse_attention == layer.backward
+        layer = sparse_layer_bytes(absorbed_shape, tokens, 4, heads_per_round=1, compute_bytes=4, latent=True)
+        assert planned.sparse_attention == layer.backward + absorbed
         assert planned.indexer == layer.indexer
         assert planned.attention == 0  # no dense attention layer
     assert ("ulysses", None) not in attentions(4, shape)
@@ -161,3 +166,22 @@ def test_a_round_s_backward_holds_its_keys_and_one_fp32_copy_of_their_gradients(
     shape = bench.layer_shape(heads=2, qk_head_dim=48, v_head_dim=32, index_heads=1, index_head_dim=8, topk=4)
     planned = sparse_layer_bytes(shape, local_tokens(4096, 2), 2, heads_per_round=2, compute_bytes=4)
     assert _measured(bench, shape, 4096, cp=2) == pytest.approx(planned.peak, rel=TOLERANCE / 2), planned
+
+
+def test_the_plan_holds_for_mla_s_absorbed_form_one_latent_key_for_every_head(bench, monkeypatch):
+    """Keys of one head shared by 8 query heads, whose first 64 columns are the values (``v=None``): only the
+    keys are gathered and a block holds each selected key once for the 8 heads. Blocks of 64 queries, as the
+    kernel runs at real shapes (``MIN_BLOCK_QUERIES``), so the block is a third of the peak."""
+    monkeypatch.setattr(sparse_kernel, "MIN_BLOCK_QUERIES", 64)
+    shape = bench.layer_shape(
+        heads=8, qk_head_dim=72, v_head_dim=64, index_heads=4, index_head_dim=32, topk=256, kv_heads=1
+    )
+    tokens = local_tokens(4096, 2)
+    planned = sparse_layer_bytes(shape, tokens, 2, heads_per_round=1, compute_bytes=4, latent=True)
+    step, inputs = bench.layer_step(shape, 4096, 2, latent=True)
+    tracker = bench.StoragePeak(inputs)
+    with tracker:
+        step()
+    assert tracker.peak == pytest.approx(planned.peak, rel=TOLERANCE), planned
+    expanded = sparse_layer_bytes(shape, tokens, 2, heads_per_round=1, compute_bytes=4)
+    assert expanded.backward > planned.backward * (1 + TOLERANCE)  # the values gathered would be counted

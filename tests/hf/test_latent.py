@@ -1,0 +1,116 @@
+"""Multi-head latent attention families train exactly under CP with the latent exchanged, not every head's keys.
+
+- the dense MLA families at dp 2 x cp 2 (padded rows) and dp 1 x cp 4 (packed documents of one token and more),
+  loss and every parameter's gradient (``kv_b_proj``'s included, summed over CP as the strategies do) against
+  ``transformers``' own unsharded model (:mod:`tests.hf._exactness`, weights at 10x the default initializer
+  range), with every all-gather of the step counted: the latent and rotary part (``kv_lora_rank +
+  qk_rope_head_dim`` per token) and never the expanded heads; the DSA families' absorbed form is checked by
+  ``tests/hf/test_sparse_attention.py``'s matrix, through ``Trainer.fit`` too;
+- without ``cp_shard``, or with another attention implementation, the adapted model is the same model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_cp.hf.latent import LATENT_OF, adapt_latent_attention
+from lightning_cp.models import HFCausalLM
+from lightning_cp.parallel import groups
+from tests.hf import _exactness
+from tests.parallel._collectives import recorded_collectives
+
+transformers = pytest.importorskip("transformers")
+
+RANK, ROPE, HEADS, NOPE, VALUE = 16, 8, 4, 16, 12
+_SHAPE = {
+    "vocab_size": _exactness.VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": HEADS,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "kv_lora_rank": RANK,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": ROPE,
+    "qk_nope_head_dim": NOPE,
+    "v_head_dim": VALUE,
+    "max_position_embeddings": 256,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 1,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": _exactness.INIT,
+}
+# DeepSeek-V2's and V3's attention (V2 with a query of full rank), GLM-4.7-Flash's, and Kimi-Linear's MLA layer
+# beside its linear-attention one.
+MLA: dict[str, dict] = {
+    "deepseek_v3": {"model_type": "deepseek_v3", **_SHAPE},
+    "deepseek_v2": {"model_type": "deepseek_v2", **_SHAPE, "q_lora_rank": None},
+    "glm4_moe_lite": {"model_type": "glm4_moe_lite", **_SHAPE},
+    "kimi_linear": {
+        "model_type": "kimi_linear",
+        **_SHAPE,
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_heads": 4,
+        "linear_head_dim": 8,
+    },
+}
+LATENT_WIDTH = RANK + ROPE
+EXPANDED_WIDTH = HEADS * (NOPE + ROPE + VALUE)
+
+
+def _recorded_step(configs: dict[str, dict], cp: int, packed: bool) -> dict:
+    """:func:`_exactness.train_step` of each family, with the per-token widths of the step's all-gathers."""
+    results = {}
+    for name, config in configs.items():
+        with recorded_collectives() as calls:
+            results.update(_exactness.train_step({name: config}, cp, packed))
+        groups.destroy()  # train_step creates the groups of its layout
+        results[name]["gathered"] = [
+            _width(call.shape) for call in calls if call.kind == "all_gather" and len(call.shape) > 1
+        ]
+    return results
+
+
+def _width(shape: tuple[int, ...]) -> int:
+    width = 1
+    for size in shape[1:]:
+        width *= size
+    return width
+
+
+@pytest.mark.parametrize(("cp", "packed"), [(2, False), (4, True)], ids=["dp2-cp2-padded", "dp1-cp4-packed"])
+def test_mla_families_train_exactly_with_the_latent_exchanged(world4, cp, packed):
+    results = world4.run(_recorded_step, MLA, cp, packed)[0]
+    failures = _exactness.failures(results)
+    assert not failures, "\n".join(failures)
+    for name, result in results.items():
+        gathered = result["gathered"]
+        # One all-gather of the latent per MLA layer in the forward, one in the backward.
+        assert gathered.count(LATENT_WIDTH) >= 2, (name, gathered)
+        assert EXPANDED_WIDTH not in gathered, (name, gathered)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_linear"])
+def test_without_cp_shard_the_adapted_model_is_the_model(name):
+    torch.manual_seed(0)
+    module = HFCausalLM(MLA[name])
+    module.configure_model()
+    model = module.model
+    ids = torch.randint(3, _exactness.VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+    before = model(input_ids=ids, use_cache=False).logits
+    assert adapt_latent_attention(model)
+    layer = next(m for m in model.modules() if hasattr(m, "kv_b_proj"))
+    latent, k_rot = torch.randn(1, 1, 5, RANK), torch.randn(1, 1, 5, ROPE)
+    assert getattr(layer.expand_kv(latent, k_rot)[0], LATENT_OF) is layer
+    assert torch.equal(model(input_ids=ids, use_cache=False).logits, before)
+    model.config._attn_implementation = "sdpa"  # another implementation gets the family's own keys and values
+    key, value = layer.expand_kv(latent, k_rot)
+    assert key.shape == (1, HEADS, 5, NOPE + ROPE) and value.shape == (1, HEADS, 5, VALUE)
