@@ -488,3 +488,29 @@ def test_what_binds_the_lora_targets_is_the_plan_s(monkeypatch) -> None:
     assert eight[0] >= 684_000 and seventy[0] >= 178_000 and small[0] >= 2**17
     for phrase in phrases:
         assert phrase in _flat(PLAN_DOC), phrase
+
+
+@pytest.mark.parametrize(
+    ("model", "seq_len", "layout", "cp_gib", "longest"),
+    [
+        ("glm4_7_flash.json", "128K", "dp1 x cp8 FSDP kv1/gather +ckpt +offload +tiled", "28.9", "4,312,064"),
+        (
+            "deepseek_v2_lite.json",
+            "1M",
+            "dp1 x cp8 FSDP kv1/gather +ckpt +offload +tiled",
+            "132.9",
+            "5,737,472",
+        ),
+    ],
+    ids=["glm-4.7-flash", "deepseek-v2-lite"],
+)
+def test_the_mla_models_latent_exchange_figures_are_the_plan_s(
+    model: str, seq_len: str, layout: str, cp_gib: str, longest: str
+) -> None:
+    pytest.importorskip("transformers")
+    rows = {row["name"]: row for row in _rows(_plan(model, "--gpus", "8", "--seq-len", seq_len, "--all"))}
+    assert rows[layout]["cp"] == cp_gib
+    assert f"{layout} | {seq_len.replace('128K', '131,072').replace('1M', '1,048,576')} |" in PLAN_DOC
+    assert f"**{cp_gib}**" in PLAN_DOC
+    assert f"{_longest(_plan(model, '--gpus', '8', '--max-seq')):,}" == longest
+    assert f"**{longest}**" in PLAN_DOC
