@@ -18,6 +18,7 @@ from lightning_cp.hf.latent import LATENT_OF, adapt_latent_attention
 from lightning_cp.models import HFCausalLM
 from lightning_cp.parallel import groups
 from tests.hf import _exactness
+from tests.hf._families import tiny_config
 from tests.parallel._collectives import recorded_collectives
 
 transformers = pytest.importorskip("transformers")
@@ -64,6 +65,15 @@ MLA: dict[str, dict] = {
 }
 LATENT_WIDTH = RANK + ROPE
 EXPANDED_WIDTH = HEADS * (NOPE + ROPE + VALUE)
+# The other dense MLA families of transformers 5.24, at the family matrix's tiny configs and their own
+# initializer range (tests/hf/_families.py): LongCat-Flash, MiniCPM3, Youtu, AXK1, Bailing's hybrid.
+OTHER_MLA = ("axk1", "bailing_hybrid", "longcat_flash", "minicpm3", "youtu")
+
+
+def _widths(config: dict) -> tuple[int, int]:
+    """The latent's and the expanded heads' width per token of an MLA config."""
+    nope, rope = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
+    return config["kv_lora_rank"] + rope, config["num_attention_heads"] * (nope + rope + config["v_head_dim"])
 
 
 def _recorded_step(configs: dict[str, dict], cp: int, packed: bool) -> dict:
@@ -88,14 +98,16 @@ def _width(shape: tuple[int, ...]) -> int:
 
 @pytest.mark.parametrize(("cp", "packed"), [(2, False), (4, True)], ids=["dp2-cp2-padded", "dp1-cp4-packed"])
 def test_mla_families_train_exactly_with_the_latent_exchanged(world4, cp, packed):
-    results = world4.run(_recorded_step, MLA, cp, packed)[0]
+    configs = {**MLA, **{name: tiny_config(name).to_dict() for name in OTHER_MLA}}
+    results = world4.run(_recorded_step, configs, cp, packed)[0]
     failures = _exactness.failures(results)
     assert not failures, "\n".join(failures)
     for name, result in results.items():
         gathered = result["gathered"]
+        latent, expanded = _widths(configs[name])
         # One all-gather of the latent per MLA layer in the forward, one in the backward.
-        assert gathered.count(LATENT_WIDTH) >= 2, (name, gathered)
-        assert EXPANDED_WIDTH not in gathered, (name, gathered)
+        assert gathered.count(latent) >= 2, (name, gathered)
+        assert expanded not in gathered, (name, gathered)
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "kimi_linear"])
