@@ -10,6 +10,7 @@ import contextlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import FunctionType
 from typing import Any
 
 import torch
@@ -58,6 +59,10 @@ class Counts:
     """Of :attr:`flops`, those dispatched before the backward."""
     sent: Counter[str] = field(default_factory=Counter)
     """Bytes this rank sends, by collective (``all_gather``, ``reduce_scatter``, ``all_to_all``)."""
+    ops_in: Counter[str] = field(default_factory=Counter)
+    """:attr:`ops` by region (:data:`REGIONS`; ``"layer"``: the rest)."""
+    flops_in: Counter[str] = field(default_factory=Counter)
+    """:attr:`flops` (every dtype) by region, as :attr:`ops_in`."""
 
     @property
     def total_flops(self) -> int:
@@ -66,6 +71,15 @@ class Counts:
     def fp32_share(self) -> float:
         """The share of the matmul FLOPs whose inputs are fp32."""
         return self.flops["torch.float32"] / max(1, self.total_flops)
+
+
+REGIONS = {
+    "indexer": ("lightning_cp.parallel.key_indexer", ("select_topk_keys",)),
+    "attention": ("lightning_cp.parallel.sparse_attention", ("_torch_forward", "_torch_backward")),
+}
+"""Functions whose operators and FLOPs :class:`Counts` also counts apart: a DSA layer's indexer selection, whose
+loop runs over (query block x key block) pairs, and the sparse attention's torch kernel, whose loop runs over
+query blocks (``benchmarks/_dsa_fit.py`` fits each by its own blocks)."""
 
 
 class DispatchCounter(TorchDispatchMode):
@@ -77,6 +91,7 @@ class DispatchCounter(TorchDispatchMode):
         self.counts = counts
         self.paused = False
         self.backward = False
+        self.region = "layer"
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -104,12 +119,14 @@ class DispatchCounter(TorchDispatchMode):
                 self._matmul(func, args, kwargs, out, tensors)
         if not self.paused and func.overloadpacket not in _METADATA:
             self.counts.ops += 1
+            self.counts.ops_in[self.region] += 1
         return out
 
     def _add(self, dtype: torch.dtype, flops: int) -> None:
         if self.paused:
             return
         self.counts.flops[str(dtype)] += flops
+        self.counts.flops_in[self.region] += flops
         if not self.backward:
             self.counts.forward_flops += flops
 
@@ -146,6 +163,29 @@ class DispatchCounter(TorchDispatchMode):
             self.counts.attention_flops += flops
 
     @contextlib.contextmanager
+    def regions(self) -> Iterator[None]:
+        """The functions of :data:`REGIONS` counted apart while inside."""
+        import importlib
+
+        def region(name: str, function: Callable) -> Callable:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                outer, self.region = self.region, name
+                try:
+                    return function(*args, **kwargs)
+                finally:
+                    self.region = outer
+
+            return call
+
+        wraps = {
+            getattr(importlib.import_module(module), function): (lambda f, n=name: region(n, f))
+            for name, (module, functions) in REGIONS.items()
+            for function in functions
+        }
+        with _replaced(wraps):
+            yield
+
+    @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
         """Nothing counted inside (the simulated peers' stand-ins)."""
         paused, self.paused = self.paused, True
@@ -166,6 +206,7 @@ def _count_exchange(exchange: Any, counter: DispatchCounter) -> None:
                 out = method(x)
             counter.counts.sent[name] += nbytes(x)
             counter.counts.ops += 1
+            counter.counts.ops_in[counter.region] += 1
             return out
 
         return call
@@ -206,8 +247,6 @@ def _host_head_indices() -> Iterator[None]:
     """The heads each rank takes (``head_slices``, ``shared_heads``: small int64 tensors on the CPU, made per
     call) computed as real tensors: inside ``FakeTensorMode`` their ``torch.arange`` would be fake, and
     ``unique_consecutive`` of a fake tensor has no shape (``DynamicOutputShapeException``)."""
-    import sys
-
     import lightning_cp.hf.mixers  # noqa: F401  (every module that imports them, loaded)
     from lightning_cp.parallel import _ulysses_attention, head_parallel  # noqa: F401
 
@@ -218,21 +257,30 @@ def _host_head_indices() -> Iterator[None]:
 
         return call
 
-    originals = {name: getattr(head_parallel, name) for name in ("head_slices", "shared_heads")}
+    with _replaced({getattr(head_parallel, name): real for name in ("head_slices", "shared_heads")}):
+        yield
+
+
+@contextlib.contextmanager
+def _replaced(wraps: dict[Callable, Callable[[Callable], Callable]]) -> Iterator[None]:
+    """Every ``lightning_cp`` module's name for a function of ``wraps`` bound to its wrapped function inside
+    (the modules that imported it by name included)."""
+    import sys
+
     patched = [
-        (module, name, function)
+        (module, name, value)
         for module in list(sys.modules.values())
         if getattr(module, "__name__", "").startswith("lightning_cp.")
-        for name, function in originals.items()
-        if getattr(module, name, None) is function
+        for name, value in list(vars(module).items())
+        if isinstance(value, FunctionType) and value in wraps
     ]
-    for module, name, function in patched:
-        setattr(module, name, real(function))
+    for module, name, value in patched:
+        setattr(module, name, wraps[value](value))
     try:
         yield
     finally:
-        for module, name, function in patched:
-            setattr(module, name, function)
+        for module, name, value in patched:
+            setattr(module, name, value)
 
 
 def _build(config: dict[str, Any], style: str, cp: int, tiled: bool) -> nn.Module:
@@ -316,7 +364,7 @@ def count_layer(
             "cp_shard": shard,
             "attention_mask": mask,
         }
-        with counter, group.recording(), _autocast(style):
+        with counter, counter.regions(), group.recording(), _autocast(style):
             if checkpointing:
                 out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, **kwargs)
             else:

@@ -27,6 +27,12 @@ the layer's forward again; ``+tiled``: the tiled modules' forward once more) is 
 own collectives and the host copies are the plan's terms recomputed from the parameter and activation
 sizes (``lightning_cp.plan.terms``), beside the plan's columns.
 
+A DSA model's layers (GLM-5's) loop over blocks whose number grows with the tokens, the indexer's (query block
+x key block) pairs with their square: they are counted at a few token counts per rank small enough to
+dispatch and fitted along the blocks the kernels' own functions give (``_dsa_fit``), the fit checked against
+one more count; its model FLOPs count the top-k keys each query attends (``lightning_cp.plan.flops``), not
+the indexer's scores.
+
 Run from the repository root::
 
     python benchmarks/efficiency.py --markdown                 # every model, 1 and 8 GPUs at 1M tokens
@@ -47,6 +53,7 @@ from typing import Any
 
 import torch
 from _counting import Counts, count_layer, count_loss, fitted
+from _dsa_fit import CHECK_TOKENS, FIT_TOKENS, DsaFit, dsa_fit
 from torch import nn
 
 __all__ = ["Counts", "count_layer", "count_loss", "count_model", "main", "wrapper_bytes"]
@@ -107,12 +114,6 @@ def active_params(layer: nn.Module, experts: int, top_k: int) -> tuple[int, int]
         total += p.numel() * share
         mlp += p.numel() * share if name.startswith("mlp.") else 0
     return int(total), int(mlp)
-
-
-def causal_pairs(seq_len: int, cp: int) -> int:
-    """The query-key pairs one rank's queries see in a causal sequence of ``seq_len`` split over ``cp``
-    ranks (the split gives every rank the same share)."""
-    return seq_len * (seq_len + 1) // 2 // cp
 
 
 @dataclass(frozen=True)
@@ -192,8 +193,10 @@ class Row:
     layer_input_copies: int = 0
     state_copies: int = 0
     plan_host_transfer: int = 0
-    reduced: bool = False
-    """Some layer kind counted at :data:`REDUCED_TOKENS` and fitted to the real ones."""
+    mark: str = ""
+    """``"²"``: some layer kind counted at :data:`REDUCED_TOKENS` and fitted to the real ones; ``"³"``: a DSA
+    layer fitted along its blocks (``_dsa_fit``)."""
+    notes: list[str] = field(default_factory=list)
     error: str = ""
 
 
@@ -204,6 +207,7 @@ def count_model(
     at the plan's layout (its step: every layer of each kind, the LM head and the fused loss)."""
     from lightning_cp.memory.tiling import auto_tile_tokens
     from lightning_cp.plan import ModelShape, local_tokens
+    from lightning_cp.plan.flops import causal_pairs
     from lightning_cp.plan.terms import loss_chunk_tokens
 
     config = read_config(name)
@@ -212,18 +216,23 @@ def count_model(
     layout = candidate.layout
     tokens = local_tokens(seq_len, layout.cp)
     row = Row(MODELS[name], gpus, layout.name(), fits, tokens)
-    if shape.sparse is not None:
-        row.error = _sparse_not_counted(shape, layout, tokens)
-        return row
     options = {"checkpointing": layout.checkpointing, "tiled": layout.tiled, "attention": layout.mode()}
-    pairs = causal_pairs(seq_len, layout.cp)
+    # The model's attention: causal, or the top-k keys of a sparse layer (every layer of a DSA model here).
+    pairs = causal_pairs(seq_len, shape.sparse.topk if shape.sparse else seq_len, layout.cp)
     attention_dims = shape.heads * (shape.head_dim + shape.v_head_dim)
     reduced: dict[int, list[tuple[int, Counts]]] = {}
+    dsa: dict[str, DsaFit] = {}  # a DSA layer kind's fit, by its config
 
     def layer(kind: Kind, t: int) -> Counts:
+        if shape.sparse is not None:
+            row.mark = "³"
+            key = json.dumps(kind.config, sort_keys=True)
+            if key not in dsa:
+                dsa[key] = dsa_fit(kind.config, kind.index, shape, layout, **options)
+            return dsa[key].at(t)
         if kind.attention:
             return count_layer(kind.config, kind.index, cp=layout.cp, tokens=t, **options)
-        row.reduced = True
+        row.mark = "²"
         if id(kind) not in reduced:
             reduced[id(kind)] = [
                 (r, count_layer(kind.config, kind.index, cp=layout.cp, tokens=r, **options))
@@ -235,7 +244,9 @@ def count_model(
         counts = layer(kind, tokens)
         attention = 6 * attention_dims * pairs if kind.attention else 0
         row.executed += kind.layers * counts.total_flops
-        row.attention_share += kind.layers * counts.attention_flops
+        # FlashAttention's calls, or a sparse layer's attention kernel and indexer scores.
+        sparse = counts.flops_in["attention"] + counts.flops_in["indexer"]
+        row.attention_share += kind.layers * (counts.attention_flops + sparse)
         row.model_flops += kind.layers * (6 * kind.params * tokens + attention)
         forward = 2 * kind.params * tokens + attention // 3
         row.recompute += kind.layers * (
@@ -273,34 +284,47 @@ def count_model(
     # cpu_offload: the parameter shards in for the forward and the backward, the gradient shards out.
     row.state_copies = 3 * math.ceil(shape.params / layout.gpus) * 4 if layout.cpu_offload else 0
     row.plan_host_transfer = estimate.host_transfer
+    for kind in kinds(config) if dsa else []:  # the same kinds, as layer() fitted them
+        model_attention = 6 * attention_dims * pairs * (3 + layout.checkpointing) // 3
+        fit = dsa[json.dumps(kind.config, sort_keys=True)]
+        row.notes += _dsa_notes(fit, kind.layers, row, model_attention, loss)
     return row
 
 
-def _sparse_not_counted(shape: Any, layout: Any, tokens: int) -> str:
-    """Why a DSA model's row is left out: its indexer scores each block of queries against every earlier key
-    block of the whole sequence (``key_indexer.score_block_tokens``), blocks that grow with the square of the
-    tokens (a fit of two reduced lengths, as for a hybrid's mixer, would not follow them), beside its top-k
-    attention's query blocks (``sparse_attention.query_block``; MLA's absorbed form where the model has a
-    latent: one key for every head), which grow with the tokens. Dispatched on fake tensors at ~0.4 ms an
-    operator here, too many at the rank's tokens."""
-    from lightning_cp.parallel.key_indexer import score_block_tokens
-    from lightning_cp.parallel.sparse_attention import query_block
-
-    width = min(shape.sparse.topk, tokens * layout.cp)
-    if shape.latent_dim is not None:
-        rounds, per_round, dims = 1, 1, shape.latent_dim
-    else:
-        per_round = layout.mode().kv_heads_per_gather or shape.kv_heads
-        rounds, dims = shape.kv_heads // per_round, shape.head_dim + shape.v_head_dim
-    queries, heads = query_block(width, per_round, shape.heads // (rounds * per_round), dims)
-    blocks = rounds * math.ceil(tokens / queries) * math.ceil(per_round / heads)
-    index_block = score_block_tokens(shape.sparse.heads)
-    index_blocks = math.ceil(tokens / index_block) * math.ceil(tokens * layout.cp / index_block) // 2
-    return (
-        f"its indexer scores ~{index_blocks:,} blocks of {index_block} queries x {index_block} keys per layer "
-        f"(quadratic in the tokens) beside its top-k attention's {blocks:,} blocks of {queries} queries x {heads} "
-        "key/value heads: too many operators to dispatch here"
-    )
+def _dsa_notes(fit: DsaFit, layers: int, row: Row, model_attention: int, loss: Counts) -> list[str]:
+    """What a DSA layer kind's fitted counts say beyond the tables: the fit's check, the operators at the
+    rank's tokens by region, the indexer's and the absorbed attention's share of the step's FLOPs (``layers``
+    such layers; ``model_attention``: the model's attention FLOPs of one, its recomputation included), the
+    step without them, the fp32 share at the rank's tokens (``loss`` counted on :data:`LOSS_TOKENS`)."""
+    ops_error, flops_error = fit.check_error()
+    at = fit.at(row.tokens)
+    indexer, attention = (layers * at.flops_in[region] for region in ("indexer", "attention"))
+    rest = row.executed - indexer - attention + layers * model_attention
+    fp32 = layers * at.flops["torch.float32"] + loss.flops["torch.float32"] * row.tokens / LOSS_TOKENS
+    fitted_on = ", ".join(f"{t:,}" for t in FIT_TOKENS)
+    return [
+        (
+            f"fitted on {fitted_on} tokens per rank; at {CHECK_TOKENS:,} the fit is off the count by "
+            f"{ops_error:+.3%} in operators and {flops_error:+.4%} in FLOPs"
+        ),
+        (
+            f"operators per layer at the rank's {row.tokens:,} tokens: {at.ops:,} (indexer "
+            f"{at.ops_in['indexer']:,}, top-k attention kernel {at.ops_in['attention']:,}, the rest "
+            f"{at.ops_in['layer']:,})"
+        ),
+        (
+            f"of the executed FLOPs the indexer's scores (not in the model's) are {indexer / row.executed:.1%}, "
+            f"the absorbed top-k attention's {attention / row.executed:.1%} "
+            f"({at.flops_in['attention'] / model_attention:.2f}x the model's, expanded); without the scores and "
+            f"with the model's attention, executed / (model + recompute) = "
+            f"{rest / (row.model_flops + row.recompute):.3f}"
+        ),
+        (
+            f"fp32 share of the matmul FLOPs at the rank's tokens (FSDP2 style, layers + loss): "
+            f"{fp32 / row.executed:.1%} (the indexer's fp32 scores {indexer / row.executed:.1%}, the torch "
+            f"attention kernel's fp32 products the rest)"
+        ),
+    ]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -322,7 +346,7 @@ def _tables(rows: list[Row]) -> str:
         fit = "" if r.fits else " (fits no 80 GB GPU)"
         ratio = r.executed / (r.model_flops + r.recompute)
         lines.append(
-            f"| {r.model}{'²' if r.reduced else ''} | {r.gpus} | `{r.layout}`{fit} | {r.tokens:,} | {r.executed / 1e15:,.1f} | "
+            f"| {r.model}{r.mark} | {r.gpus} | `{r.layout}`{fit} | {r.tokens:,} | {r.executed / 1e15:,.1f} | "
             f"{r.model_flops / 1e15:,.1f} | {r.recompute / 1e15:,.1f} | {ratio:.3f} | {r.attention_share:.2f} |"
         )
     small, large = TOKENS_PER_RANK
@@ -336,7 +360,7 @@ def _tables(rows: list[Row]) -> str:
     ]
     for r in ok:
         lines.append(
-            f"| {r.model}{'²' if r.reduced else ''} | {r.gpus} | {r.ops[small]:,} | {r.ops[large]:,} | {r.ops[large] / r.ops[small]:.2f} | "
+            f"| {r.model}{r.mark} | {r.gpus} | {r.ops[small]:,} | {r.ops[large]:,} | {r.ops[large] / r.ops[small]:.2f} | "
             f"{r.tiles[small]} / {r.tiles[large]} | {r.fp32_share['fsdp']} / {r.fp32_share['ddp']} |"
         )
     lines += [
@@ -351,10 +375,12 @@ def _tables(rows: list[Row]) -> str:
     for r in ok:
         sent = [r.cp_sent[k] / GIB for k in ("all_gather", "reduce_scatter", "all_to_all")]
         lines.append(
-            f"| {r.model}{'²' if r.reduced else ''} | {r.gpus} | {sent[0]:,.1f} | {sent[1]:,.1f} | {sent[2]:,.1f} | {sum(sent):,.1f} | "
+            f"| {r.model}{r.mark} | {r.gpus} | {sent[0]:,.1f} | {sent[1]:,.1f} | {sent[2]:,.1f} | {sum(sent):,.1f} | "
             f"{r.plan_cp / GIB:,.1f} | {r.wrapper / GIB:,.1f} | {r.plan_comm / GIB:,.1f} | "
             f"{r.layer_input_copies / GIB:,.1f} | {r.state_copies / GIB:,.1f} | {r.plan_host_transfer / GIB:,.1f} |"
         )
+    for r in ok:
+        lines += [""] + [f"- {r.model}{r.mark}, {r.gpus} GPUs: {note}" for note in r.notes] if r.notes else []
     failed = [r for r in rows if r.error]
     if failed:
         lines.append("")

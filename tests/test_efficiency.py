@@ -146,3 +146,34 @@ def test_a_sparse_layer_s_operators_grow_with_the_top_k_attention_s_query_blocks
     per_block = (ops[1] - ops[0]) / 4
     assert ops[2] - ops[1] == ops[1] - ops[0]
     assert per_block > 20  # a block's gathers, scores, softmax and products, forward and backward
+
+
+def test_a_dsa_layer_s_operators_fit_its_indexer_block_pairs_and_attention_blocks(efficiency, monkeypatch):
+    # What the benchmark's GLM-5 fit assumes (benchmarks/_dsa_fit.py), at a tiny width with blocks of 4: the
+    # indexer's operators are a + b (query blocks) + c (block pairs), the attention kernel's grow with its
+    # query blocks, the rest does not grow (no tiles), so a fit on three lengths gives a fourth's counts
+    # exactly. Lengths of both residues mod 4, so a loop per query or per key is not the blocks' fit.
+    import _dsa_fit
+
+    from lightning_cp.parallel import key_indexer, sparse_attention
+
+    monkeypatch.setattr(key_indexer, "SCORE_BLOCK_BYTES", 4 * 4 * 8 * 4)  # 4 x 4 fp32 scores of 8 heads
+    monkeypatch.setattr(sparse_attention, "SELECTED_BLOCK_BYTES", 4 * 448)  # as above: 4 queries a block
+    monkeypatch.setattr(sparse_attention, "MIN_BLOCK_QUERIES", 1)
+    monkeypatch.setattr(_dsa_fit, "FIT_TOKENS", (6, 8, 14))
+    monkeypatch.setattr(_dsa_fit, "CHECK_TOKENS", 20)
+    layout = Layout(2, 2)
+    shape = ModelShape.from_hf_config(TINY_DSA)
+    fit = _dsa_fit.dsa_fit(TINY_DSA, 0, shape, layout, attention=layout.mode())
+    assert fit.check_error() == (0.0, 0.0)
+    (low, low_counts), (high, high_counts) = fit.samples[0], fit.check
+    # Rank 0 of 2 holds rows 0-2 and 9-11 of 12 (6 tokens), 0-9 and 30-39 of 40 (20): its indexer's query blocks
+    # of 4 span 10 and 12 keys (3 + 3 key blocks), then 4, 8, 32, 36, 40 (1 + 2 + 8 + 9 + 10).
+    assert (low.indexer_blocks, low.indexer_pairs, high.indexer_blocks, high.indexer_pairs) == (2, 6, 5, 30)
+    assert (low.attention_blocks, high.attention_blocks) == (2, 5)
+    # Each block pair's scores, masks and running top-k are operators; the attention's are its blocks'; the rest
+    # of the layer dispatches as many at any length.
+    indexer, attention = ([c.ops_in[r] for c in (low_counts, high_counts)] for r in ("indexer", "attention"))
+    assert indexer[1] - indexer[0] >= 10 * (high.indexer_pairs - low.indexer_pairs)
+    assert attention[1] * low.attention_blocks == attention[0] * high.attention_blocks
+    assert low_counts.ops_in["layer"] == high_counts.ops_in["layer"]
