@@ -235,13 +235,13 @@ def test_the_loss_s_gradient_matmuls_in_fp32_under_autocast_fail_the_autocast_lo
 
 
 def test_a_sparse_selection_one_row_late_fails_the_sparse_checks(monkeypatch):
-    best_keys = key_indexer._best_keys
+    scores_of = key_indexer.indexer_scores
 
     def one_row_late(*args):
-        best, rows = best_keys(*args)
-        return best, rows + 1  # the last key of a document reads the next document's first (or padding)
+        scores = scores_of(*args)  # each key scored as the one before it: the selection a row late
+        return torch.cat([scores[:, :1], scores[:, :-1]], dim=1)
 
-    monkeypatch.setattr(key_indexer, "_best_keys", one_row_late)
+    monkeypatch.setattr(key_indexer, "indexer_scores", one_row_late)
     assert [r.status for r in sparse_checks(CPU, DTYPES)] == ["FAIL", "FAIL"]
 
 

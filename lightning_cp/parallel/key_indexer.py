@@ -10,7 +10,10 @@ attention reads only the ``topk`` keys of highest score. Under context paralleli
 every sequence, so the indexer on its own tokens would pick from the wrong set. :func:`select_topk_keys`
 all-gathers the indexer keys (one head of ``D_i`` dims per token: a small fraction of the attention's K/V)
 and scores this rank's queries against every earlier key of their own sequence (packed documents never see
-each other), in bounded blocks with a running top-k: no ``[T_local, T]`` score matrix exists.
+each other), a block of queries at a time: one :func:`indexer_scores` call scores the block over its whole
+span of keys (a custom op: one Triton launch on CUDA, :mod:`lightning_cp.parallel._indexer_triton`), one
+``topk`` selects. The operators per block do not grow with the span, and no ``[T_local, T]`` score matrix
+exists (a block's ``[b, span]`` scores fit :data:`SCORE_BLOCK_BYTES`).
 
 Selected keys are returned as *rows in sequence order*: the rows of the batch's sequences, each padded to its
 ``2 * cp`` chunks, one after the other (:meth:`CPShard.sequence_order
@@ -20,32 +23,40 @@ them all (the rest of its row is ``-1``): the unsharded model's ``topk`` picks m
 its mask then hides, so the keys attended are the same.
 
 Ties: keys of exactly equal score at the ``topk``-th place are ordered as ``torch.topk`` orders them, which
-``torch`` leaves unspecified (and which also depends on how the candidates were blocked), so a tie there may
-select another of the tied keys than the unsharded model does. Every other selection is the same set.
+``torch`` leaves unspecified (and which also depends on the order the products were summed in), so a tie there
+may select another of the tied keys than the unsharded model does. Every other selection is the same set.
 """
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from lightning_cp.parallel.offsets import starts
 from lightning_cp.parallel.shard import CPShard
 
-SCORE_BLOCK_BYTES = 64 * 2**20
-"""Bytes of one block of indexer scores (fp32, every indexer head): the bound on the selection's working memory
-besides the gathered indexer keys and the running top-k (``[T_local, topk]`` values and rows)."""
+SCORE_BLOCK_BYTES = 256 * 2**20
+"""Bytes of one block of queries' indexer scores (fp32 ``[b, keys]``): the bound on the selection's working memory
+besides the gathered indexer keys and the result. The torch path's per-head products of a block (fp32 ``[b, H_i,
+k]``) are bounded by it too."""
 ROWS_DTYPE = torch.int64
-"""The dtype of the selected rows: the result's and the running top-k's."""
+"""The dtype of the selected rows (``torch.topk``'s)."""
 
 
-def score_block_tokens(heads: int) -> int:
-    """Queries per block of the selection, and keys per block of a query block's scores: the side ``b`` of the
-    ``[b, heads, b]`` fp32 scores that fit :data:`SCORE_BLOCK_BYTES` (at least 1). Read when called, so the
-    memory plan (:mod:`lightning_cp.plan.sparse`) counts the blocks this module runs."""
-    return max(1, math.isqrt(SCORE_BLOCK_BYTES // (4 * heads)))
+def query_block_tokens(keys: int) -> int:
+    """Queries per block of the selection: the ``b`` whose fp32 scores over ``keys`` keys (the gathered sequence
+    order, the longest span a block can read) fit :data:`SCORE_BLOCK_BYTES` (at least 1). Read when called, so
+    the memory plan (:mod:`lightning_cp.plan.sparse`) counts the blocks this module runs."""
+    return max(1, SCORE_BLOCK_BYTES // (4 * max(1, keys)))
+
+
+def key_block_tokens(queries: int, heads: int) -> int:
+    """Keys per step of the torch path's loop over a block of ``queries``: its ``[queries, heads, k]`` fp32
+    per-head products fit :data:`SCORE_BLOCK_BYTES` (at least 1). The Triton kernel holds none."""
+    return max(1, SCORE_BLOCK_BYTES // (4 * heads * max(1, queries)))
 
 
 @torch.no_grad()
@@ -69,13 +80,16 @@ def select_topk_keys(
         topk: the model's ``index_topk``.
         scale: the factor inside the activation (the model's ``softmax_scale``).
 
-    Scores are computed in fp32 as the models compute them: ``sum_h w[t, h] * relu(scale * q[t, h] . k[j])``,
-    over the keys ``j`` of the query's own sequence at or before it.
+    The scores are the models' ``sum_h w[t, h] * relu(scale * q[t, h] . k[j])`` over the keys ``j`` of the
+    query's own sequence at or before it, computed by :func:`indexer_scores` for a block of queries at a time
+    (:func:`query_block_tokens`), each block's top-k taken at once. Products of the inputs' dtype summed in fp32:
+    for bf16 queries and keys that is what the models' fp32 matmul of their upcast copies computes (a product of
+    two bf16 values is exact in fp32), on a GPU at bf16's speed. Under autocast the queries, keys and weights are
+    cast to autocast's dtype and the scores rounded to it where the models' autocast matmuls round them.
 
     Returns:
         ``[T_local, n]`` int64 with ``n = min(topk, longest sequence)``: each query's selected keys as rows in
-        sequence order (:func:`sequence_rows`), ``-1``
-        where it has fewer than ``n`` keys.
+        sequence order (:func:`sequence_rows`), ``-1`` where it has fewer than ``n`` keys.
 
     Communication: one all-gather of ``keys`` over the shard's CP group (``[cp * T_local, D_i]``); none without
     CP. No gradient (the models select under ``torch.no_grad``).
@@ -88,54 +102,120 @@ def select_topk_keys(
     selected = torch.full((local, width), -1, dtype=ROWS_DTYPE, device=queries.device)
     if local == 0 or width == 0:
         return selected
-    gathered = shard.group_exchange().all_gather(keys).index_select(0, shard.sequence_order()).float()
+    rounding = _autocast_dtype(queries.device)
+    # What the models' matmul reads: autocast's dtype, else both upcast to the wider of the two.
+    dtype = rounding or torch.promote_types(queries.dtype, keys.dtype)
+    queries, keys = queries.to(dtype), keys.to(dtype)
+    if rounding is not None:
+        weights = weights.to(rounding)
+    gathered = shard.group_exchange().all_gather(keys).index_select(0, shard.sequence_order())
     device_first = shard.device_index(starts(lengths))[shard.sequence_index]
     device_row = device_first + shard.token_offset
-    block = score_block_tokens(queries.shape[1])
+    block = query_block_tokens(gathered.shape[0])
     for start in range(0, local, block):
         stop = min(start + block, local)
-        best, best_rows = _best_keys(
-            queries[start:stop].float(),
-            weights[start:stop].float(),
-            gathered,
-            (device_first[start:stop], device_row[start:stop]),
-            (int(first[start:stop].min()), int(row[start:stop].max()) + 1),
-            width,
+        lo, hi = int(first[start:stop].min()), int(row[start:stop].max()) + 1
+        scores = indexer_scores(
+            queries[start:stop],
+            weights[start:stop],
+            gathered[lo:hi],
+            device_first[start:stop] - lo,
+            device_row[start:stop] - lo,
             scale,
-            block,
+            rounding,
         )
-        selected[start:stop, : best.shape[1]] = best_rows.masked_fill(best == float("-inf"), -1)
+        best, taken = scores.topk(min(width, hi - lo), dim=1)
+        selected[start:stop, : best.shape[1]] = (taken + lo).masked_fill_(best == float("-inf"), -1)
     return selected
 
 
-def _best_keys(
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """Autocast's dtype on ``device``'s type when it is enabled there, else ``None``."""
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
+@torch.library.custom_op("lightning_cp::indexer_scores", mutates_args=())
+def indexer_scores(
     queries: Tensor,
     weights: Tensor,
     keys: Tensor,
-    bounds: tuple[Tensor, Tensor],
-    span: tuple[int, int],
-    width: int,
+    first: Tensor,
+    last: Tensor,
     scale: float,
-    block: int,
-) -> tuple[Tensor, Tensor]:
-    """The running top-``width`` of one block of queries over the key rows ``span`` in blocks of ``block``:
-    scores ``[b, <= width]`` (``-inf`` for keys outside a query's ``bounds``: its sequence's first row to its
-    own) and their rows."""
-    first, last = bounds
-    best = queries.new_empty((queries.shape[0], 0))
-    best_rows = torch.empty((queries.shape[0], 0), dtype=ROWS_DTYPE, device=queries.device)
-    for start in range(span[0], span[1], block):
-        stop = min(start + block, span[1])
-        rows = torch.arange(start, stop, dtype=ROWS_DTYPE, device=queries.device)
-        # [b, H, D] x [k, D] -> [b, H, k]: the models' matmul, activation, then the weighted sum over heads.
-        scores = torch.relu(torch.matmul(queries, keys[start:stop].T) * scale)
-        scores = torch.matmul(weights.unsqueeze(1), scores).squeeze(1)
-        visible = (rows >= first[:, None]) & (rows <= last[:, None])
-        candidates = torch.cat([best, scores.masked_fill(~visible, float("-inf"))], dim=1)
-        candidate_rows = torch.cat([best_rows, rows.expand(len(queries), -1)], dim=1)
-        best, taken = candidates.topk(min(width, candidates.shape[1]), dim=1)
-        best_rows = candidate_rows.gather(1, taken)
-    return best, best_rows
+    rounding: torch.dtype | None,
+) -> Tensor:
+    """One block's indexer scores ``sum_h w[t, h] * relu(scale * q[t, h] . k[j])``, ``-inf`` where key ``j`` is
+    not one of query ``t``'s (``first[t] <= j <= last[t]``).
+
+    Args:
+        queries: ``[b, H_i, D_i]``; weights: ``[b, H_i]``; keys: ``[k, D_i]`` (the queries' dtype).
+        first, last: ``[b]`` int64, each query's first and last key (rows of ``keys``).
+        scale: the factor inside the activation.
+        rounding: ``None``, or the dtype the products (then their scaled value), the weights and the weighted sum
+            are rounded to, as the models' matmuls under autocast round them.
+
+    Returns:
+        ``[b, k]`` fp32. Products in the inputs' dtype summed in fp32 (fp32 inputs: full fp32, no TF32).
+        On CUDA one launch of the Triton kernel (:mod:`lightning_cp.parallel._indexer_triton`), which skips the
+        tiles no query sees; elsewhere a loop over ``key_block_tokens`` keys. No communication.
+    """
+    return _torch_scores(queries, weights, keys, first, last, scale, rounding)
+
+
+def _torch_scores(
+    queries: Tensor,
+    weights: Tensor,
+    keys: Tensor,
+    first: Tensor,
+    last: Tensor,
+    scale: float,
+    rounding: torch.dtype | None,
+) -> Tensor:
+    """:func:`indexer_scores` in torch: fp32 copies (bf16 products are exact in fp32), ``key_block_tokens`` keys
+    a step."""
+    b, heads, _ = queries.shape
+    out = queries.new_empty((b, keys.shape[0]), dtype=torch.float32)
+    rows = torch.arange(keys.shape[0], device=keys.device)
+    step = key_block_tokens(b, heads)
+    with torch.autocast(queries.device.type, enabled=False):
+        q, w = queries.float(), _rounded(weights.float(), rounding)[:, None, :]
+        for start in range(0, keys.shape[0], step):
+            stop = min(start + step, keys.shape[0])
+            products = _rounded(torch.matmul(q, keys[start:stop].float().T), rounding)  # [b, H, k]
+            products = torch.relu_(_rounded(products.mul_(scale), rounding))
+            scores = _rounded(torch.matmul(w, products).squeeze(1), rounding)
+            visible = (rows[start:stop] >= first[:, None]) & (rows[start:stop] <= last[:, None])
+            out[:, start:stop] = scores.masked_fill_(~visible, float("-inf"))
+    return out
+
+
+def _rounded(x: Tensor, dtype: torch.dtype | None) -> Tensor:
+    return x if dtype is None else x.to(dtype).float()
+
+
+@indexer_scores.register_fake
+def _fake_scores(queries: Tensor, weights: Tensor, keys: Tensor, *_: object) -> Tensor:
+    return queries.new_empty((queries.shape[0], keys.shape[0]), dtype=torch.float32)
+
+
+@indexer_scores.register_kernel("cuda")
+def _cuda_scores(queries: Tensor, *args: Any) -> Tensor:
+    from lightning_cp.parallel import _indexer_triton
+
+    if _indexer_triton.available(queries):
+        return _indexer_triton.scores(queries, *args)
+    return _torch_scores(queries, *args)
+
+
+@register_flop_formula(torch.ops.lightning_cp.indexer_scores)
+def _flops(
+    queries_shape: torch.Size, weights_shape: torch.Size, keys_shape: torch.Size, *_: object, **__: object
+) -> int:
+    """Every (query, key) pair's products and the weighted sum over the heads: ``2 b H_i k (D_i + 1)``."""
+    b, heads, dim = queries_shape
+    return 2 * b * heads * keys_shape[0] * (dim + 1)
 
 
 def sequence_rows(shard: CPShard) -> tuple[Tensor, Tensor]:

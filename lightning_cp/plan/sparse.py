@@ -3,7 +3,7 @@
 The terms count what :func:`~lightning_cp.parallel.key_indexer.select_topk_keys` and
 :func:`~lightning_cp.parallel.sparse_attention.sparse_attention` hold, with the block sizes and dtypes those
 modules and the indexers' adapter use, read from them when called
-(:func:`~lightning_cp.parallel.key_indexer.score_block_tokens`,
+(:func:`~lightning_cp.parallel.key_indexer.query_block_tokens`, ``key_block_tokens``,
 :data:`~lightning_cp.parallel.key_indexer.ROWS_DTYPE`,
 :func:`~lightning_cp.parallel.sparse_attention.query_block_tokens`,
 :data:`~lightning_cp.hf.indexers.SELECTION_DTYPE`); none is restated here. ``T`` is the rank's local
@@ -32,10 +32,12 @@ class SparseLayerBytes:
     output: int
     """Saved: the attention output ``[T, Hq * Dv]`` in the compute dtype and its fp32 log-sum-exp ``[Hq, T]``."""
     indexer: int
-    """The selection's forward transient: the gathered indexer keys (in sequence order, fp32, beside the
-    compute-dtype copy they are made from), the int64 result ``[T, n]`` and its int32 copy, and one query
-    block's scores (two fp32 ``[b, H_i, b]`` blocks) or running top-k (fp32 values and int64 rows of
-    ``[b, n + b]`` candidates, the previous key block's among them)."""
+    """The selection's forward transient: the gathered indexer keys (all-gathered, then in sequence order, in the
+    compute dtype), the int64 result ``[T, n]`` and its int32 copy, and one block of ``b`` queries
+    (``query_block_tokens``): its fp32 scores over the whole gathered sequence ``[b, K]`` beside either the torch
+    path's step of ``k`` keys (``key_block_tokens``: ``[b, H_i, k]`` fp32 products, the step's scores and masks)
+    or the block's top-k (fp32 values, int64 rows, the rows shifted and their mask). The Triton kernel holds no
+    products and no fp32 copy of the queries: on a GPU the term is at most that block of products high."""
     forward: int
     """The attention forward's transient: one round's keys and values ``[K, h * (D + Dv)]`` gathered and put
     in sequence order (two copies at once, in the compute dtype), then one of them beside a block of selected
@@ -81,23 +83,21 @@ def sparse_layer_bytes(
     selection = SELECTION_DTYPE.itemsize * tokens * width
     output = tokens * shape.out_dim * compute_bytes + 4 * shape.heads * tokens
 
-    # The indexer: keys gathered (compute dtype) and put in order, then fp32; query blocks of its scores.
-    index_keys = gathered * sparse.head_dim
-    block = key_indexer.score_block_tokens(sparse.heads)
-    queries, keys = min(block, tokens), min(block, gathered)
-    # A key block's two fp32 score blocks, or the top-k of its candidates (fp32 values, int64 rows: the
-    # previous block's still held while the next are made), beside the running best (values, rows, order),
-    # the previous query block's result (values, rows) and the key block's weighted scores and mask.
-    candidates = queries * (width + keys)
-    scores = 2 * 4 * queries * sparse.heads * keys + (4 + rows_bytes) * candidates
-    running = (4 + 2 * rows_bytes) * candidates
-    held = 5 * queries * keys + (2 * 4 + 3 * rows_bytes) * queries * width
-    query_copy = queries * sparse.heads * sparse.head_dim * (4 if upcast else 0)
-    indexer = rows_bytes * tokens * width + max(
-        index_keys * (compute_bytes + 4),
-        4 * index_keys + query_copy + held + max(scores, running),
-        selection,
+    # The indexer: keys gathered and put in sequence order (compute dtype); blocks of queries' scores over them.
+    index_keys = gathered * sparse.head_dim * compute_bytes
+    queries = min(key_indexer.query_block_tokens(gathered), tokens)
+    keys = min(key_indexer.key_block_tokens(queries, sparse.heads), gathered)
+    upcast_queries = queries * sparse.heads * sparse.head_dim * 4 if upcast else 0
+    # A step: its products, its scores, the visible mask and two comparisons, its keys in fp32; the rows.
+    step = (
+        4 * queries * keys * (sparse.heads + 1)
+        + 3 * queries * keys
+        + 4 * keys * sparse.head_dim * bool(upcast)
     )
+    # The top-k: values (fp32), rows (int64), the rows shifted, the mask of the -inf ones.
+    top = queries * width * (4 + 2 * rows_bytes + 1)
+    block = 4 * queries * gathered + rows_bytes * gathered + upcast_queries + max(step, top)
+    indexer = rows_bytes * tokens * width + max(2 * index_keys, index_keys + block, selection)
 
     # The attention: a round's K/V gathered and in sequence order; blocks of selected keys and values (fp32)
     # and their scores.

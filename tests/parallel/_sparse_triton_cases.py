@@ -15,7 +15,7 @@ if not INTERPRET and not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from lightning_cp.parallel import _sparse_triton, unshard
+from lightning_cp.parallel import _indexer_triton, _sparse_triton, key_indexer, unshard
 from lightning_cp.parallel import sparse_attention as kernel
 from lightning_cp.parallel.sparse_attention import sparse_attention
 from tests.parallel import test_sparse_attention as cases
@@ -91,3 +91,40 @@ def test_in_bf16_the_triton_kernels_are_within_bf16_s_error_of_the_fp32_referenc
         if name != "dsinks":
             g = unshard([g.float().cpu().transpose(1, 2)], cu_seqlens=cu).transpose(1, 2)
         assert ((g.float().cpu() - want).norm() / want.norm()).item() < 2e-2, name
+
+
+@pytest.mark.parametrize("rounding", [None, torch.bfloat16], ids=["fp32", "rounded-as-autocast"])
+def test_the_triton_indexer_scores_are_the_fp64_scores_and_round_as_the_torch_path(rounding, monkeypatch):
+    """Tiles of 16 queries by 16 keys over a block of 45 queries and 150 keys (the last tiles short, those of the
+    first document's queries past its keys skipped), head dim 24 padded to 32. Rounded: on a grid where fp32 is
+    exact, equal to the torch path to the last bit (Triton 3.9's interpreter converts fp32 to bf16 by truncation
+    where compiled code rounds to nearest: there the torch path truncates alike)."""
+    monkeypatch.setattr(_indexer_triton, "QUERY_TILE", 16)
+    monkeypatch.setattr(_indexer_triton, "KEY_TILE", 16)
+    q, w, k, first, last = cases._score_inputs(grid=rounding is not None)
+    got = _indexer_triton.scores(*(t.to(DEVICE) for t in (q, w, k, first, last)), cases.INDEX_SCALE, rounding)
+    if rounding is None:
+        want = cases._scores_reference(q, w, k, first, last, cases.INDEX_SCALE)
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
+    else:
+        if INTERPRET:
+            monkeypatch.setattr(key_indexer, "_rounded", _truncated)
+        want = key_indexer._torch_scores(q, w, k, first, last, cases.INDEX_SCALE, rounding)
+        assert torch.equal(got.cpu(), want)
+
+
+def _truncated(x, dtype):
+    """``x`` fp32 cut to bf16's 8 bits of mantissa (rounded toward zero), as fp32."""
+    return (x.view(torch.int32) & -(2**16)).view(torch.float32)
+
+
+@pytest.mark.skipif(INTERPRET, reason="the interpreter's tl.dot of bf16 tiles returns garbage (Triton 3.9)")
+def test_in_bf16_the_triton_indexer_scores_sum_the_exact_products_in_fp32():
+    """Compiled on CUDA: bf16 queries and keys, fp32 weights; every product exact, the sum in fp32: the fp64
+    scores of the bf16 values within fp32's error (a score rounded to bf16 would be 0.4% off)."""
+    q, w, k, first, last = cases._score_inputs(torch.bfloat16)
+    got = _indexer_triton.scores(
+        *(t.to(DEVICE) for t in (q, w.float(), k, first, last)), cases.INDEX_SCALE, None
+    )
+    want = cases._scores_reference(q, w.float(), k, first, last, cases.INDEX_SCALE)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)

@@ -12,8 +12,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_cp.parallel import CPShard, CPSplit, context_parallel_attention, groups, shard_batch, unshard
-from lightning_cp.parallel.key_indexer import select_topk_keys, sequence_rows
+from lightning_cp.parallel import (
+    CPShard,
+    CPSplit,
+    context_parallel_attention,
+    groups,
+    key_indexer,
+    shard_batch,
+    unshard,
+)
+from lightning_cp.parallel.key_indexer import (
+    indexer_scores,
+    key_block_tokens,
+    query_block_tokens,
+    select_topk_keys,
+    sequence_rows,
+)
 from lightning_cp.parallel.sparse_attention import sparse_attention
 from tests.ops.test_triton import _cases_env
 
@@ -169,11 +183,12 @@ def _check_selections(by_cp_rank, cp, batch, total, cu, selections):
             assert chosen == selections[(b, start + offset)], f"cp={cp} rank {rank} token {token}"
 
 
-def test_a_running_top_k_over_many_key_blocks_is_each_document_s_dense_top_k(monkeypatch):
-    """Score blocks of 4 queries by 4 keys (``SCORE_BLOCK_BYTES`` shrunk): a query's keys span up to 8 key
-    blocks, and the candidates kept from the earlier blocks compete with each later one's. The selection is
-    the model's dense top-k of each packed document (cp = 1)."""
-    monkeypatch.setattr("lightning_cp.parallel.key_indexer.SCORE_BLOCK_BYTES", 4 * INDEX_HEADS * 4 * 4)
+def test_blocks_of_queries_over_steps_of_keys_select_each_document_s_dense_top_k(monkeypatch):
+    """``SCORE_BLOCK_BYTES`` shrunk to 4 queries' scores over the 68 keys: blocks of 4 queries (some spanning two
+    documents), each scored 8 keys a step by the torch path, whose top-k is taken over the block's whole span at
+    once. The selection is the model's dense top-k of each packed document (cp = 1)."""
+    monkeypatch.setattr("lightning_cp.parallel.key_indexer.SCORE_BLOCK_BYTES", 4 * 4 * 68)
+    assert (query_block_tokens(68), key_block_tokens(4, INDEX_HEADS)) == (4, 8)
     cu = PACKED_CU * 2  # documents of 2 to 30 tokens
     total = int(cu[-1])
     inputs = _inputs(1, total)
@@ -183,6 +198,82 @@ def test_a_running_top_k_over_many_key_blocks_is_each_document_s_dense_top_k(mon
     selected = select_topk_keys(index_q, index_w, index_k, shard, TOPK, INDEX_SCALE)
     row, _ = sequence_rows(shard)
     _check_selections({0: [None] * 4 + [selected, row, shard.sequence_lengths]}, 1, 1, total, cu, selections)
+
+
+def _score_inputs(dtype=torch.float32, grid=None):
+    """A block of 45 queries (3 heads of 24 dims) over 150 keys: queries 0-19 see keys 0 .. 40-59 of a first
+    document, 20-44 keys 70 .. 100-124 of a second. ``grid``: values on a grid of 1/8 in [-1, 1), whose
+    products and sums are exact in fp32 (so a rounding is the only difference)."""
+    g = torch.Generator().manual_seed(3)
+    draw = (
+        (lambda *shape: torch.randn(*shape, generator=g))
+        if grid is None
+        else (lambda *shape: torch.randint(-8, 8, shape, generator=g) / 8)
+    )
+    q, w, k = draw(45, 3, 24).to(dtype), draw(45, 3).to(dtype), draw(150, 24).to(dtype)
+    first = torch.tensor([0] * 20 + [70] * 25)
+    last = torch.cat([torch.arange(40, 60), torch.arange(100, 125)])
+    return q, w, k, first, last
+
+
+def _scores_reference(q, w, k, first, last, scale):
+    """fp64: ``sum_h w relu(scale q . k)``, ``-inf`` outside ``first .. last``."""
+    products = torch.relu(torch.einsum("bhd,kd->bhk", q.double(), k.double()) * scale)
+    scores = torch.einsum("bh,bhk->bk", w.double(), products)
+    rows = torch.arange(k.shape[0])
+    return scores.masked_fill((rows < first[:, None]) | (rows > last[:, None]), float("-inf"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_indexer_scores_are_the_fp64_scores_of_their_inputs(dtype, monkeypatch):
+    """In fp32, and for bf16 queries and keys (each product exact in fp32, the sum fp32 as the models' matmul of
+    upcast copies: no score rounded to bf16, which would be 0.4% off), in steps of 16 keys."""
+    monkeypatch.setattr("lightning_cp.parallel.key_indexer.SCORE_BLOCK_BYTES", 4 * 3 * 45 * 16)
+    assert key_block_tokens(45, 3) == 16
+    q, w, k, first, last = _score_inputs(dtype)
+    got = indexer_scores(q, w.float(), k, first, last, INDEX_SCALE, None)
+    want = _scores_reference(q, w.float(), k, first, last, INDEX_SCALE)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_under_autocast_the_scores_are_rounded_as_the_models_autocast_matmuls_round_them():
+    """The models' scores under CPU autocast (bf16: ``matmul(q.float(), k.float())`` cast to bf16 and rounded,
+    scaled and rounded, the weighted sum rounded) on a grid where only those roundings differ from fp32: equal
+    to the last bit, and no longer equal without the rounding."""
+    q, w, k, first, last = _score_inputs(grid=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        products = torch.relu(torch.matmul(q.float(), k.float().T.unsqueeze(0)) * INDEX_SCALE)
+        model = torch.matmul(w.float().unsqueeze(1), products).squeeze(1).float()
+    mask = (torch.arange(150) < first[:, None]) | (torch.arange(150) > last[:, None])
+    model = model.masked_fill(mask, float("-inf"))
+    args = (q.bfloat16(), w.bfloat16(), k.bfloat16(), first, last, INDEX_SCALE)
+    assert torch.equal(indexer_scores(*args, torch.bfloat16), model)
+    assert not torch.equal(indexer_scores(*args, None), model)
+
+
+def test_under_autocast_the_selection_scores_autocast_s_dtype_and_rounds_as_it(monkeypatch):
+    """fp32 indexer inputs under bf16 autocast (the models' norm and rotary leave them fp32): the keys are
+    gathered and scored in bf16, the scores rounded as the models' autocast matmuls round them; without
+    autocast, no rounding, and bf16 queries beside fp32 keys both fp32 (the models' matmul of upcast copies),
+    both bf16 kept bf16."""
+    calls = []
+
+    def recorded(queries, weights, keys, first, last, scale, rounding):
+        calls.append((queries.dtype, weights.dtype, keys.dtype, rounding))
+        return scores_of(queries, weights, keys, first, last, scale, rounding)
+
+    scores_of = key_indexer.indexer_scores
+    monkeypatch.setattr(key_indexer, "indexer_scores", recorded)
+    index_q, index_w, index_k = (t[0] for t in _inputs(1, 12)[4:7])
+    shard = CPShard.build(CPSplit(1, 0), torch.tensor([12]), "cpu")
+    with torch.autocast("cpu", torch.bfloat16):
+        select_topk_keys(index_q, index_w, index_k, shard, TOPK, INDEX_SCALE)
+    select_topk_keys(index_q, index_w, index_k, shard, TOPK, INDEX_SCALE)
+    select_topk_keys(index_q.bfloat16(), index_w, index_k, shard, TOPK, INDEX_SCALE)
+    select_topk_keys(index_q.bfloat16(), index_w, index_k.bfloat16(), shard, TOPK, INDEX_SCALE)
+    fp32 = (torch.float32,) * 3 + (None,)
+    assert calls == [(torch.bfloat16,) * 4, fp32, fp32, (torch.bfloat16, torch.float32, torch.bfloat16, None)]
 
 
 @pytest.mark.gpu
