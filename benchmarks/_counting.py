@@ -20,6 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+import lightning_cp.parallel._sparse_triton  # noqa: F401  (registers the top-k attention's operators)
+
 _ATEN = torch.ops.aten
 _METADATA = {
     torch.ops.prim.device,
@@ -63,6 +65,8 @@ class Counts:
     """:attr:`ops` by region (:data:`REGIONS`; ``"layer"``: the rest)."""
     flops_in: Counter[str] = field(default_factory=Counter)
     """:attr:`flops` (every dtype) by region, as :attr:`ops_in`."""
+    fp32_in: Counter[str] = field(default_factory=Counter)
+    """Of :attr:`flops_in`, those whose inputs are fp32."""
 
     @property
     def total_flops(self) -> int:
@@ -73,13 +77,15 @@ class Counts:
         return self.flops["torch.float32"] / max(1, self.total_flops)
 
 
-REGIONS = {
-    "indexer": ("lightning_cp.parallel.key_indexer", ("select_topk_keys",)),
-    "attention": ("lightning_cp.parallel.sparse_attention", ("_torch_forward", "_torch_backward")),
-}
+REGIONS = {"indexer": ("lightning_cp.parallel.key_indexer", ("select_topk_keys",))}
 """Functions whose operators and FLOPs :class:`Counts` also counts apart: a DSA layer's indexer selection, whose
-loop runs over (query block x key block) pairs, and the sparse attention's torch kernel, whose loop runs over
-query blocks (``benchmarks/_dsa_fit.py`` fits each by its own blocks)."""
+loop runs over query blocks (one ``indexer_scores`` call and one top-k each; ``benchmarks/_dsa_fit.py`` fits it
+by its blocks)."""
+OP_REGIONS = {
+    torch.ops.lightning_cp.sparse_forward_round: "attention",
+    torch.ops.lightning_cp.sparse_backward_round: "attention",
+}
+"""Operators counted apart wherever they run: the top-k attention's kernels, one a round (:func:`gpu_paths`)."""
 
 
 class DispatchCounter(TorchDispatchMode):
@@ -119,14 +125,17 @@ class DispatchCounter(TorchDispatchMode):
                 self._matmul(func, args, kwargs, out, tensors)
         if not self.paused and func.overloadpacket not in _METADATA:
             self.counts.ops += 1
-            self.counts.ops_in[self.region] += 1
+            self.counts.ops_in[OP_REGIONS.get(func.overloadpacket, self.region)] += 1
         return out
 
-    def _add(self, dtype: torch.dtype, flops: int) -> None:
+    def _add(self, dtype: torch.dtype, flops: int, region: str | None = None) -> None:
         if self.paused:
             return
+        region = region or self.region
         self.counts.flops[str(dtype)] += flops
-        self.counts.flops_in[self.region] += flops
+        self.counts.flops_in[region] += flops
+        if dtype == torch.float32:
+            self.counts.fp32_in[region] += flops
         if not self.backward:
             self.counts.forward_flops += flops
 
@@ -146,7 +155,7 @@ class DispatchCounter(TorchDispatchMode):
         else:
             return
         if flops:
-            self._add(next(t.dtype for t in tensors if t.is_floating_point()), flops)
+            self._add(next(t.dtype for t in tensors if t.is_floating_point()), flops, OP_REGIONS.get(packet))
 
     def _attention(self, q: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, matmuls: int) -> None:
         with unset_fake_temporarily():
@@ -222,24 +231,26 @@ def _count_exchange(exchange: Any, counter: DispatchCounter) -> None:
 
 @contextlib.contextmanager
 def gpu_paths() -> Iterator[None]:
-    """CP attention through FlashAttention's calls and the loss's fp32 weight gradient as one bf16 GEMM with
-    an fp32 output, as on a GPU."""
+    """CP attention through FlashAttention's calls, the top-k attention through its Triton kernels' custom ops
+    (one operator a round; the indexer's scores are one already) and the loss's fp32 weight gradient as one bf16
+    GEMM with an fp32 output, as on a GPU."""
     from lightning_cp.ops import _engine
-    from lightning_cp.parallel import _varlen
+    from lightning_cp.parallel import _sparse_triton, _varlen, sparse_attention
 
     def add_fp32_product(acc: Tensor, a: Tensor, b: Tensor) -> None:  # torch.mm(a, b, out_dtype=fp32)
         acc.add_(torch.mm(a, b).to(acc.dtype))
 
-    saved = _varlen.use_flash, _engine._add_fp32_product
+    saved = _varlen.use_flash, _engine._add_fp32_product, sparse_attention._kernels
     _varlen.use_flash = lambda q, k, v, softcap: (
         softcap is None and q.dtype in (torch.bfloat16, torch.float16)
     )
     _engine._add_fp32_product = add_fp32_product
+    sparse_attention._kernels = lambda q: (_sparse_triton.forward_round, _sparse_triton.backward_round)
     try:
         with _host_head_indices():
             yield
     finally:
-        _varlen.use_flash, _engine._add_fp32_product = saved
+        _varlen.use_flash, _engine._add_fp32_product, sparse_attention._kernels = saved
 
 
 @contextlib.contextmanager

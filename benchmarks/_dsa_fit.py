@@ -1,18 +1,19 @@
 """A DSA layer's counts at a rank's real tokens, fitted from counts at token counts small enough to dispatch.
 
-A DeepSeek Sparse Attention layer (GLM-5's) runs two loops whose iterations grow with the tokens: its indexer
-(:func:`~lightning_cp.parallel.key_indexer.select_topk_keys`) scores every block of queries against every key
-block up to the block's last query, (query block x key block) pairs that grow with the square of the tokens,
-and the sparse attention's torch kernel runs its query blocks (``sparse_attention.query_block``), which grow
-with them. At 1M tokens they are millions of operators per layer, too many to dispatch on fake tensors in the
-benchmark's time. So the layer is counted at the real width and layout at :data:`FIT_TOKENS` tokens per rank,
-and each count is fitted along the blocks the kernels' own functions give for the real tokens
-(:func:`structure`): the operators region by region (``_counting.REGIONS``), the indexer's as ``a + b q +
-c p`` (``q`` its query blocks, ``p`` its block pairs), the attention kernel's as ``a + b n`` (``n`` its
-query blocks), the rest as ``a + b T + c tiles`` (the tiled modules' tiles: ``ceil(T / d)`` for each tiled
-input width ``d``, proportional to ``T`` at multiples of 2,048 for GLM-5's 128, 512 and 2,048, and
-``ceil(T / hidden)``); the FLOPs and bytes as ``a T + b k`` (``k`` the (query, key) pairs the indexer
-scores, blocks whole). :data:`CHECK_TOKENS`, counted too, holds the fit to a count it was not fitted on.
+A DeepSeek Sparse Attention layer (GLM-5's) runs a loop whose iterations grow with the tokens: its indexer
+(:func:`~lightning_cp.parallel.key_indexer.select_topk_keys`) scores blocks of queries
+(``query_block_tokens``: as many as fit a block's fp32 scores over the whole gathered sequence), each against its
+span of keys in one call of ``indexer_scores`` (one Triton launch on a GPU) and one top-k. Its blocks grow with
+the square of the tokens (more queries, fewer in a block as the sequence grows), and the FLOPs with the
+query-key pairs: too many at 1M tokens to dispatch on fake tensors in the benchmark's time. So the layer is
+counted at the real width and layout at :data:`FIT_TOKENS` tokens per rank, and each count is fitted along what
+the kernels' own functions give for the real tokens (:func:`structure`): the operators region by region
+(``_counting.REGIONS``, ``OP_REGIONS``), the indexer's as ``a + b q`` (``q`` its query blocks), the top-k
+attention's as a constant (its Triton kernels, one custom operator a round forward and backward), the rest as
+``a + b T + c tiles`` (the tiled modules' tiles: ``ceil(T / d)`` for each tiled input width ``d``, proportional
+to ``T`` at multiples of 2,048 for GLM-5's 128, 512 and 2,048, and ``ceil(T / hidden)``); the FLOPs and bytes as
+``a T + b k`` (``k`` the (query, key) pairs the indexer scores: each block's queries by its span).
+:data:`CHECK_TOKENS`, counted too, holds the fit to a count it was not fitted on.
 """
 
 from __future__ import annotations
@@ -40,14 +41,10 @@ class Structure:
     """The loop iterations of one DSA layer on one CP rank of ``T`` tokens, from the kernels' functions."""
 
     tokens: int
-    attention_blocks: int
-    """The sparse attention's blocks (``query_block``): its queries over the top-k width, in rounds."""
     indexer_blocks: int
-    """The indexer's query blocks (``score_block_tokens``)."""
-    indexer_pairs: int
-    """The indexer's (query block x key block) pairs."""
+    """The indexer's query blocks (``query_block_tokens``)."""
     indexer_keys: int
-    """The (query, key) pairs the indexer scores, each block pair whole."""
+    """The (query, key) pairs the indexer scores: each block's queries by its span of keys."""
     tiles: int
     """``ceil(T / hidden)`` (the tiled MLP's tiles), 0 without ``+tiled``."""
 
@@ -56,38 +53,27 @@ def structure(shape: Any, layout: Any, tokens: int) -> Structure:
     """:class:`Structure` of rank 0 of ``layout``'s CP group holding ``tokens`` of one sequence of
     ``cp * tokens`` (``shape``: the model's :class:`~lightning_cp.plan.ModelShape`)."""
     from lightning_cp.parallel import shard_batch
-    from lightning_cp.parallel.key_indexer import score_block_tokens, sequence_rows
+    from lightning_cp.parallel.key_indexer import query_block_tokens, sequence_rows
     from lightning_cp.parallel.simulated import SimulatedCPGroup
-    from lightning_cp.parallel.sparse_attention import query_block
 
     cp = layout.cp
-    width = min(shape.sparse.topk, tokens * cp)
-    if shape.latent_dim is not None:  # MLA's absorbed form: one latent key read by every head
-        rounds, per_round, dims = 1, 1, shape.latent_dim
-    else:
-        per_round = layout.mode().kv_heads_per_gather or shape.kv_heads
-        rounds, dims = shape.kv_heads // per_round, shape.head_dim + shape.v_head_dim
-    queries, heads = query_block(width, per_round, shape.heads // (rounds * per_round), dims)
-    attention_blocks = rounds * math.ceil(tokens / queries) * math.ceil(per_round / heads)
     group = SimulatedCPGroup(cp, sum_key_gradients=False)
     ids = {"input_ids": torch.zeros(1, cp * tokens, dtype=torch.long)}
     shard = shard_batch(ids, cp, 0, cp_group=group.exchange(0), attention=layout.mode())["cp_shard"]
     row, first = sequence_rows(shard)
-    block = score_block_tokens(shape.sparse.heads)
-    pairs = keys = 0
+    block = query_block_tokens(cp * tokens)
+    keys = 0
     for start in range(0, tokens, block):  # select_topk_keys' loop: each query block's span of key rows
         stop = min(start + block, tokens)
-        span = int(row[start:stop].max()) + 1 - int(first[start:stop].min())
-        pairs += math.ceil(span / block)
-        keys += (stop - start) * span
+        keys += (stop - start) * (int(row[start:stop].max()) + 1 - int(first[start:stop].min()))
     tiles = math.ceil(tokens / shape.hidden) if layout.tiled else 0
-    return Structure(tokens, attention_blocks, math.ceil(tokens / block), pairs, keys, tiles)
+    return Structure(tokens, math.ceil(tokens / block), keys, tiles)
 
 
 def _op_features(s: Structure) -> dict[str, list[float]]:
     return {
-        "indexer": [1, s.indexer_blocks, s.indexer_pairs],
-        "attention": [1, s.attention_blocks],
+        "indexer": [1, s.indexer_blocks],
+        "attention": [1],
         "layer": [1, s.tokens, s.tiles],
     }
 
@@ -116,7 +102,7 @@ def fit(samples: list[tuple[Structure, Counts]], at: Structure) -> Counts:
     def fitted(get: Any) -> int:
         return max(0, round(_fit(rows, [get(c) for _, c in samples], point)))
 
-    for name in ("flops", "flops_in", "sent"):
+    for name in ("flops", "flops_in", "fp32_in", "sent"):
         keys = set().union(*(getattr(c, name) for _, c in samples))
         values = {k: fitted(lambda c, k=k, name=name: getattr(c, name)[k]) for k in keys}
         setattr(result, name, Counter(values))

@@ -27,11 +27,11 @@ the layer's forward again; ``+tiled``: the tiled modules' forward once more) is 
 own collectives and the host copies are the plan's terms recomputed from the parameter and activation
 sizes (``lightning_cp.plan.terms``), beside the plan's columns.
 
-A DSA model's layers (GLM-5's) loop over blocks whose number grows with the tokens, the indexer's (query block
-x key block) pairs with their square: they are counted at a few token counts per rank small enough to
-dispatch and fitted along the blocks the kernels' own functions give (``_dsa_fit``), the fit checked against
-one more count; its model FLOPs count the top-k keys each query attends (``lightning_cp.plan.flops``), not
-the indexer's scores.
+A DSA model's layers (GLM-5's) loop over blocks whose number grows with the tokens (the indexer's query blocks
+with their square: more queries, fewer in a block as the sequence grows): they are counted at a few token
+counts per rank small enough to dispatch and fitted along the blocks the kernels' own functions give
+(``_dsa_fit``), the fit checked against one more count; its model FLOPs count the top-k keys each query attends
+and the indexer's causal scores (``lightning_cp.plan.flops``; the recomputation selects again).
 
 Run from the repository root::
 
@@ -220,6 +220,11 @@ def count_model(
     # The model's attention: causal, or the top-k keys of a sparse layer (every layer of a DSA model here).
     pairs = causal_pairs(seq_len, shape.sparse.topk if shape.sparse else seq_len, layout.cp)
     attention_dims = shape.heads * (shape.head_dim + shape.v_head_dim)
+    if shape.sparse is not None:  # the indexers' scores, forward only; the recomputation selects again
+        sparse = shape.sparse
+        scores = 2 * sparse.heads * (sparse.head_dim + 1) * causal_pairs(seq_len, seq_len, layout.cp)
+        row.model_flops += sparse.indexer_layers * scores
+        row.recompute += sparse.indexer_layers * scores * layout.checkpointing
     reduced: dict[int, list[tuple[int, Counts]]] = {}
     dsa: dict[str, DsaFit] = {}  # a DSA layer kind's fit, by its config
 
@@ -299,8 +304,12 @@ def _dsa_notes(fit: DsaFit, layers: int, row: Row, model_attention: int, loss: C
     ops_error, flops_error = fit.check_error()
     at = fit.at(row.tokens)
     indexer, attention = (layers * at.flops_in[region] for region in ("indexer", "attention"))
-    rest = row.executed - indexer - attention + layers * model_attention
+    rest = row.executed - attention + layers * model_attention
     fp32 = layers * at.flops["torch.float32"] + loss.flops["torch.float32"] * row.tokens / LOSS_TOKENS
+    fp32_of = {
+        region: at.fp32_in[region] / max(1, at.flops_in[region]) for region in ("indexer", "attention")
+    }
+
     fitted_on = ", ".join(f"{t:,}" for t in FIT_TOKENS)
     return [
         (
@@ -313,16 +322,15 @@ def _dsa_notes(fit: DsaFit, layers: int, row: Row, model_attention: int, loss: C
             f"{at.ops_in['layer']:,})"
         ),
         (
-            f"of the executed FLOPs the indexer's scores (not in the model's) are {indexer / row.executed:.1%}, "
-            f"the absorbed top-k attention's {attention / row.executed:.1%} "
-            f"({at.flops_in['attention'] / model_attention:.2f}x the model's, expanded); without the scores and "
-            f"with the model's attention, executed / (model + recompute) = "
+            f"of the executed FLOPs the indexer's scores are {indexer / row.executed:.1%}, the absorbed top-k "
+            f"attention's {attention / row.executed:.1%} ({at.flops_in['attention'] / model_attention:.2f}x the "
+            f"model's, expanded); with the model's attention in its place, executed / (model + recompute) = "
             f"{rest / (row.model_flops + row.recompute):.3f}"
         ),
         (
             f"fp32 share of the matmul FLOPs at the rank's tokens (FSDP2 style, layers + loss): "
-            f"{fp32 / row.executed:.1%} (the indexer's fp32 scores {indexer / row.executed:.1%}, the torch "
-            f"attention kernel's fp32 products the rest)"
+            f"{fp32 / row.executed:.2%} (of the indexer's scores {fp32_of['indexer']:.1%}, of the top-k "
+            f"attention's {fp32_of['attention']:.1%})"
         ),
     ]
 

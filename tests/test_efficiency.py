@@ -132,48 +132,42 @@ TINY_DSA = {  # GLM-5's family at a tiny width (tests/hf's): 4 heads, top-4 keys
 }
 
 
-def test_a_sparse_layer_s_operators_grow_with_the_top_k_attention_s_query_blocks(efficiency, monkeypatch):
+def test_a_sparse_layer_runs_one_top_k_kernel_a_round_whatever_its_tokens(efficiency):
     # The sparse layer runs on fake tensors once it gets the model's deferred mask (it slices it for its
     # indexer) and attends in MLA's absorbed form (lightning_cp.hf.latent): one latent key of 16 + 8 dims, the
-    # values its first 16, read by the 4 query heads. Blocks of 4 queries (4 keys x (24 dims + 4 scores) in
-    # fp32 = 448 bytes a query): the operators grow by the same number for every 4 more tokens.
-    from lightning_cp.parallel import sparse_attention
-
-    monkeypatch.setattr(sparse_attention, "SELECTED_BLOCK_BYTES", 4 * 448)
-    monkeypatch.setattr(sparse_attention, "MIN_BLOCK_QUERIES", 1)
-    assert sparse_attention.query_block(4, 1, 4, 24) == (4, 1)
-    ops = [efficiency.count_layer(TINY_DSA, 0, cp=2, tokens=t).ops for t in (16, 32, 48)]
-    per_block = (ops[1] - ops[0]) / 4
-    assert ops[2] - ops[1] == ops[1] - ops[0]
-    assert per_block > 20  # a block's gathers, scores, softmax and products, forward and backward
+    # values its first 16, read by the 4 query heads. On the GPU path its top-k attention is one Triton kernel
+    # call a round, forward and backward, with the FLOPs of every query head's 4 selected keys (a loop per
+    # query or per block would dispatch more at more tokens); the indexer scores one block at these lengths.
+    counts = [efficiency.count_layer(TINY_DSA, 0, cp=2, tokens=t) for t in (16, 48)]
+    assert counts[0].ops == counts[1].ops
+    assert [c.ops_in["attention"] for c in counts] == [2, 2]
+    # Forward: scores (24 dims) and values (16); backward: scores, dq, dk (24) and dp, dv (16); 4 heads, top-4.
+    assert [c.flops_in["attention"] for c in counts] == [2 * t * 4 * 4 * (4 * 24 + 3 * 16) for t in (16, 48)]
+    assert all(c.fp32_in["attention"] == c.fp32_in["indexer"] == 0 for c in counts)  # bf16 under FSDP2
 
 
-def test_a_dsa_layer_s_operators_fit_its_indexer_block_pairs_and_attention_blocks(efficiency, monkeypatch):
-    # What the benchmark's GLM-5 fit assumes (benchmarks/_dsa_fit.py), at a tiny width with blocks of 4: the
-    # indexer's operators are a + b (query blocks) + c (block pairs), the attention kernel's grow with its
-    # query blocks, the rest does not grow (no tiles), so a fit on three lengths gives a fourth's counts
-    # exactly. Lengths of both residues mod 4, so a loop per query or per key is not the blocks' fit.
+def test_a_dsa_layer_s_operators_fit_its_indexer_and_attention_query_blocks(efficiency, monkeypatch):
+    # What the benchmark's GLM-5 fit assumes (benchmarks/_dsa_fit.py), at a tiny width: the indexer's operators
+    # are a + b (query blocks: one scores call and one top-k each, whatever their span), the attention kernel's
+    # and the rest's do not grow (no tiles), so a fit on three lengths gives a fourth's counts exactly. The indexer's blocks hold 160 keys' scores: 1, 1, 3 and 5 blocks at 6, 8, 14 and
+    # 20 tokens (12, 16, 28 and 40 keys), so a loop per query or per key is not the blocks' fit.
     import _dsa_fit
 
-    from lightning_cp.parallel import key_indexer, sparse_attention
+    from lightning_cp.parallel import key_indexer
 
-    monkeypatch.setattr(key_indexer, "SCORE_BLOCK_BYTES", 4 * 4 * 8 * 4)  # 4 x 4 fp32 scores of 8 heads
-    monkeypatch.setattr(sparse_attention, "SELECTED_BLOCK_BYTES", 4 * 448)  # as above: 4 queries a block
-    monkeypatch.setattr(sparse_attention, "MIN_BLOCK_QUERIES", 1)
+    monkeypatch.setattr(key_indexer, "SCORE_BLOCK_BYTES", 4 * 160)
     monkeypatch.setattr(_dsa_fit, "FIT_TOKENS", (6, 8, 14))
     monkeypatch.setattr(_dsa_fit, "CHECK_TOKENS", 20)
     layout = Layout(2, 2)
     shape = ModelShape.from_hf_config(TINY_DSA)
     fit = _dsa_fit.dsa_fit(TINY_DSA, 0, shape, layout, attention=layout.mode())
     assert fit.check_error() == (0.0, 0.0)
+    blocks = [s.indexer_blocks for s, _ in fit.samples] + [fit.check[0].indexer_blocks]
+    assert blocks == [1, 1, 3, 5]
     (low, low_counts), (high, high_counts) = fit.samples[0], fit.check
-    # Rank 0 of 2 holds rows 0-2 and 9-11 of 12 (6 tokens), 0-9 and 30-39 of 40 (20): its indexer's query blocks
-    # of 4 span 10 and 12 keys (3 + 3 key blocks), then 4, 8, 32, 36, 40 (1 + 2 + 8 + 9 + 10).
-    assert (low.indexer_blocks, low.indexer_pairs, high.indexer_blocks, high.indexer_pairs) == (2, 6, 5, 30)
-    assert (low.attention_blocks, high.attention_blocks) == (2, 5)
-    # Each block pair's scores, masks and running top-k are operators; the attention's are its blocks'; the rest
-    # of the layer dispatches as many at any length.
-    indexer, attention = ([c.ops_in[r] for c in (low_counts, high_counts)] for r in ("indexer", "attention"))
-    assert indexer[1] - indexer[0] >= 10 * (high.indexer_pairs - low.indexer_pairs)
-    assert attention[1] * low.attention_blocks == attention[0] * high.attention_blocks
+    # A block's scores call is one operator over all its keys; the attention and the rest of the layer dispatch
+    # as many at any length.
+    indexer = [c.ops_in["indexer"] for c in (low_counts, high_counts)]
+    assert 0 < indexer[1] - indexer[0] <= 15 * (high.indexer_blocks - low.indexer_blocks)
+    assert low_counts.ops_in["attention"] == high_counts.ops_in["attention"] == 2
     assert low_counts.ops_in["layer"] == high_counts.ops_in["layer"]

@@ -9,6 +9,9 @@ softmax in fp32 in the forward; in the backward the probabilities recomputed fro
 the reduce-scatter sums, at the keys' gathered rows (``order[row]``). With the values the keys' first
 ``value_dim`` columns, the values are read from the keys and their gradient added there.
 
+Both are custom ops (``torch.ops.lightning_cp.sparse_forward_round``, ``sparse_backward_round``) with FLOP
+formulas: a dispatch or FLOP counter sees one operator a round and its FLOPs, as a GPU runs them.
+
 Products run in the inputs' dtype with fp32 accumulation (bf16 / fp16: the probabilities cast to it before
 they multiply the values, as FlashAttention does); fp32 inputs in full fp32 (no TF32). Head dims are padded to
 powers of two in registers. Tested in Triton's interpreter on CPU tensors
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 try:
     import triton
@@ -39,6 +43,7 @@ def available(x: Tensor) -> bool:
     return triton is not None and x.dtype in DTYPES
 
 
+@torch.library.custom_op("lightning_cp::sparse_forward_round", mutates_args=("out", "lse"))
 def forward_round(
     q: Tensor,
     keys: Tensor,
@@ -63,6 +68,7 @@ def forward_round(
     )  # fmt: skip
 
 
+@torch.library.custom_op("lightning_cp::sparse_backward_round", mutates_args=("dq", "key_grad", "value_grad"))
 def backward_round(
     q: Tensor,
     keys: Tensor,
@@ -93,6 +99,44 @@ def backward_round(
         selected.shape[1], group, q.shape[2], value_dim, scale,
         **_constants(q, group, keys.shape[2], value_dim),
     )  # fmt: skip
+
+
+@forward_round.register_fake
+def _fake_forward(*_: object) -> None:
+    return None
+
+
+@backward_round.register_fake
+def _fake_backward(*_: object) -> None:
+    return None
+
+
+@register_flop_formula(torch.ops.lightning_cp.sparse_forward_round)
+def _forward_flops(
+    q_shape: torch.Size,
+    keys_shape: torch.Size,
+    _: object,
+    value_dim: int,
+    selected_shape: torch.Size,
+    *__: object,
+    **___: object,
+) -> int:
+    """Every query head's scores over its selected keys and their values: ``2 T Hq n (D + Dv)``."""
+    return 2 * q_shape[0] * q_shape[1] * selected_shape[1] * (keys_shape[2] + value_dim)
+
+
+@register_flop_formula(torch.ops.lightning_cp.sparse_backward_round)
+def _backward_flops(
+    q_shape: torch.Size,
+    keys_shape: torch.Size,
+    _: object,
+    value_dim: int,
+    selected_shape: torch.Size,
+    *__: object,
+    **___: object,
+) -> int:
+    """The scores again, ``dp``, ``dq``, ``dk`` and ``dv``: ``2 T Hq n (3 D + 2 Dv)``."""
+    return 2 * q_shape[0] * q_shape[1] * selected_shape[1] * (3 * keys_shape[2] + 2 * value_dim)
 
 
 def _head_blocks(heads: int, kv_heads: int) -> tuple[int, int]:
