@@ -208,3 +208,19 @@ def test_the_indexer_s_selection_peaks_as_the_plan_s_indexer_term(bench):
         key_indexer.select_topk_keys(*inputs, shard, topk, 0.2).int()
     planned = sparse_layer_bytes(shape, 2048, 2, heads_per_round=2, compute_bytes=4)
     assert tracker.peak == pytest.approx(planned.indexer, rel=TOLERANCE / 2), planned
+
+
+def test_the_step_s_flops_count_each_full_indexer_s_causal_scores_forward_only():
+    """HY-V4's 3 full indexers of 2 heads x 16 dims: each query's products and weighted sum over its earlier keys
+    (a quarter of the causal pairs at cp 4), once in the model's FLOPs and once more when checkpointing recomputes
+    the layer (the indexer selects again); no backward (it selects without a gradient)."""
+    pytest.importorskip("transformers")
+    from lightning_cp.plan.flops import step_flops
+
+    shape = ModelShape.from_hf_config(_HY_V4)
+    without = dataclasses.replace(shape, sparse=dataclasses.replace(shape.sparse, indexer_layers=0))
+    scores = 3 * 2 * 2 * (16 + 1) * (4096 * 4097 // 2 // 4)
+    for layout in (Layout(4, 4), Layout(4, 4, checkpointing=True)):
+        flops, base = step_flops(shape, 4096, layout), step_flops(without, 4096, layout)
+        assert flops.model - base.model == scores
+        assert flops.recomputed - base.recomputed == scores * layout.checkpointing
