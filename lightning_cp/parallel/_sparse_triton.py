@@ -20,6 +20,8 @@ powers of two in registers. Tested in Triton's interpreter on CPU tensors
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
@@ -101,42 +103,35 @@ def backward_round(
     )  # fmt: skip
 
 
-@forward_round.register_fake
-def _fake_forward(*_: object) -> None:
-    return None
+def _no_output(*_: object) -> None:
+    """The rounds' fake: they write into their arguments only."""
 
 
-@backward_round.register_fake
-def _fake_backward(*_: object) -> None:
-    return None
+forward_round.register_fake(_no_output)
+backward_round.register_fake(_no_output)
 
 
-@register_flop_formula(torch.ops.lightning_cp.sparse_forward_round)
-def _forward_flops(
-    q_shape: torch.Size,
-    keys_shape: torch.Size,
-    _: object,
-    value_dim: int,
-    selected_shape: torch.Size,
-    *__: object,
-    **___: object,
-) -> int:
-    """Every query head's scores over its selected keys and their values: ``2 T Hq n (D + Dv)``."""
-    return 2 * q_shape[0] * q_shape[1] * selected_shape[1] * (keys_shape[2] + value_dim)
+def _round_flops(key_products: int, value_products: int) -> Callable[..., int]:
+    """A round's FLOP formula: ``2 T Hq n (key_products D + value_products Dv)`` for ``q`` ``[T, Hq, D]``, ``n``
+    selected keys a query and values of ``Dv`` (the shapes and arguments as the rounds take them)."""
+
+    def flops(
+        q: torch.Size,
+        keys: torch.Size,
+        _: object,
+        value_dim: int,
+        selected: torch.Size,
+        *__: object,
+        **___: object,
+    ) -> int:
+        return 2 * q[0] * q[1] * selected[1] * (key_products * keys[2] + value_products * value_dim)
+
+    return flops
 
 
-@register_flop_formula(torch.ops.lightning_cp.sparse_backward_round)
-def _backward_flops(
-    q_shape: torch.Size,
-    keys_shape: torch.Size,
-    _: object,
-    value_dim: int,
-    selected_shape: torch.Size,
-    *__: object,
-    **___: object,
-) -> int:
-    """The scores again, ``dp``, ``dq``, ``dk`` and ``dv``: ``2 T Hq n (3 D + 2 Dv)``."""
-    return 2 * q_shape[0] * q_shape[1] * selected_shape[1] * (3 * keys_shape[2] + 2 * value_dim)
+# Forward: the scores and the values. Backward: the scores again, dq and dk; dp and dv.
+register_flop_formula(torch.ops.lightning_cp.sparse_forward_round)(_round_flops(1, 1))
+register_flop_formula(torch.ops.lightning_cp.sparse_backward_round)(_round_flops(3, 2))
 
 
 def _head_blocks(heads: int, kv_heads: int) -> tuple[int, int]:
