@@ -203,16 +203,19 @@ def _row(candidate: Candidate, sparse: bool, flops: StepFlops) -> str:
     """``candidate``'s line: its GiB per rank, the GiB it sends per step for CP and for the wrapper, and one
     rank's PFLOP per step (the model's + the recomputation's, ``flops``)."""
     e = candidate.estimate
-    transient = f"{_gib(e.transient)} {e.largest_transient}"
-    select = f"{_gib(e.selections):>7}" if sparse else ""
-    width = 22 if sparse else 20
     pflop = f"{flops.model / 1e15:.1f}+{flops.recomputed / 1e15:.1f}"
-    return (
-        f"{candidate.layout.name():<62}{_gib(e.parameters):>7}{_gib(e.gradients):>7}{_gib(e.optimizer):>7}"
-        f"{_gib(e.fsdp_gathered):>6}{_gib(e.activations):>7}{select}{transient:>{width}}{_gib(e.reserve):>8}"
-        f"{_gib(e.peak):>7}{_gib(e.host):>7}{_gib(e.host_transfer):>8}{_gib(e.cp_communication):>8}"
-        f"{_gib(e.communication - e.cp_communication):>7} {pflop:>12}"  # a space even past 12 characters
-    )
+    cells = [
+        (_gib(e.parameters), 7),
+        (_gib(e.gradients), 7),
+        (_gib(e.optimizer), 7),
+        (_gib(e.fsdp_gathered), 6),
+    ]
+    cells += [(_gib(e.activations), 7)] + ([(_gib(e.selections), 7)] if sparse else [])
+    cells += [(f"{_gib(e.transient)} {e.largest_transient}", 22 if sparse else 20), (_gib(e.reserve), 8)]
+    cells += [(_gib(e.peak), 7), (_gib(e.host), 7), (_gib(e.host_transfer), 8), (_gib(e.cp_communication), 8)]
+    cells += [(_gib(e.communication - e.cp_communication), 7), (pflop, 13)]
+    # Right-aligned under the header, a space before each even when a figure is as wide as its column.
+    return f"{candidate.layout.name():<62}" + "".join(" " + text.rjust(width - 1) for text, width in cells)
 
 
 def _arguments(shape: ModelShape, candidate: Candidate) -> str:

@@ -281,3 +281,21 @@ def test_the_per_step_columns_of_llama_3_1_8b_on_8_gpus_at_1m_are_the_hand_count
     words = first.split()
     assert words[-4:-1] == [f"{nbytes / 2**30:.1f}" for nbytes in (copied, cp_sent, fsdp_sent)]
     assert words[-1] == f"{model / 1e15:.1f}+{recomputed / 1e15:.1f}"
+
+
+def test_a_figure_as_wide_as_its_column_keeps_a_space_before_it():
+    """GLM-5 on one GPU at 1M tokens kept 16,860.7 GiB on the host: as wide as the column, it ran into the peak
+    (``804.816860.7``). Every figure is its own word, under its header."""
+    import dataclasses
+
+    from lightning_cp.cli.plan import _header, _row
+    from lightning_cp.plan.flops import step_flops
+
+    shape = ModelShape.from_hf_config(json.loads((MODELS / "llama3_8b.json").read_text()))
+    layout = layouts(1, shape)[0]
+    planned = candidate(shape, 1 << 20, layout)
+    wide = dataclasses.replace(planned, estimate=dataclasses.replace(planned.estimate, host=int(16860.7 * 2**30)))
+    row, header = _row(wide, False, step_flops(shape, 1 << 20, layout)), _header(False)
+    words = row.split()
+    assert words[words.index("16860.7") - 1] == f"{planned.estimate.peak / 2**30:.1f}"  # the peak, apart
+    assert len(row) == len(header) + 1  # one character wider: the one figure that filled its column
