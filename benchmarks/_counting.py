@@ -232,25 +232,27 @@ def _count_exchange(exchange: Any, counter: DispatchCounter) -> None:
 @contextlib.contextmanager
 def gpu_paths() -> Iterator[None]:
     """CP attention through FlashAttention's calls, the top-k attention through its Triton kernels' custom ops
-    (one operator a round; the indexer's scores are one already) and the loss's fp32 weight gradient as one bf16
-    GEMM with an fp32 output, as on a GPU."""
-    from lightning_cp.ops import _engine
+    (one operator a round; the indexer's scores are one already) and the products summed into fp32 (the loss's
+    weight gradient, MLA's latent backward) as one bf16 GEMM with an fp32 output, as on a GPU."""
+    from lightning_cp import products
     from lightning_cp.parallel import _sparse_triton, _varlen, sparse_attention
 
-    def add_fp32_product(acc: Tensor, a: Tensor, b: Tensor) -> None:  # torch.mm(a, b, out_dtype=fp32)
+    def add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:  # torch.mm(a, b, out_dtype=fp32)
+        if a.dtype != b.dtype:  # as products.add_product: mixed dtypes in the accumulator's
+            a, b = a.to(acc.dtype), b.to(acc.dtype)
         acc.add_(torch.mm(a, b).to(acc.dtype))
 
-    saved = _varlen.use_flash, _engine._add_fp32_product, sparse_attention._kernels
+    saved = _varlen.use_flash, products.add_product, sparse_attention._kernels
     _varlen.use_flash = lambda q, k, v, softcap: (
         softcap is None and q.dtype in (torch.bfloat16, torch.float16)
     )
-    _engine._add_fp32_product = add_fp32_product
+    products.add_product = add_product
     sparse_attention._kernels = lambda q: (_sparse_triton.forward_round, _sparse_triton.backward_round)
     try:
         with _host_head_indices():
             yield
     finally:
-        _varlen.use_flash, _engine._add_fp32_product, sparse_attention._kernels = saved
+        _varlen.use_flash, products.add_product, sparse_attention._kernels = saved
 
 
 @contextlib.contextmanager

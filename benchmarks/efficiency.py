@@ -18,7 +18,7 @@ tensors and counts:
 
 What runs is the GPU's path where the CPU's differs: CP attention takes its FlashAttention-2 varlen calls
 (``_varlen.use_flash``), whose outputs are made here from their inputs' shapes, and the fused loss's fp32
-weight gradient is one bf16 GEMM with an fp32 output (``_engine._add_fp32_product``, CUDA's
+weight gradient is one bf16 GEMM with an fp32 output (``products.add_product``, CUDA's
 ``torch.mm(..., out_dtype=torch.float32)``). Host-side work (the shard's index arithmetic on the CPU) runs
 for real and is not counted. The model's FLOPs are ``6 N T`` (``N``: one layer's parameters a token uses,
 the routed experts' ``top_k / experts`` share) plus causal attention, ``6 (d_qk + d_v) h P`` with ``P`` the

@@ -20,7 +20,7 @@ softcap slope. The backend writes it over the chunk, and a sink streams it into 
   (the block's logits recomputed, ``d`` from the saved per-token ``lse``) and is rounded once. That
   pass costs 2 more matmuls per chunk; its accumulator and one chunk's ``[chunk, V_block]`` logits take no
   more than the sweep's ``[chunk, V]`` logits (:func:`_vocab_block_rows`), since on CUDA the products are
-  summed into the accumulator in place (:func:`_add_fp32_product`);
+  summed into the accumulator in place (:func:`lightning_cp.products.add_product`);
 * ``grad_bias`` (an LM-head bias, ``[V_local]``): ``grad_bias += d.sum(0)`` in the same sweep, into an fp32
   accumulator rounded to the bias's dtype once (``V_local`` floats, whatever the weight's dtype);
 * logits path: ``grad_logits[chunk] = d``, one buffer in the logits' dtype.
@@ -36,12 +36,12 @@ vocabulary shard, all-reduced over the group in the backward (:func:`sum_over_sh
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from lightning_cp import products
 from lightning_cp.ops._formulas import CoefsOf, GradCoefs
 from lightning_cp.ops._partials import merge
 from lightning_cp.ops._plan import Plan
@@ -49,9 +49,6 @@ from lightning_cp.ops.token_stats import TokenStats
 
 # At most these bytes of the fp32 [V_block, H] weight-gradient accumulator of a low-precision weight.
 _WEIGHT_BLOCK_BYTES = 256 * 2**20
-# Devices whose aten::addmm.dtype_out sums a bf16 / fp16 GEMM into an fp32 `self` given as `out`, in place: CUDA
-# (cuBLAS), and meta, whose kernel lets the CPU tests count what CUDA allocates; the CPU has no such kernel.
-_IN_PLACE_FP32_DEVICES = ("cuda", "meta")
 
 
 LogitsOf = Callable[[int, int], tuple[torch.Tensor, bool]]
@@ -114,7 +111,7 @@ class _TokenChunkGrads:
     """Streams each chunk's ``dL/dz`` into ``grad_hidden [N, H]``, and if asked ``grad_weight [V, H]`` (same
     dtypes as the inputs; only for fp32 weights, see the module docstring) and ``grad_bias [V]`` (fp32). The
     matmuls run in the head's matmul dtype; a narrower one's products are summed into the fp32 weight gradient
-    in fp32 (:func:`_add_fp32_product`) and the hidden gradient's rows cast to its dtype."""
+    in fp32 (:func:`lightning_cp.products.add_product`) and the hidden gradient's rows cast to its dtype."""
 
     def __init__(
         self, head: Head, weight: torch.Tensor, *, need_hidden: bool, need_weight: bool, need_bias: bool
@@ -143,7 +140,7 @@ class _TokenChunkGrads:
             if self.weight.dtype == head.dtype:
                 self.weight.addmm_(d.t(), head.hidden[start:stop])
             else:
-                _add_fp32_product(self.weight, d.t(), head.rows(start, stop))
+                products.add_product(self.weight, d.t(), head.rows(start, stop))
 
 
 def sweep(
@@ -247,7 +244,7 @@ def _weight_grad_by_vocab_blocks(
             )
             d = _coefs_at(plan, coefs, start, stop).logits_grad(chunk)
             del chunk
-            _add_fp32_product(acc, d.t().to(head.dtype), head.rows(start, stop))
+            products.add_product(acc, d.t().to(head.dtype), head.rows(start, stop))
             del d  # before the next chunk's logits: one chunk's block at a time
         grad[v0:v1] = acc
         del acc  # before the next block's: one accumulator at a time
@@ -262,46 +259,6 @@ def _vocab_block_rows(vocab: int, hidden: int, chunk: int, itemsize: int) -> int
     accumulator at most :data:`_WEIGHT_BLOCK_BYTES`."""
     within_sweep = chunk * vocab * itemsize // (4 * hidden + chunk * itemsize)
     return max(1, min(within_sweep, _WEIGHT_BLOCK_BYTES // (4 * hidden)))
-
-
-@functools.cache
-def _mm_has_fp32_output() -> bool:
-    # torch.mm(a, b, out_dtype=torch.float32): fp32 output straight from a bf16 / fp16 GEMM (CUDA only).
-    return "dtype" in torch.ops.aten.mm.overloads()
-
-
-@functools.cache
-def _addmm_sums_into_fp32(device_type: str) -> bool:
-    """Whether ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` sums a bf16 GEMM into an fp32
-    ``acc`` in place on devices of ``device_type``. Torch 2.8 and 2.9 refuse an fp32 ``self`` beside bf16
-    matrices (pytorch#167931 lifts it), and no GPU has run this package yet: so it is tried once, on a 2 x 2
-    product, and its sum checked; meta (the CPU tests' stand-in for CUDA) is taken at its kernel's word."""
-    if device_type not in _IN_PLACE_FP32_DEVICES or "dtype_out" not in torch.ops.aten.addmm.overloads():
-        return False
-    if device_type == "meta":
-        return True
-    acc = torch.ones(2, 2, device=device_type)
-    ones = torch.ones(2, 2, device=device_type, dtype=torch.bfloat16)
-    try:
-        torch.addmm(acc, ones, ones, out_dtype=torch.float32, out=acc)
-    except RuntimeError:
-        return False
-    return bool((acc == 3).all())
-
-
-def _add_fp32_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with fp32 ``acc`` and products, whatever the dtypes of ``a`` and ``b``.
-
-    Bf16 / fp16 ``a`` and ``b`` on CUDA: one GEMM in their dtype that sums into ``acc`` in place (cuBLAS's
-    beta = 1), with no ``[m, n]`` fp32 temporary as large as ``acc`` (torch 2.8 and 2.9: the GEMM's fp32
-    output, then added). Elsewhere (the CPU) in fp32."""
-    low_precision = a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16)
-    if low_precision and _addmm_sums_into_fp32(a.device.type):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    elif low_precision and a.is_cuda and _mm_has_fp32_output():
-        acc.add_(torch.mm(a, b, out_dtype=torch.float32))
-    else:
-        acc.addmm_(a.float(), b.float())
 
 
 def sum_over_shards(grad_hidden: torch.Tensor | None, group: dist.ProcessGroup | None) -> None:

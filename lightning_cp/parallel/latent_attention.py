@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_cp import products
 from lightning_cp.parallel import _varlen
 from lightning_cp.parallel._allgather_attention import (
     _heads,
@@ -197,17 +198,18 @@ class LatentAttention(torch.autograd.Function):
         keys, dims = ctx.keys, ctx.dims
         heads, rank, nope = q.shape[1], dims.rank, dims.nope
         ordered = _ordered(compressed, keys, ctx.exchange)
-        latent = _varlen._acc(ordered[:, :rank])
+        # kv_b_proj's products run in the compute dtype (the inputs', autocast's), summed into fp32
+        # (products.add_product: one bf16 GEMM on CUDA): no fp32 copy of the gathered latent, no fp32 matmul.
+        compute, accumulation = weight.dtype, torch.promote_types(weight.dtype, torch.float32)
+        latent = ordered[:, :rank]
         # The latent's and rotary part's gradients are added at the keys' gathered rows of the buffer the
         # reduce-scatter sums: no sequence-order copy beside it.
         rows_of_full = ordered.shape[0] if keys.order is None else keys.gathered_tokens
-        full = latent.new_zeros((rows_of_full, ordered.shape[1]))
+        full = ordered.new_zeros((rows_of_full, ordered.shape[1]), dtype=accumulation)
         dq = torch.empty_like(q)
         # kv_b_proj's rows, head by head: [H, Dn + Dv, R].
-        rows, d_rows = (
-            weight.view(heads, -1, rank),
-            torch.empty((heads, nope + dims.value_dim, rank), dtype=latent.dtype, device=weight.device),
-        )
+        rows = weight.view(heads, -1, rank)
+        d_rows = weight.new_zeros((heads, nope + dims.value_dim, rank), dtype=accumulation)
         for index, (round_heads, _) in enumerate(head_rounds(heads, heads, dims.per_round)):
             k, v = _expand(ordered, weight, round_heads, dims)
             dq[:, round_heads], dk, dv = round_backward(
@@ -223,12 +225,14 @@ class LatentAttention(torch.autograd.Function):
                 ctx.rngs[index],
             )
             del k, v
-            # [dK_nope, dV] of each head, in the layout of kv_b_proj's output rows.
-            d_expanded = torch.cat([dk[..., :nope], dv], dim=-1).flatten(1)
-            _add_at(full[:, :rank], keys, d_expanded @ _varlen._acc(rows[round_heads].flatten(0, 1)))
+            # [dK_nope, dV] of each head, in the layout of kv_b_proj's output rows, in the matmul dtype.
+            d_expanded = torch.cat([dk[..., :nope].to(compute), dv.to(compute)], dim=-1).flatten(1)
+            d_latent = full.new_zeros((d_expanded.shape[0], rank))
+            products.add_product(d_latent, d_expanded, rows[round_heads].flatten(0, 1))
+            _add_at(full[:, :rank], keys, d_latent)
             _add_at(full[:, rank:], keys, dk[..., nope:].sum(1))
-            d_rows[round_heads] = (d_expanded.T @ latent).view(-1, nope + dims.value_dim, rank)
-            del dk, dv, d_expanded
+            products.add_product(d_rows[round_heads].view(-1, rank), d_expanded.T, latent)
+            del dk, dv, d_expanded, d_latent
         del ordered, latent
         d_compressed = (full if keys.order is None else ctx.exchange.reduce_scatter(full)).to(
             compressed.dtype

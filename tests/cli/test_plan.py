@@ -294,7 +294,9 @@ def test_a_figure_as_wide_as_its_column_keeps_a_space_before_it():
     shape = ModelShape.from_hf_config(json.loads((MODELS / "llama3_8b.json").read_text()))
     layout = layouts(1, shape)[0]
     planned = candidate(shape, 1 << 20, layout)
-    wide = dataclasses.replace(planned, estimate=dataclasses.replace(planned.estimate, host=int(16860.7 * 2**30)))
+    wide = dataclasses.replace(
+        planned, estimate=dataclasses.replace(planned.estimate, host=int(16860.7 * 2**30))
+    )
     row, header = _row(wide, False, step_flops(shape, 1 << 20, layout)), _header(False)
     words = row.split()
     assert words[words.index("16860.7") - 1] == f"{planned.estimate.peak / 2**30:.1f}"  # the peak, apart

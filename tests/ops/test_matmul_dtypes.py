@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from lightning_cp.ops import _engine, linear_cross_entropy, token_logprobs
+from lightning_cp import products
+from lightning_cp.ops import linear_cross_entropy, token_logprobs
 
 _MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_}
 
@@ -49,7 +50,7 @@ def _fp32_product_recorded(recorder: _MatmulFlops):
 @pytest.mark.parametrize("loss", ["cross_entropy", "logprobs"])
 def test_every_matmul_of_the_loss_runs_in_autocast_s_dtype(monkeypatch, loss):
     recorder = _MatmulFlops()
-    monkeypatch.setattr(_engine, "_add_fp32_product", _fp32_product_recorded(recorder))
+    monkeypatch.setattr(products, "add_product", _fp32_product_recorded(recorder))
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(96, 32, generator=g).requires_grad_()
     weight = (0.3 * torch.randn(80, 32, generator=g)).requires_grad_()
