@@ -17,6 +17,11 @@ then runs each section in a process of its own, under its time limit.
                x 128, padded and packed (``mixed``): one rank's forward + backward time against the ideal
                share (``attention.py``; at most 1.25x padded, 1.5x packed), and every rank's max error
                against SDPA's own (fp32 SDPA on the whole sequence as the reference)
+``indexer``    the DSA indexer's top-k selection at GLM-5's indexer (32 heads x 128, top-2048) on 32K tokens,
+               bf16, cp 1, by its Triton kernel and by its torch path (``_indexer_section``): the kernel's
+               time against the scores' FLOPs at a bf16 ``torch.mm``'s rate (at most 3x), the share of
+               query rows selecting the same keys on both paths (at least 0.99), the peak against the
+               plan's ``indexer`` term as a ratio
 ``hybrid``     one CP rank (cp 4, simulated peers) of a Gated DeltaNet, a Mamba2 and a short-convolution layer
                with the CUDA kernels ``transformers`` finds (``fla``, ``causal-conv1d``, ``mamba-ssm``): time
                against the unsharded layer's share, every rank's error against the layer's own in bf16
@@ -41,6 +46,7 @@ from pathlib import Path
 
 import torch
 from _hybrid_section import hybrid
+from _indexer_section import indexer
 from _layer_section import layers
 from _loss_section import loss
 from _report import CASE, STATUS, Column, format_table, ratio_column, shape_column
@@ -281,6 +287,7 @@ SECTIONS: dict[str, SectionSpec] = {
     "attention": SectionSpec(
         attention, needs_cuda("FlashAttention-2 varlen (PyTorch's aten kernels) runs on CUDA only")
     ),
+    "indexer": SectionSpec(indexer, needs_cuda("the Triton kernel runs on CUDA only", ("triton", "triton"))),
     "hybrid": SectionSpec(
         hybrid,
         needs_cuda(

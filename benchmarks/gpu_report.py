@@ -1,5 +1,6 @@
-"""The GPU proof in one Markdown report: the GPU tests, the doctor, the loss, the attention kernels, a hybrid
-layer per CP rank, a decoder layer per planned layout and the main job, each within a time limit of its own.
+"""The GPU proof in one Markdown report: the GPU tests, the doctor, the loss, the attention kernels, the DSA
+indexer's kernel, a hybrid layer per CP rank, a decoder layer per planned layout and the main job, each within a
+time limit of its own.
 
 One command on one lent H100 / H200, about 8.5 minutes in all (``--budget``, seconds, shared by the sections)::
 
@@ -37,10 +38,11 @@ from _sections import SECTIONS, Section, code_block
 
 SHARES = {
     "gpu-tests": 120,
-    "doctor": 80,
+    "doctor": 70,
     "loss": 70,
     "attention": 60,
-    "hybrid": 70,
+    "indexer": 20,
+    "hybrid": 60,
     "layers": 60,
     "main-job": 50,
 }

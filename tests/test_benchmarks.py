@@ -43,6 +43,7 @@ def bench() -> types.SimpleNamespace:
             "_loss_section",
             "_layer_section",
             "_hybrid_section",
+            "_indexer_section",
             "_sections",
             "loss_memory",
             "attention",
@@ -677,6 +678,7 @@ def test_gpu_report_on_the_cpu_runs_the_doctor_and_says_why_every_other_section_
     for name, (status, summary) in table.items():
         assert status == "SKIP" and summary.startswith("no CUDA device: "), (name, summary)
         assert f"## {name}: SKIP" in text
+    assert table["indexer"][1] == "no CUDA device: the Triton kernel runs on CUDA only"
 
 
 def test_a_section_over_its_limit_is_stopped_and_the_report_is_written_all_the_same(run_main, tmp_path):
@@ -701,9 +703,9 @@ def test_time_a_section_leaves_unused_goes_to_the_later_ones(bench):
         shares[every[0]]
     )  # default
     assert bench.gpu_report.BUDGET_S == 510
-    # The doctor alone, then the loss with what the doctor left (it needed 20 s of its 80).
-    assert share_of("doctor", ["loss"], 150) == pytest.approx(80)
-    assert share_of("loss", [], 130) == pytest.approx(130)
+    # The doctor alone, then the loss with what the doctor left (it needed 20 s of its 70).
+    assert share_of("doctor", ["loss"], 140) == pytest.approx(70)
+    assert share_of("loss", [], 120) == pytest.approx(120)
 
 
 def test_a_section_that_ends_without_a_verdict_is_a_fail_with_the_end_of_its_output(bench, tmp_path):
@@ -753,6 +755,54 @@ def test_the_hybrid_section_fails_a_rank_whose_exchange_is_wrong(bench, monkeypa
         "short_conv", torch.device("cpu"), torch.float32, (16,) * 4, 2, repeat=1
     )
     assert row["status"] == "FAIL" and "FAIL" in row["worst"]
+
+
+def test_the_indexer_section_holds_triton_to_3x_its_ideal_and_both_paths_to_the_same_rows(bench):
+    section = bench._indexer_section
+    pairs = sum(t + 1 for t in range(5))  # each query's earlier keys and itself
+    assert section.score_flops(5, 3, 7) == 2 * 3 * (7 + 1) * pairs
+    same = torch.tensor([[3, 1, -1], [0, 2, 4]])
+    assert section.same_rows(same, same.flip(1)) == 1.0  # a set, in any order
+    assert section.same_rows(same, torch.tensor([[1, 3, -1], [0, 2, 5]])) == 0.5
+
+    def judged(triton_ms: float, agreement: float):
+        measured = {"triton": {"time_ms": triton_ms, "peak_extra_bytes": 100 * MIB}}
+        measured["torch"] = {"time_ms": 40.0, "peak_extra_bytes": 400 * MIB}
+        rows = section.indexer_rows(measured, 10**12, 10**15, 200 * MIB, "T 4")  # ideal: 1 ms
+        return rows, section.indexer_verdict(rows, agreement)
+
+    rows, good = judged(2.9, 0.99)
+    assert [(r["case"], r["x_ideal"], r["tflops"], r["target"]) for r in rows] == [
+        ("ideal", 1.0, pytest.approx(1000), None),
+        ("triton", pytest.approx(2.9), pytest.approx(1000 / 2.9), "PASS 2.90 <= 3"),
+        ("torch", pytest.approx(40), pytest.approx(25), None),
+    ]
+    assert [r["x_plan"] for r in rows] == [None, 0.5, 2.0]
+    assert good.status == "PASS" and good.summary.startswith(
+        "triton 2.9 ms (2.90x ideal, target 3x), torch 40.0"
+    )
+    slow = judged(4.0, 1.0)[1]
+    assert slow.status == "FAIL" and slow.summary.endswith("FAIL: time: triton T 4: target FAIL 4.00 <= 3")
+    apart = judged(2.0, 0.98)[1]
+    assert apart.status == "FAIL" and apart.summary.endswith("FAIL: agreement 0.9800 < 0.99")
+
+
+def test_the_indexer_section_runs_both_paths_and_restores_the_kernel(bench, monkeypatch):
+    """On the CPU both cases run the torch path; the section's plumbing (shard, timing, rows, table) at a tiny
+    shape, and the torch case's switch undone."""
+    from lightning_cp.parallel import _indexer_triton
+
+    section = bench._indexer_section
+    monkeypatch.setattr(section, "INDEXER_SHAPE", {"tokens": 96, "heads": 2, "dim": 16, "topk": 8})
+    monkeypatch.setattr(section, "RATE_SIZE", 64)
+    x = torch.zeros(1, dtype=torch.bfloat16)
+    with section.torch_path():
+        assert not _indexer_triton.available(x)
+    assert _indexer_triton.available(x) == (_indexer_triton.triton is not None)
+    result = section.indexer(torch.device("cpu"))
+    assert "rows agreeing 1.0000" in result.summary
+    table = result.body[result.body.index("| case |") :].splitlines()
+    assert [line.split(" | ")[0] for line in table[2:]] == ["| ideal", "| triton", "| torch"]
 
 
 def test_the_sections_read_the_verdicts_of_pytest_the_doctor_and_the_main_job(bench, tmp_path):
