@@ -98,7 +98,9 @@ class MemoryEstimate:
     host: int
     """Host memory per rank (not on the device): the offloaded layer inputs (on CUDA each in 64 MiB pinned
     pages, the last rounded up to a power of two: :func:`~lightning_cp.plan.terms.pinned_bytes`), and under
-    ``cpu_offload`` the rank's shards of the parameters, gradients and AdamW state."""
+    ``cpu_offload`` the rank's shards of the parameters, gradients and AdamW state (on CUDA the parameters' and
+    gradients' pinned one block each, rounded up to a power of two:
+    :meth:`~lightning_cp.plan.ModelShape.pinned_shard_ratio`)."""
     host_transfer: int
     """Bytes copied between host and device per step besides the batch: the offloaded layer inputs out and
     back, and under ``cpu_offload`` the parameter shards in for every unit's forward and backward gather and

@@ -123,6 +123,9 @@ class ModelShape:
     sparse: SparseIndexer | None = None
     """DeepSeek Sparse Attention's sizes, for a model whose attention reads only the keys an indexer selects
     (:class:`~lightning_cp.hf.sparse_kinds.SparseIndexer`)."""
+    parameter_rows: tuple[tuple[int, int], ...] = ()
+    """Each parameter's rows (its first dim, which FSDP2 shards) and elements per row, on the ``meta`` build;
+    empty: not known (:meth:`pinned_shard_ratio` is then 1)."""
     linears: LinearWeights | None = None
     """The decoder's linear weights (what LoRA adapts and QLoRA quantizes); ``None``: not counted (a shape
     built by hand), which the plan refuses to plan LoRA for."""
@@ -174,6 +177,20 @@ class ModelShape:
         embeddings = (1 if self.tied else 2) * self.vocab * self.hidden
         return (self.params - embeddings) // self.layers
 
+    def pinned_shard_ratio(self, ranks: int, itemsize: int) -> float:
+        """Host bytes over exact bytes of every parameter's FSDP2 shard over ``ranks`` (``ceil(rows / ranks)``
+        rows) of ``itemsize`` bytes per element, each pinned in its own block: under ``cpu_offload`` on CUDA the
+        shards of the parameters and of their gradients are pinned one by one (FSDP2's ``CPUOffloadPolicy``),
+        and PyTorch's caching host allocator rounds every pinned block up to a power of two (torch 2.13,
+        ``CachingHostAllocatorImpl::allocate``). Llama-3-8B's is 1.10 (its MLP's fp32 weights of 224 MiB a shard
+        on one rank take 256 MiB)."""
+        exact = rounded = 0
+        for rows, row in self.parameter_rows:
+            nbytes = -(-rows // ranks) * row * itemsize
+            exact += nbytes
+            rounded += 1 << (nbytes - 1).bit_length() if nbytes else 0
+        return rounded / exact if exact else 1.0
+
     @classmethod
     def from_gpt_config(cls, config: GPTConfig) -> ModelShape:
         """The shape of :class:`~lightning_cp.models.GPT` built from ``config``."""
@@ -197,6 +214,7 @@ class ModelShape:
             architecture="gpt",
             layer_classes=default_layer_classes(model),
             linears=linear_weights(model, model.lm_head, experts=0),
+            parameter_rows=parameter_rows(model),
         )
 
     @classmethod
@@ -291,7 +309,13 @@ class ModelShape:
             kv_lora_rank=kv_lora_rank,
             sparse=_sparse_indexer(model, text),
             linears=linear_weights(model, model.get_output_embeddings(), experts),
+            parameter_rows=parameter_rows(model),
         )
+
+
+def parameter_rows(model: Any) -> tuple[tuple[int, int], ...]:
+    """:attr:`ModelShape.parameter_rows` of ``model`` (a ``meta`` build; tied weights once)."""
+    return tuple((p.shape[0], p[0].numel()) if p.dim() else (1, 1) for p in model.parameters())
 
 
 def linear_weights(model: Any, output: Any, experts: int) -> LinearWeights:

@@ -148,7 +148,10 @@ def model_state(step: Step) -> ModelState:
     # The state on the host; a unit's shard copied in before each gather; the shards in for the forward and
     # the backward, the gradients out.
     gathered += math.ceil(step.unit_trained / ranks) * step.master + math.ceil(step.unit_frozen / ranks)
-    host = frozen + shard + (shard + buckets) + 2 * shard
+    # The shards of the weights (the frozen base too) and of their gradients each pinned in a block of its own,
+    # rounded up to a power of two on CUDA; AdamW's state in plain host memory.
+    pinned = shape.pinned_shard_ratio(ranks, step.master) if step.device == "cuda" else 1.0
+    host = math.ceil((frozen + 2 * shard) * pinned) + buckets + 2 * shard
     return ModelState(0, 0, 0, gathered, host, 2 * frozen + 3 * shard)
 
 
@@ -262,15 +265,12 @@ def _round_transient(step: Step, per_round: int) -> int:
 
 def _latent_transient(step: Step) -> int:
     """An MLA layer's backward under CP (:mod:`lightning_cp.parallel.latent_attention`): its local gradients
-    (the latent's in place of the keys' and values'), the gathered latent (compute dtype, and an fp32 copy of
-    its first ``kv_lora_rank`` columns for the weight's gradient when the compute dtype is narrower), its
-    gradient at the gathered rows (fp32), and a round's expanded heads. Every head is one round under Ulysses,
-    which sizes no rounds."""
+    (the latent's in place of the keys' and values'), the gathered latent (compute dtype: the weight's gradient
+    is a GEMM of it summed into fp32, no fp32 copy), its gradient at the gathered rows (fp32), and a round's
+    expanded heads. Every head is one round under Ulysses, which sizes no rounds."""
     shape, layout, compute = step.shape, step.layout, step.compute
     local = step.tokens * (shape.q_dim + shape.out_dim + shape.latent_dim) * compute
     latent = step.padded * shape.latent_dim * (compute + 4)
-    if compute < 4:
-        latent += step.padded * (shape.kv_lora_rank or shape.latent_dim) * 4
     return local + latent + _round_transient(step, layout.gathered_kv_heads(shape.kv_heads))
 
 

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import io
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -303,24 +304,29 @@ def test_the_sample_output_is_the_plan_s() -> None:
 
 
 def test_the_2tb_node_example_is_the_plan_s() -> None:
-    """An 8-GPU node of 2 TB (``--host-memory 250GB``): Llama-3-8B shorter than without the check (at its
-    longest it keeps more than 250 GB per GPU on the host), Qwen3-30B-A3B not (its longest keeps less)."""
-    llama = _plan("llama3_8b.json", "--gpus", "8", "--max-seq", "--host-memory", "250GB")
-    qwen = _longest(_plan("qwen3_30b_a3b.json", "--gpus", "8", "--max-seq", "--host-memory", "250GB"))
-    qwen_out = _plan("qwen3_30b_a3b.json", "--gpus", "8", "--max-seq")
-    llama_out = _plan("llama3_8b.json", "--gpus", "8", "--max-seq")
-    qwen_free, llama_free = _longest(qwen_out), _longest(llama_out)
+    """An 8-GPU node of 2 TB (``--host-memory 250GB``): Llama-3-8B and Qwen3-30B-A3B shorter than without the
+    check (at their longest they keep more than 250 GB per GPU on the host), Qwen3.5-35B-A3B not (its longest
+    keeps less)."""
+    models = ("llama3_8b.json", "qwen3_30b_a3b.json", "qwen3_5_35b_a3b.json")
+    checked = [_plan(m, "--gpus", "8", "--max-seq", "--host-memory", "250GB") for m in models]
+    free = [_plan(m, "--gpus", "8", "--max-seq") for m in models]
     limit = 250 * 10**9 / GiB
-    llama_host, qwen_host = (float(_rows(out)[0]["host"]) for out in (llama_out, qwen_out))
-    assert _longest(llama) < llama_free and llama_host > limit
-    assert qwen == qwen_free and qwen_host <= limit
-    row = _rows(llama)[0]
+    hosts = [float(_rows(out)[0]["host"]) for out in free]
+    for out, free_out, host in zip(checked, free, hosts, strict=True):
+        assert (_longest(out) < _longest(free_out)) == (host > limit), (host, limit)
+    assert hosts[0] > limit and hosts[1] > limit and hosts[2] <= limit
+    (llama, qwen, qwen35), (llama_free, qwen_free, qwen35_free) = (
+        [f"{_longest(out):,}" for out in outs] for outs in (checked, free)
+    )
     stated = (
-        f"`--host-memory 250GB` plans {_longest(llama):,} tokens at {float(row['host']):.0f} GiB",
-        f"Llama-3-8B {_longest(llama):,} tokens and Qwen3-30B-A3B {qwen:,} ({llama_free:,} and {qwen_free:,}",
+        f"`--host-memory 250GB` plans {llama} tokens at {float(_rows(checked[0])[0]['host']):.0f} GiB",
         (
-            f"at its longest Llama-3-8B keeps {llama_host:.1f} GiB per GPU on the host, more than 250 GB, "
-            f"{limit:.1f} GiB; Qwen3-30B-A3B {qwen_host:.1f}, within it"
+            f"Llama-3-8B {llama} tokens, Qwen3-30B-A3B {qwen} and Qwen3.5-35B-A3B {qwen35} ({llama_free}, "
+            f"{qwen_free} and {qwen35_free} without the check"
+        ),
+        (
+            f"at their longest Llama-3-8B keeps {hosts[0]:.1f} GiB per GPU on the host and Qwen3-30B-A3B "
+            f"{hosts[1]:.1f}, more than 250 GB, {limit:.1f} GiB; Qwen3.5-35B-A3B {hosts[2]:.1f}, within it"
         ),
     )
     for phrase in stated:
@@ -385,9 +391,10 @@ def _beside_the_inputs(found: Candidate, shape: ModelShape, tokens: int) -> floa
 
 def test_what_binds_the_lora_targets_is_the_plan_s(monkeypatch) -> None:
     """The LoRA section's figures: the bases' sizes; for each target its layer input, how many layers' inputs
-    the host holds beside the base, and at 1,024 tokens more one fewer, which the GPU cannot hold; the longest
-    without the host check; with host copies of their exact size; and with the whole-block power-of-two
-    rounding the offload's pages replaced, which missed two targets."""
+    the host holds beside the base (not one more), and at 1,024 tokens more what the GPU cannot hold: one
+    input more (the 70B, the 24 GB GPU) or the same one (the 8B); the longest without the host check; with
+    the layer inputs' host copies of their exact size; and with the whole-block power-of-two rounding the
+    offload's pages replaced, which missed two targets."""
     from lightning_cp.plan import terms
 
     llama, llama70 = (read_model(str(MODELS / m)) for m in ("llama3_8b.json", "llama3_70b.json"))
@@ -401,21 +408,23 @@ def test_what_binds_the_lora_targets_is_the_plan_s(monkeypatch) -> None:
     small = _at_longest_and_past(
         "llama3_8b.json", "--gpus 1 --qlora --gpu-memory 24GB --host-memory 64GB", LoRA(16, "nf4"), host64
     )
-    for (_, at, past), shape, gpu_bytes, host_bytes in (
+    for (longest, at, past), shape, gpu_bytes, host_bytes in (
         (eight, llama, GB80, host256),
         (seventy, llama70, GB80, host256),
         (small, llama, 24 * 10**9, host64),
-    ):  # the host holds one layer's input fewer, and the GPU cannot hold it
-        assert at.estimate.host <= host_bytes and at.estimate.peak <= gpu_bytes
-        assert _host_split(past, shape.layers)[0] == _host_split(at, shape.layers)[0] - 1
-        assert past.estimate.peak > gpu_bytes
+    ):  # the host is full (one more layer's input would not fit), and 1,024 tokens more the GPU cannot hold
+        one_more = terms.pinned_bytes(longest * shape.hidden * 2, "cuda")
+        assert at.estimate.host <= host_bytes < at.estimate.host + one_more
+        assert at.estimate.peak <= gpu_bytes < past.estimate.peak
+        assert _host_split(past, shape.layers)[0] <= _host_split(at, shape.layers)[0]
     free = {
         m: _plan(m, "--gpus", "1", a, "--max-seq")
         for m, a in (("llama3_8b.json", "--lora=16"), ("llama3_70b.json", "--qlora"))
     }
 
     longest, at, past = eight
-    assert _host_split(at, 32) == (32, 0)
+    kept, on_gpu = _host_split(at, 32)
+    assert on_gpu == 1 and _host_split(past, 32) == (kept, on_gpu)
     phrases = [
         f"Llama-3.1-8B: {LoRA(16).base_bytes(llama, 2) / GiB:.1f} GiB, not the 119.7",
         f"{LoRA(16).adapters(llama) / 1e6:.1f}M for Llama-3.1-8B",
@@ -425,11 +434,12 @@ def test_what_binds_the_lora_targets_is_the_plan_s(monkeypatch) -> None:
         ),
         f"(Llama-3.3-70B's MLP: {LoRA(16, 'nf4').dequantized_bytes(llama70) / GiB:.1f} GiB)",
         (
-            f"Llama-3.1-8B's layer input at {longest:,} tokens is {longest * 4096 * 2 / GiB:.2f} GiB: all 32 fit "
-            f"on the host beside the base and the adapters' state (together {_beside_the_inputs(at, llama, longest):.1f} GiB), "
-            f"{at.estimate.host / GiB:.1f} of the {host256 / GiB:.1f} GiB that 256 GB is, at a peak of "
-            f"{at.estimate.peak / GiB:.1f} GiB on the GPU; at 1,024 tokens more the host holds 31, and the one "
-            f"kept on the GPU takes it to {past.estimate.peak / GiB:.1f} GiB."
+            f"Llama-3.1-8B's layer input at {longest:,} tokens is {longest * 4096 * 2 / GiB:.2f} GiB: {kept} of 32 "
+            "fit on the host beside the base and the adapters' state (together "
+            f"{_beside_the_inputs(at, llama, longest):.1f} GiB), {at.estimate.host / GiB:.1f} of the "
+            f"{host256 / GiB:.1f} GiB that 256 GB is, and the 32nd would not; the other stays on the GPU, at a "
+            f"peak of {at.estimate.peak / GiB:.1f} GiB; at 1,024 tokens more the host still holds {kept}, and the "
+            f"GPU's peak passes its {GB80 / GiB:.1f} GiB by {(past.estimate.peak - GB80) / 2**20:.0f} MiB."
         ),
         f"it plans {_longest(free['llama3_8b.json']):,} tokens ({_rows(free['llama3_8b.json'])[0]['host']} GiB",
     ]
@@ -525,9 +535,28 @@ def test_the_mla_models_latent_exchange_figures_are_the_plan_s(model: str, seq_l
 
 
 @pytest.mark.parametrize(
-    ("model", "longest"), [("glm4_7_flash.json", "4,312,064"), ("deepseek_v2_lite.json", "5,737,472")]
+    ("model", "longest"), [("glm4_7_flash.json", "4,967,424"), ("deepseek_v2_lite.json", "6,940,672")]
 )
 def test_the_mla_models_longest_sequences_are_the_plan_s(model: str, longest: str) -> None:
     pytest.importorskip("transformers")
     assert f"{_longest(_plan(model, '--gpus', '8', '--max-seq')):,}" == longest
     assert f"**{longest}**" in PLAN_DOC
+
+
+_SHOWN = re.compile(r"```bash\n(lightning-cp plan[^\n]*)\n```\s*\n```\n(.*?)```", re.DOTALL)
+
+
+@pytest.mark.parametrize("shown", _SHOWN.findall(PLAN_DOC), ids=lambda shown: shown[0][18:])
+def test_every_plan_output_shown_after_its_command_is_the_command_s(shown: tuple[str, str]) -> None:
+    """A ``lightning-cp plan`` command in docs/plan.md and the output shown under it (GLM-5's): the command's,
+    line for line; a ``...`` line stands for lines left out between a head and a tail that are the output's."""
+    command, text = shown
+    model, *argv = shlex.split(command)[2:]
+    actual = _plan(Path(model).name, *argv).rstrip("\n").splitlines()
+    lines = text.rstrip("\n").splitlines()
+    head, tail = (
+        (lines[: lines.index("...")], lines[lines.index("...") + 1 :]) if "..." in lines else (lines, [])
+    )
+    assert actual[: len(head)] == head
+    assert not tail or actual[-len(tail) :] == tail
+    assert tail or len(actual) == len(head)
