@@ -14,11 +14,12 @@ from types import FunctionType
 from typing import Any
 
 import torch
+from _fla_stand_in import LAUNCHES, chunk_gated_delta_rule
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import conv_flop_count, flop_registry
 
 import lightning_cp.parallel._sparse_triton  # noqa: F401  (registers the top-k attention's operators)
 
@@ -84,8 +85,10 @@ by its blocks)."""
 OP_REGIONS = {
     torch.ops.lightning_cp.sparse_forward_round: "attention",
     torch.ops.lightning_cp.sparse_backward_round: "attention",
+    **dict.fromkeys(LAUNCHES, "delta_rule"),
 }
-"""Operators counted apart wherever they run: the top-k attention's kernels, one a round (:func:`gpu_paths`)."""
+"""Operators counted apart wherever they run: the top-k attention's kernels, one a round, and ``fla``'s chunked
+delta rule (:func:`gpu_paths`)."""
 
 
 class DispatchCounter(TorchDispatchMode):
@@ -124,8 +127,9 @@ class DispatchCounter(TorchDispatchMode):
             else:
                 self._matmul(func, args, kwargs, out, tensors)
         if not self.paused and func.overloadpacket not in _METADATA:
-            self.counts.ops += 1
-            self.counts.ops_in[OP_REGIONS.get(func.overloadpacket, self.region)] += 1
+            launches = LAUNCHES.get(func.overloadpacket, 1)  # an operator standing for several kernels: each
+            self.counts.ops += launches
+            self.counts.ops_in[OP_REGIONS.get(func.overloadpacket, self.region)] += launches
         return out
 
     def _add(self, dtype: torch.dtype, flops: int, region: str | None = None) -> None:
@@ -150,6 +154,13 @@ class DispatchCounter(TorchDispatchMode):
             # 2-D x 2-D (a weight's gradient): groups split the reduced dim; otherwise the rows.
             reduced = a.shape[1] if a.dim() == 2 and b.dim() == 2 else a.shape[-1]
             flops = 2 * reduced * (out[0].numel() if a.dim() == 2 and b.dim() == 2 else out.numel())
+        elif packet is _ATEN.convolution_backward:
+            # The input's and the weight's gradients, each the forward's products. torch's formula counts the
+            # weight's over every pair of channels, ignoring the groups: a depthwise convolution's (the hybrid
+            # mixers') backward as a dense convolution's, C times its FLOPs.
+            grad_out, x, weight, transposed, mask = args[0], args[1], args[2], args[7], args[10]
+            forward = conv_flop_count(list(x.shape), list(weight.shape), list(grad_out.shape), transposed)
+            flops = forward * (mask[0] + mask[1])
         elif packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
         else:
@@ -232,9 +243,11 @@ def _count_exchange(exchange: Any, counter: DispatchCounter) -> None:
 @contextlib.contextmanager
 def gpu_paths() -> Iterator[None]:
     """CP attention through FlashAttention's calls, the top-k attention through its Triton kernels' custom ops
-    (one operator a round; the indexer's scores are one already) and the products summed into fp32 (the loss's
-    weight gradient, MLA's latent backward) as one bf16 GEMM with an fp32 output, as on a GPU."""
+    (one operator a round; the indexer's scores are one already), the products summed into fp32 (the loss's
+    weight gradient, MLA's latent backward) as one bf16 GEMM with an fp32 output, and a Gated DeltaNet's chunked
+    delta rule through ``fla``'s kernels (:mod:`_fla_stand_in`), as on a GPU."""
     from lightning_cp import products
+    from lightning_cp.hf.mixers import delta_rule
     from lightning_cp.parallel import _sparse_triton, _varlen, sparse_attention
 
     def add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:  # torch.mm(a, b, out_dtype=fp32)
@@ -242,17 +255,31 @@ def gpu_paths() -> Iterator[None]:
             a, b = a.to(acc.dtype), b.to(acc.dtype)
         acc.add_(torch.mm(a, b).to(acc.dtype))
 
-    saved = _varlen.use_flash, products.add_product, sparse_attention._kernels
+    modeling_kernels = delta_rule.kernels
+    saved = _varlen.use_flash, products.add_product, sparse_attention._kernels, delta_rule.kernels
     _varlen.use_flash = lambda q, k, v, softcap: (
         softcap is None and q.dtype in (torch.bfloat16, torch.float16)
     )
     products.add_product = add_product
     sparse_attention._kernels = lambda q: (_sparse_triton.forward_round, _sparse_triton.backward_round)
+    delta_rule.kernels = lambda module: _Overlay(
+        modeling_kernels(module), torch_chunk_gated_delta_rule=chunk_gated_delta_rule
+    )
     try:
         with _host_head_indices():
             yield
     finally:
-        _varlen.use_flash, products.add_product, sparse_attention._kernels = saved
+        _varlen.use_flash, products.add_product, sparse_attention._kernels, delta_rule.kernels = saved
+
+
+class _Overlay:
+    """A modeling module's kernels with some replaced by name (what ``transformers`` would resolve on a GPU)."""
+
+    def __init__(self, module: Any, **replaced: Callable) -> None:
+        self._module, self._replaced = module, replaced
+
+    def __getattr__(self, name: str) -> Any:
+        return self._replaced[name] if name in self._replaced else getattr(self._module, name)
 
 
 @contextlib.contextmanager
@@ -407,25 +434,4 @@ def count_loss(
             loss = linear_cross_entropy(hidden, weight, labels, chunk_size=chunk_size)
             counter.backward = True
             loss.backward()
-    return counts
-
-
-def fitted(low: tuple[int, Counts], high: tuple[int, Counts], tokens: int) -> Counts:
-    """The counts at ``tokens`` of a layer counted at two reduced token counts ``(t, counts)`` of the same
-    structure: each FLOP and byte count ``f`` fitted as ``f(t) = a t + b t^2`` (exact for what is linear in the
-    tokens, projections, experts, a chunked recurrence's chunks, top-k attention at its fixed width, every
-    exchange's bytes, and for a term quadratic in them, an indexer's causal scores), the operators as
-    ``a + b t`` (exact where the loops' iterations are proportional to the tokens: top-k attention's query
-    blocks, a chunked recurrence's chunks)."""
-    (t1, c1), (t2, c2) = low, high
-
-    def fit(f1: float, f2: float) -> int:
-        b = (f2 / t2 - f1 / t1) / (t2 - t1)
-        return round((f1 / t1 - b * t1) * tokens + b * tokens**2)
-
-    counts = Counts(ops=round(c1.ops + (c2.ops - c1.ops) * (tokens - t1) / (t2 - t1)))
-    counts.flops = Counter({k: fit(c1.flops[k], c2.flops[k]) for k in c1.flops | c2.flops})
-    counts.attention_flops = fit(c1.attention_flops, c2.attention_flops)
-    counts.forward_flops = fit(c1.forward_flops, c2.forward_flops)
-    counts.sent = Counter({k: fit(c1.sent[k], c2.sent[k]) for k in c1.sent | c2.sent})
     return counts

@@ -17,12 +17,17 @@ tensors and counts:
   gathered or reduced tensor, as the plan counts them).
 
 What runs is the GPU's path where the CPU's differs: CP attention takes its FlashAttention-2 varlen calls
-(``_varlen.use_flash``), whose outputs are made here from their inputs' shapes, and the fused loss's fp32
+(``_varlen.use_flash``), whose outputs are made here from their inputs' shapes; the fused loss's fp32
 weight gradient is one bf16 GEMM with an fp32 output (``products.add_product``, CUDA's
-``torch.mm(..., out_dtype=torch.float32)``). Host-side work (the shard's index arithmetic on the CPU) runs
+``torch.mm(..., out_dtype=torch.float32)``); the top-k attention runs its Triton kernels' custom ops; a Gated
+DeltaNet's chunked delta rule runs flash-linear-attention's kernels, which ``transformers`` resolves where
+``fla`` is installed (``_fla_stand_in``: their launches and FLOPs, where the torch path loops over every chunk of
+64 tokens). A depthwise convolution's backward is counted as twice its forward (``torch.utils.flop_counter``
+ignores its groups). Host-side work (the shard's index arithmetic on the CPU) runs
 for real and is not counted. The model's FLOPs are ``6 N T`` (``N``: one layer's parameters a token uses,
 the routed experts' ``top_k / experts`` share) plus causal attention, ``6 (d_qk + d_v) h P`` with ``P`` the
-query-key pairs the rank's queries see (``T (T + 1) / 2 / cp`` per sequence); recomputation (checkpointing:
+query-key pairs the rank's queries see (``T (T + 1) / 2 / cp`` per sequence), not a hybrid mixer's recurrence
+(``lightning_cp.plan.flops``); recomputation (checkpointing:
 the layer's forward again; ``+tiled``: the tiled modules' forward once more) is stated apart. FSDP's and DDP's
 own collectives and the host copies are the plan's terms recomputed from the parameter and activation
 sizes (``lightning_cp.plan.terms``), beside the plan's columns.
@@ -52,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _counting import Counts, count_layer, count_loss, fitted
+from _counting import Counts, count_layer, count_loss
 from _dsa_fit import CHECK_TOKENS, FIT_TOKENS, DsaFit, dsa_fit
 from torch import nn
 
@@ -70,10 +75,6 @@ SEQ_LEN = 1 << 20
 GPUS = (1, 8)
 TOKENS_PER_RANK = (8192, 131072)
 """The two local token counts the operator count compares."""
-REDUCED_TOKENS = (1024, 2048)
-"""Local token counts a hybrid's mixer layer is counted at, its counts then fitted to the rank's
-(:func:`_counting.fitted`): its chunked recurrence loops over chunks of the sequence, too many operators to
-dispatch at 1M tokens in this benchmark's time."""
 LOSS_TOKENS = 8192
 """Tokens the fused loss is counted on (its FLOPs scaled to the rank's tokens)."""
 STYLES = ("fsdp", "ddp")
@@ -194,8 +195,7 @@ class Row:
     state_copies: int = 0
     plan_host_transfer: int = 0
     mark: str = ""
-    """``"²"``: some layer kind counted at :data:`REDUCED_TOKENS` and fitted to the real ones; ``"³"``: a DSA
-    layer fitted along its blocks (``_dsa_fit``)."""
+    """``"³"``: a DSA layer fitted along its blocks (``_dsa_fit``)."""
     notes: list[str] = field(default_factory=list)
     error: str = ""
 
@@ -225,7 +225,6 @@ def count_model(
         scores = 2 * sparse.heads * (sparse.head_dim + 1) * causal_pairs(seq_len, seq_len, layout.cp)
         row.model_flops += sparse.indexer_layers * scores
         row.recompute += sparse.indexer_layers * scores * layout.checkpointing
-    reduced: dict[int, list[tuple[int, Counts]]] = {}
     dsa: dict[str, DsaFit] = {}  # a DSA layer kind's fit, by its config
 
     def layer(kind: Kind, t: int) -> Counts:
@@ -235,15 +234,7 @@ def count_model(
             if key not in dsa:
                 dsa[key] = dsa_fit(kind.config, kind.index, shape, layout, **options)
             return dsa[key].at(t)
-        if kind.attention:
-            return count_layer(kind.config, kind.index, cp=layout.cp, tokens=t, **options)
-        row.mark = "²"
-        if id(kind) not in reduced:
-            reduced[id(kind)] = [
-                (r, count_layer(kind.config, kind.index, cp=layout.cp, tokens=r, **options))
-                for r in REDUCED_TOKENS
-            ]
-        return fitted(*reduced[id(kind)], t)
+        return count_layer(kind.config, kind.index, cp=layout.cp, tokens=t, **options)
 
     for kind in kinds(config):
         counts = layer(kind, tokens)
@@ -264,10 +255,9 @@ def count_model(
             row.tiles[t] = math.ceil(t / auto_tile_tokens(t, shape.hidden)) if layout.tiled else 0
     small = min(op_tokens)
     first = kinds(config)[0]
-    small_layer = small if first.attention else min(REDUCED_TOKENS)  # a share: the mixer's at its own
     for style in STYLES:
         try:
-            counts = count_layer(first.config, 0, cp=layout.cp, tokens=small_layer, style=style)
+            counts = count_layer(first.config, 0, cp=layout.cp, tokens=small, style=style)
         except RuntimeError as error:  # e.g. _grouped_mm refuses fp32 experts under DDP's autocast
             row.fp32_share[style] = f"refused: {str(error).splitlines()[0][:80]}"
             continue

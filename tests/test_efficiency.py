@@ -174,3 +174,74 @@ def test_a_dsa_layer_s_operators_fit_its_indexer_and_attention_query_blocks(effi
     assert 0 < indexer[1] - indexer[0] <= 15 * (high.indexer_blocks - low.indexer_blocks)
     assert low_counts.ops_in["attention"] == high_counts.ops_in["attention"] == 2
     assert low_counts.ops_in["layer"] == high_counts.ops_in["layer"]
+
+
+TINY_GDN = {  # one Gated DeltaNet layer: 4 value heads of 16 reading 2 key heads of 8
+    "model_type": "qwen3_5_text",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 1,
+    "layer_types": ["linear_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+}
+
+
+def test_a_gated_deltanet_layer_runs_fla_s_kernels_whatever_its_tokens(efficiency):
+    # On the GPU path the chunked delta rule is fla's kernels: 8 launches forward, 11 backward, whatever the
+    # tokens (the torch path loops over every chunk of 64), in bf16, with their FLOPs on every rank's 2 value
+    # heads of the whole sequence, its chunks padded to 64 (cp 2 x 40 tokens: 128).
+    counts = [efficiency.count_layer(TINY_GDN, 0, cp=2, tokens=t) for t in (40, 640)]
+    assert counts[0].ops == counts[1].ops
+    assert [c.ops_in["delta_rule"] for c in counts] == [19, 19]
+    # Per token and value head (K = 8, V = 16, C = 64): forward 2 K 10 x 16^2 / 64 + 2 x 16 x 16^3 / 64
+    # + 4 C (K + V) + 6 K V; backward 16 K V + 18 C K + 10 C V + 4 C^2.
+    forward = 2 * 8 * 40 + 2048 + 4 * 64 * 24 + 6 * 128
+    backward = 16 * 128 + 18 * 64 * 8 + 10 * 64 * 16 + 4 * 64**2
+    assert [c.flops_in["delta_rule"] for c in counts] == [2 * n * (forward + backward) for n in (128, 1280)]
+    assert all(c.fp32_in["delta_rule"] == c.flops["torch.float32"] == 0 for c in counts)
+
+
+def test_qwen3_5_s_delta_rule_flops_are_fla_s_kernels_at_its_width():
+    # Qwen3.5's heads (K = V = 128), per token and value head, as read from fla's kernels' tl.dot calls: the
+    # forward's intra-chunk products 10,240 + 2,048, w and u 32,768, the states 65,536, the output 65,536; the
+    # backward's recomputation 98,304, dv 32,768, the states' gradient 98,304, dq dk dw 147,456, WY 131,072.
+    import torch
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(BENCHMARKS))
+        fla = importlib.import_module("_fla_stand_in")
+    q, v = torch.Size([1, 64, 16, 128]), torch.Size([1, 64, 32, 128])
+    assert fla.forward_flops(q, v) == 64 * 32 * 176_128
+    assert fla.backward_flops(q, v) == 64 * 32 * 507_904
+    assert (
+        fla.forward_flops(torch.Size([2, 65, 16, 128]), torch.Size([2, 65, 32, 128]))
+        == 2 * 128 * 32 * 176_128
+    )
+
+
+def test_a_depthwise_convolution_s_backward_counts_twice_its_forward(efficiency):
+    # torch's formula counts the weight's gradient over every pair of channels (groups ignored): a hybrid
+    # mixer's depthwise convolution's backward counted as a dense one's, C times too many FLOPs.
+    import torch
+    from _counting import Counts, DispatchCounter
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    counts = Counts()
+    with FakeTensorMode():
+        x = torch.empty(2, 48, 100, requires_grad=True)
+        weight = torch.empty(48, 1, 4, requires_grad=True)
+        counter = DispatchCounter(counts)
+        with counter:
+            out = torch.nn.functional.conv1d(x, weight, padding=3, groups=48)
+            forward = counts.total_flops
+            out.backward(torch.empty_like(out))
+    assert forward == 2 * 2 * 103 * 48 * 4
+    assert counts.total_flops == 3 * forward
