@@ -4,7 +4,8 @@ A training step in bf16 keeps some sums in fp32 (a weight's gradient over many t
 gathered rows). :func:`add_product` adds ``a @ b`` into such an accumulator with the products of ``a`` and ``b``'s
 own dtype on CUDA (one tensor-core GEMM whose fp32 sum goes straight into the accumulator), not an fp32 matmul of
 upcast copies, which runs at a fraction of the speed and holds the copies. Shared by the fused loss's weight
-gradient (:mod:`lightning_cp.ops`) and MLA's latent backward (:mod:`lightning_cp.parallel.latent_attention`).
+gradient (:mod:`lightning_cp.ops`), MLA's latent backward (:mod:`lightning_cp.parallel.latent_attention`) and a
+tiled projection's weight gradient (:mod:`lightning_cp.memory.tiling`).
 """
 
 from __future__ import annotations

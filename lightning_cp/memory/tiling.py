@@ -12,8 +12,8 @@ twice).
 
 A tiled norm's output is not saved either by the modules that read it when they are tiled or are
 projections (:func:`tile_projections`): they save the norm's input, which the norm saves anyway, and
-recompute the norm's output tile by tile in their backward (Megatron-core's ``recompute_modules=
-["layernorm"]`` spares the same tensor another way).
+recompute the norm's output tile by tile in their backward (a projection nothing else: its gradients need its
+input, not its output) (Megatron-core's ``recompute_modules=["layernorm"]`` spares the same tensor another way).
 
 :func:`tile_model` makes a model's MLPs, experts, norms and projections run so (the plan's ``+tiled``).
 
@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_cp.adaptation import applied, replace_forward
+from lightning_cp.products import add_product
 
 
 def auto_tile_tokens(tokens: int, model_dim: int) -> int:
@@ -182,8 +183,9 @@ def tile_projections(model: nn.Module, tile_tokens: int | None = None) -> list[s
 
     Such a projection (the attention's ``q_proj``, ``k_proj``, ``v_proj``, GPT's fused ``qkv``, a hybrid
     mixer's input projection) computes its output as before, in one piece; its backward recomputes the
-    norm's output tile by tile (``tile_tokens`` as :func:`tiled_mlp`) and back-propagates each tile through
-    the projection, summing the weight's gradient over the tiles in fp32. The norm saves its input anyway,
+    norm's output tile by tile (``tile_tokens`` as :func:`tiled_mlp`) and computes each tile's input gradient
+    and weight gradient from it (two products a tile, the projection's own output not recomputed), summing the
+    weight's gradient over the tiles in fp32. The norm saves its input anyway,
     so the layer keeps one ``[T_local, d]`` tensor fewer. A projection reading anything else (or a norm's
     output changed in place since) runs as before. Call it once, before training.
     """
@@ -388,6 +390,8 @@ class _Tiled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        if _is_linear_call(ctx.forward, ctx.module) and len(ctx.norms) == 1:
+            return (None, None, None, None, None, *_linear_gradients(ctx, dout))
         inputs, params = ctx.saved_tensors, ctx.params
         device, dtype, enabled = ctx.autocast
         skipped = 5  # forward, module, forward_tile, tile_tokens, count
@@ -422,6 +426,40 @@ class _Tiled(torch.autograd.Function):
                     dparams[i] = _add_tile_gradient(dparams[i], grad)
         dparams = [None if g is None else g.to(p.dtype) for g, p in zip(dparams, params, strict=True)]
         return (None, None, None, None, None, *dinputs, *dparams)
+
+
+def _is_linear_call(forward: Any, module: nn.Module) -> bool:
+    """Whether ``forward`` is ``nn.Linear.forward`` of ``module``: ``F.linear`` of its weight and bias."""
+    return (
+        getattr(forward, "__func__", None) is nn.Linear.forward
+        and getattr(forward, "__self__", None) is module
+    )
+
+
+def _linear_gradients(ctx: Any, dout: Tensor) -> list[Tensor | None]:
+    """The gradients of an ``nn.Linear``'s input and parameters, tile by tile, without its output: ``dx = dout
+    W``, ``dW = sum dout^T x``, ``db = sum dout``, in the dtype ``F.linear`` ran in (``dout``'s: autocast's under
+    autocast). The input's tile is a tiled norm's output recomputed, or a tile of the saved input; the
+    parameters' sums are fp32 (one GEMM into fp32 a tile on CUDA: :func:`~lightning_cp.products.add_product`).
+    A projection has nothing of its output to recompute: only its input, which the norm rebuilds."""
+    (x,), (norm,), (read,) = ctx.saved_tensors, ctx.norms, ctx.dtypes
+    linear, compute = ctx.module, dout.dtype
+    weight = linear.weight.detach().to(compute)
+    dx = torch.empty_like(x, dtype=read) if ctx.needs_input_grad[5] else None
+    sums = {id(p): torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in ctx.params}
+    weight_sum, bias_sum = sums.get(id(linear.weight)), sums.get(id(linear.bias))
+    for start in range(0, x.shape[-2], ctx.tile_tokens):
+        rows = slice(start, start + ctx.tile_tokens)
+        grad = dout[..., rows, :]
+        if dx is not None:
+            dx[..., rows, :] = grad @ weight
+        grad = grad.reshape(-1, grad.shape[-1])
+        if weight_sum is not None:
+            tile = (x[..., rows, :] if norm is None else norm.rows(x, rows)).to(compute)
+            add_product(weight_sum, grad.t(), tile.reshape(-1, tile.shape[-1]))
+        if bias_sum is not None:
+            bias_sum += grad.sum(0, dtype=bias_sum.dtype)
+    return [dx, *(sums[id(p)].to(p.dtype) for p in ctx.params)]
 
 
 def _add_tile_gradient(total: Tensor | None, grad: Tensor | None) -> Tensor | None:

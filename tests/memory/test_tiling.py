@@ -595,3 +595,52 @@ def test_the_tiled_backward_touches_each_weight_once_per_tile(style):
             total += grad.float()
     for got, total, p in zip(grads, want, mlp.parameters(), strict=True):
         torch.testing.assert_close(got, total.to(p.dtype), rtol=0, atol=0)
+
+
+class _Matmuls(TorchDispatchMode):
+    """Counts the matrix products dispatched (``mm``, ``addmm``, ``bmm`` and their in-place forms)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__.rstrip("_") in ("mm", "addmm", "bmm", "baddbmm")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("style", ["fp64", "ddp-autocast"])
+def test_a_tiled_projection_s_backward_recomputes_the_norm_not_the_projection(style):
+    """A projection reading a tiled norm's output has nothing of its own output to recompute: per tile, the
+    norm's output rows, then its input's gradient ``dout W`` and its weight's ``dout^T x``, two products (a third,
+    its forward again, was wasted: half the backward's FLOPs again). The input's gradient is plain autograd's;
+    under DDP's autocast the weight's and the bias's are the bf16 products summed in fp32 (against an fp32 sum of
+    the same bf16 values: the untiled module's bf16 GEMM rounds its sum to bf16)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.RMSNorm(16), nn.Linear(16, 24))
+    model = model.double() if style == "fp64" else model
+    with torch.no_grad():
+        model[0].weight.normal_()
+    reference = copy.deepcopy(model)
+    tile_norms(model, tile_tokens=4)
+    tile_projections(model, tile_tokens=4)
+    x = torch.randn(2, 12, 16, dtype=model[1].weight.dtype)  # 3 tiles of 4 tokens
+
+    def run(m, t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=style != "fp64"):
+            return m(t)
+
+    want = _grads(reference, x, run)
+    with _Matmuls() as counted:
+        got = _grads(model, x, run)
+    assert counted.count == 1 + 3 * 2  # the forward's, then two a tile
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    if style == "fp64":
+        for a, b in zip(got[2], want[2], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        return
+    x_bf16 = model[0](x).bfloat16().flatten(0, 1).float()
+    dout = torch.arange(2 * 12 * 24, dtype=torch.bfloat16).sin().view(-1, 24).float()  # as _grads makes it
+    torch.testing.assert_close(got[2][1], dout.t() @ x_bf16, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[2][2], dout.sum(0), rtol=1e-6, atol=1e-6)
+    assert got[2][1].dtype == got[2][2].dtype == torch.float32
