@@ -52,10 +52,12 @@ def test_a_layer_dispatches_as_many_operators_at_4x_the_tokens(efficiency, check
     assert ops[0] > 50  # the layer ran: projections, attention, MLP, forward and backward
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["whole", "tiled"])
 @pytest.mark.parametrize("style", ["fsdp", "ddp"])
-def test_no_matmul_runs_in_fp32_under_bf16_mixed(efficiency, style):
-    # FSDP2: bf16 parameters; DDP: fp32 parameters under autocast (the loss's backward runs outside it).
-    layer = efficiency.count_layer(TINY, 0, cp=2, tokens=256, style=style)
+def test_no_matmul_runs_in_fp32_under_bf16_mixed(efficiency, style, tiled):
+    # FSDP2: bf16 parameters; DDP: fp32 parameters under autocast (the loss's backward runs outside it). Tiled:
+    # the tiles' weight gradients are summed in fp32 by bf16 GEMMs (products.add_product), not fp32 matmuls.
+    layer = efficiency.count_layer(TINY, 0, cp=2, tokens=256, style=style, tiled=tiled)
     loss = efficiency.count_loss(TINY, 256, style, chunk_size=64)
     for counts in (layer, loss):
         assert counts.flops["torch.float32"] == 0, dict(counts.flops)

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_cp import products
 from lightning_cp.adaptation import applied, replace_forward
-from lightning_cp.products import add_product
 
 
 def auto_tile_tokens(tokens: int, model_dim: int) -> int:
@@ -456,7 +456,7 @@ def _linear_gradients(ctx: Any, dout: Tensor) -> list[Tensor | None]:
         grad = grad.reshape(-1, grad.shape[-1])
         if weight_sum is not None:
             tile = (x[..., rows, :] if norm is None else norm.rows(x, rows)).to(compute)
-            add_product(weight_sum, grad.t(), tile.reshape(-1, tile.shape[-1]))
+            products.add_product(weight_sum, grad.t(), tile.reshape(-1, tile.shape[-1]))
         if bias_sum is not None:
             bias_sum += grad.sum(0, dtype=bias_sum.dtype)
     return [dx, *(sums[id(p)].to(p.dtype) for p in ctx.params)]
