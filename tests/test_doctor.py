@@ -95,7 +95,11 @@ def test_doctor_runs_and_passes_on_this_machine():
     ]
     assert len(autocast_loss) == 2 and all("float32 on bfloat16 values" in line for line in autocast_loss)
     assert sum(line.endswith("[mlp calls per layer: 3 fwd, 3 bwd]") for line in lines) == 1
-    assert sum(line.endswith("[matmul FLOPs: bfloat16 100%]") for line in lines) == 1  # the autocast tiling
+    # The autocast tiling: the tiled projections' weight gradients are fp32 sums of bf16 products (one bf16 GEMM
+    # into fp32 on CUDA; fp32 matmuls of bf16 values here), every other matmul bf16.
+    tiling = [line for line in lines if line.startswith("tiling") and "autocast" in line]
+    assert len(tiling) == 1
+    assert re.search(r"\[matmul FLOPs: bfloat16 \d+%, float32 on bfloat16 values \d+%\]$", tiling[0])
     assert sum(line.endswith("[fwd: all_gather, all_gather]") for line in lines) == 2  # the indexer's, K/V's
     assert re.search(r"(\d+) passed, 0 failed, (\d+) skipped$", out.strip())
 
