@@ -23,8 +23,11 @@ returns ``(kv_nope, k_rot)`` as they are, ``kv_nope`` tagged with the layer (:da
 - without ``cp_shard`` (a callback, ``generate``, no strategy): expands the latent with the family's own
   ``expand_kv`` (:func:`expand`) and runs as before.
 
-A ``kv_b_proj`` wrapped by an adapter (LoRA, QLoRA's 4-bit linear, FSDP applied to it alone) keeps the family's
-own ``expand_kv``: its keys and values are expanded before the attention and exchanged as today's.
+``kv_b_proj`` is read as one weight ``[H (Dn + Dv), R]`` (:func:`kv_b_weight`): a plain bias-free ``nn.Linear``'s,
+or for a ``peft`` LoRA adapter on one (LoRA's default ``"all-linear"`` targets it) the merged ``W + scaling B A``,
+differentiable in ``A`` and ``B`` (``W x + scaling B A x`` is ``(W + scaling B A) x``), so an adapted layer still
+exchanges its latent. Any other ``kv_b_proj`` (QLoRA's 4-bit weight, an adapter with dropout, DoRA, a bias) keeps
+the family's own ``expand_kv``: its keys and values are expanded before the attention and exchanged as such.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from torch import Tensor, nn
 
 from lightning_cp.adaptation import replace_forward
 from lightning_cp.constants import ATTN_IMPLEMENTATION
+from lightning_cp.hf.qlora import is_quantized
 from lightning_cp.parallel.attention import compute_dtype
 from lightning_cp.parallel.latent_attention import latent_attention
 from lightning_cp.parallel.shard import CPShard
@@ -93,7 +97,7 @@ def attend(
         query,
         latent,
         k_rot,
-        layer.kv_b_proj.weight,
+        kv_b_weight(layer.kv_b_proj),
         cp_shard=cp_shard,
         value_dim=layer.v_head_dim,
         scale=scaling,
@@ -120,7 +124,7 @@ def attend_selected(
     Communication: that of :func:`~lightning_cp.parallel.sparse_attention.sparse_attention` with one key head
     of ``R + Dr`` and no values (all-gathered forward and backward, its gradient reduce-scattered)."""
     rank, nope = latent.shape[-1], query.shape[-1] - k_rot.shape[-1]
-    rows = layer.kv_b_proj.weight.view(query.shape[1], -1, rank)  # [H, Dn + Dv, R]
+    rows = kv_b_weight(layer.kv_b_proj).view(query.shape[1], -1, rank)  # [H, Dn + Dv, R]
     folded = torch.einsum("bhsn,hnr->bhsr", query[..., :nope], rows[:, :nope].to(query.dtype))
     q = torch.cat([folded, query[..., nope:]], dim=-1)
     k = torch.cat([latent, k_rot], dim=-1)
@@ -135,12 +139,35 @@ def attend_selected(
     return torch.einsum("bhsr,hvr->bhsv", out, rows[:, nope:].to(out.dtype))
 
 
+def kv_b_weight(projection: nn.Module) -> Tensor | None:
+    """``kv_b_proj``'s weight ``[H (Dn + Dv), R]`` as one tensor: a plain bias-free ``nn.Linear``'s own; for a
+    ``peft`` LoRA layer on one, ``W + sum_a scaling_a B_a A_a`` over its active adapters (``W`` alone when merged
+    or disabled), in the adapters' dtype where wider, its gradient reaching ``A`` and ``B``; ``None`` when
+    ``projection`` is anything else, or an adapter whose output is not that product (dropout while training,
+    DoRA, a bias on ``B``), or its base weight is not a plain tensor (QLoRA's NF4). Local, no communication."""
+    base = projection.get_base_layer() if hasattr(projection, "lora_A") else projection
+    if type(base) is not nn.Linear or base.bias is not None or is_quantized(base.weight):
+        return None
+    if base is projection or projection.merged or projection.disable_adapters:
+        return base.weight
+    weight = base.weight
+    for name in projection.active_adapters:
+        if name not in projection.lora_A:
+            continue
+        dropout, up = projection.lora_dropout[name], projection.lora_B[name]
+        drops = isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0
+        if projection.use_dora.get(name) or up.bias is not None or drops:
+            return None
+        delta = projection.scaling[name] * (up.weight @ projection.lora_A[name].weight)  # [out, R]
+        weight = weight.to(torch.promote_types(weight.dtype, delta.dtype)) + delta
+    return weight
+
+
 def _expand_kv(self: nn.Module, kv_nope: Tensor, k_rot: Tensor) -> tuple[Tensor, Tensor]:
     """The adapted ``expand_kv``: ``(kv_nope, k_rot)`` unexpanded, ``kv_nope`` tagged with the layer, when the
-    layer's attention is ``"lightning_cp"`` and ``kv_b_proj`` a plain bias-free linear; else the family's own."""
-    projection = self.kv_b_proj
+    layer's attention is ``"lightning_cp"`` and :func:`kv_b_weight` reads ``kv_b_proj``; else the family's own."""
     ours = getattr(getattr(self, "config", None), "_attn_implementation", None) == ATTN_IMPLEMENTATION
-    if not ours or type(projection) is not nn.Linear or projection.bias is not None:
+    if not ours or kv_b_weight(self.kv_b_proj) is None:
         return expand(self, kv_nope, k_rot)
     setattr(kv_nope, LATENT_OF, self)
     return kv_nope, k_rot

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_cp.hf.latent import LATENT_OF, adapt_latent_attention
 from lightning_cp.models import HFCausalLM
@@ -126,3 +127,89 @@ def test_without_cp_shard_the_adapted_model_is_the_model(name):
     model.config._attn_implementation = "sdpa"  # another implementation gets the family's own keys and values
     key, value = layer.expand_kv(latent, k_rot)
     assert key.shape == (1, HEADS, 5, NOPE + ROPE) and value.shape == (1, HEADS, 5, VALUE)
+
+
+ATTENTION_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+
+def _lora_step(config: dict, cp: int, packed: bool) -> dict:
+    """Every rank: one step of ``config`` with LoRA on every linear layer of its attention, ``B``
+    drawn non-zero so that the adapters change the keys and values; the adapters' gradients averaged over DP x
+    CP, the step's all-gather widths, and on rank 0 ``transformers`` + ``peft``'s loss and gradients."""
+    import peft
+
+    from lightning_cp.hf import check_models
+    from lightning_cp.hf.lora import LoRA
+    from lightning_cp.parallel import shard_batch
+    from lightning_cp.parallel.layout import set_current_layout
+
+    layout = groups.initialize(tp=1, cp=cp)
+    set_current_layout(layout)
+    try:
+        torch.manual_seed(0)
+        module = HFCausalLM(config, lora=LoRA(rank=4, alpha=8.0, target_modules=list(ATTENTION_LINEARS)))
+        module.configure_model()
+        check_models(module, layout, torch.device("cpu"))  # the strategies' setup: checks, then adapts
+        model = module.model
+        targets = sorted({n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A." in n})
+        assert any(t.endswith("kv_b_proj") for t in targets)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".lora_B." in name:
+                    p.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+        state = {n: t.clone() for n, t in model.state_dict().items()}
+        module.train()
+        batch = shard_batch(
+            _exactness.local_batch(packed, layout), cp, layout.cp_rank, cp_group=layout.cp_group
+        )
+        with recorded_collectives() as calls:
+            loss = module.training_step(batch, 0)
+            loss.backward()
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        flat = torch.cat([_exactness.grad(p).flatten() for _, p in trainable] + [loss.detach().reshape(1)])
+        dist.all_reduce(flat, group=layout.loss_group)
+        flat /= layout.dp * layout.cp
+        grads = dict(
+            zip([n for n, _ in trainable], flat[:-1].split([p.numel() for _, p in trainable]), strict=True)
+        )
+        result = {"loss": flat[-1], "grads": grads}
+        result["gathered"] = [_width(c.shape) for c in calls if c.kind == "all_gather" and len(c.shape) > 1]
+        if dist.get_rank() == 0:
+            reference = transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.for_model(**config)
+            )
+            reference = peft.inject_adapter_in_model(
+                peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets), reference
+            )
+            reference.load_state_dict(state)
+            reference.train()
+            docs = _exactness.documents(packed)
+            total = sum(d.shape[1] - 1 for d in docs)
+            want = sum(
+                reference(input_ids=d, labels=d, use_cache=False).loss * (d.shape[1] - 1)
+                for d in docs
+                if d.shape[1] > 1  # a document of one token has no target
+            )
+            (want / total).backward()
+            result["expected"] = {
+                "loss": (want / total).detach(),
+                "grads": {n: p.grad.flatten() for n, p in reference.named_parameters() if n in grads},
+            }
+        return result
+    finally:
+        set_current_layout(None)
+        groups.destroy()
+
+
+def test_a_lora_adapter_on_kv_b_proj_keeps_the_latent_exchanged(world4):
+    """LoRA's default targets include ``kv_b_proj``: its merged weight ``W + scaling B A`` expands the latent
+    (hf/latent.py's ``kv_b_weight``), so the layer still all-gathers the latent, never the expanded heads, and the
+    step is ``transformers`` + ``peft``'s on every packed document alone (``kv_b_proj``'s ``A`` and ``B``
+    gradients included)."""
+    pytest.importorskip("peft")
+    config = MLA["deepseek_v3"]
+    result = world4.run(_lora_step, config, 4, True)[0]
+    assert not _exactness.failures({"deepseek_v3": result}), _exactness.failures({"deepseek_v3": result})
+    assert any("kv_b_proj.lora_A" in n for n in result["grads"])
+    latent, expanded = _widths(config)
+    assert result["gathered"].count(latent) >= 2 and expanded not in result["gathered"], result["gathered"]
