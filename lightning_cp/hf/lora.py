@@ -139,7 +139,8 @@ def add_adapters(model: nn.Module, settings: LoRA) -> nn.Module:
         bias="none",
     )
     try:
-        inject_adapter_in_model(config, model)
+        with _targets_as_given():
+            inject_adapter_in_model(config, model)
     except ValueError as error:  # peft: "Target modules ... not found in the base model"
         first = str(error).splitlines()[0]
         raise ValueError(
@@ -148,6 +149,33 @@ def add_adapters(model: nn.Module, settings: LoRA) -> nn.Module:
         ) from None
     _adapters_in_fp32(model)
     return model
+
+
+_PEFT_CONVERSION = "peft.utils.transformers_weight_conversion"
+"""Where ``peft`` (0.18 and later, under ``transformers`` 5) rewrites a mixture-of-experts model's LoRA targets."""
+
+
+@contextmanager
+def _targets_as_given() -> Iterator[None]:
+    """Inside, ``peft`` adapts the modules its config names, as named.
+
+    For model types whose experts ``transformers`` 5 fuses (DeepSeek-V2/V3, GLM-4.x MoE, Qwen2/3-MoE, Mixtral...),
+    ``peft`` rewrites every target named like an expert's projection (``gate_proj``, ``up_proj``, ``down_proj``,
+    ``w1``...) into the fused experts' parameters, so that adapters trained under ``transformers`` 4 load: a dense
+    MLP's and the shared experts' ``nn.Linear`` layers are then left out and the fused experts adapted instead,
+    which :func:`check_adapters` refuses. The targets here are ``nn.Linear`` modules by name, so the rewrite is
+    turned off for the injection (a ``peft`` without it has nothing to turn off)."""
+    try:
+        conversion = importlib.import_module(_PEFT_CONVERSION)
+    except ImportError:
+        yield
+        return
+    original = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
 
 
 def _adapters_in_fp32(model: nn.Module) -> None:

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from lightning_cp import CPLossMixin, MegatronCPFSDPStrategy, MegatronCPStrategy, load_pretrained
 from lightning_cp.data import collate_packed, collate_padded
 from lightning_cp.hf import decoder, output_head
-from lightning_cp.hf.lora import LoRA, add_adapters, check_adapters
+from lightning_cp.hf.lora import LoRA, adapter_layers, add_adapters, check_adapters
 from lightning_cp.hf.probe import check_configs
 from lightning_cp.models import HFCausalLM
 from tests._trainer import quiet_trainer
@@ -245,6 +245,30 @@ def test_lora_dropout_is_refused_under_cp_but_not_without():
     check_configs(module, 1)
     with pytest.raises(ValueError, match=r"LoRA dropout 0\.1.*cp=2.*LoRA\(dropout=0\.0\)"):
         check_configs(module, 2)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen2_moe"])
+def test_all_linear_adapts_every_linear_layer_of_a_mixture_of_experts(model_type):
+    """peft rewrites a mixture-of-experts model's targets named like expert projections into the fused experts'
+    parameters (its transformers 4 -> 5 conversion): DeepSeek-V3's dense MLP and both families' shared experts
+    went unadapted and their fused experts adapted, which the setup then refused. ``"all-linear"`` is every
+    ``nn.Linear`` but the head, as named, and the setup takes it."""
+    from lightning_cp.hf.lora import _all_linear
+    from tests.hf._families import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config(
+        model_type,
+        num_hidden_layers=2,
+        **({"first_k_dense_replace": 1} if model_type == "deepseek_v3" else {}),
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    linear = set(_all_linear(model))
+    assert any(name.endswith(("shared_expert.gate_proj", "shared_experts.gate_proj")) for name in linear)
+    add_adapters(model, LoRA(**SETTINGS))
+    adapted = {name for name, _ in adapter_layers(model)}
+    assert adapted == linear
+    check_adapters(model, "model", 2)
 
 
 def test_dora_and_adapters_on_other_layers_are_refused():
