@@ -26,8 +26,9 @@ returns ``(kv_nope, k_rot)`` as they are, ``kv_nope`` tagged with the layer (:da
 ``kv_b_proj`` is read as one weight ``[H (Dn + Dv), R]`` (:func:`kv_b_weight`): a plain bias-free ``nn.Linear``'s,
 or for a ``peft`` LoRA adapter on one (LoRA's default ``"all-linear"`` targets it) the merged ``W + scaling B A``,
 differentiable in ``A`` and ``B`` (``W x + scaling B A x`` is ``(W + scaling B A) x``), so an adapted layer still
-exchanges its latent. Any other ``kv_b_proj`` (QLoRA's 4-bit weight, an adapter with dropout, DoRA, a bias) keeps
-the family's own ``expand_kv``: its keys and values are expanded before the attention and exchanged as such.
+exchanges its latent (QLoRA's NF4 ``W`` dequantized, as its ``F.linear`` does). Any other ``kv_b_proj`` (an adapter
+with dropout, DoRA, a bias) keeps the family's own ``expand_kv``: its keys and values are expanded before the
+attention and exchanged as such.
 """
 
 from __future__ import annotations
@@ -142,15 +143,16 @@ def attend_selected(
 def kv_b_weight(projection: nn.Module) -> Tensor | None:
     """``kv_b_proj``'s weight ``[H (Dn + Dv), R]`` as one tensor: a plain bias-free ``nn.Linear``'s own; for a
     ``peft`` LoRA layer on one, ``W + sum_a scaling_a B_a A_a`` over its active adapters (``W`` alone when merged
-    or disabled), in the adapters' dtype where wider, its gradient reaching ``A`` and ``B``; ``None`` when
-    ``projection`` is anything else, or an adapter whose output is not that product (dropout while training,
-    DoRA, a bias on ``B``), or its base weight is not a plain tensor (QLoRA's NF4). Local, no communication."""
+    or disabled), in the adapters' dtype where wider, its gradient reaching ``A`` and ``B``; ``W`` dequantized when
+    QLoRA stores it as NF4; ``None`` when ``projection`` is anything else, or an adapter whose output is not that
+    product (dropout while training, DoRA, a bias on ``B``). Local, no communication."""
     base = projection.get_base_layer() if hasattr(projection, "lora_A") else projection
-    if type(base) is not nn.Linear or base.bias is not None or is_quantized(base.weight):
+    if type(base) is not nn.Linear or base.bias is not None:
         return None
+    # QLoRA's frozen NF4 weight, dequantized as its F.linear dequantizes it (to its original dtype).
+    weight = base.weight.get_original_weight() if is_quantized(base.weight) else base.weight
     if base is projection or projection.merged or projection.disable_adapters:
-        return base.weight
-    weight = base.weight
+        return weight
     for name in projection.active_adapters:
         if name not in projection.lora_A:
             continue

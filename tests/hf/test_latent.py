@@ -132,10 +132,14 @@ def test_without_cp_shard_the_adapted_model_is_the_model(name):
 ATTENTION_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
-def _lora_step(config: dict, cp: int, packed: bool) -> dict:
-    """Every rank: one step of ``config`` with LoRA on every linear layer of its attention, ``B``
-    drawn non-zero so that the adapters change the keys and values; the adapters' gradients averaged over DP x
-    CP, the step's all-gather widths, and on rank 0 ``transformers`` + ``peft``'s loss and gradients."""
+NF4 = {"quantize": "nf4", "nf4_block_size": 16, "nf4_scaler_block_size": 4}  # blocks the tiny weights hold
+
+
+def _lora_step(config: dict, cp: int, packed: bool, quantize: bool) -> dict:
+    """Every rank: one step of ``config`` with LoRA on every linear layer of its attention (``quantize``: QLoRA,
+    the decoder's linear weights NF4), ``B`` drawn non-zero so that the adapters change the keys and values; the
+    adapters' gradients averaged over DP x CP, the step's all-gather widths, and on rank 0 ``transformers`` +
+    ``peft``'s loss and gradients (the same weights, quantized by ``torchao`` the same way)."""
     import peft
 
     from lightning_cp.hf import check_models
@@ -147,7 +151,11 @@ def _lora_step(config: dict, cp: int, packed: bool) -> dict:
     set_current_layout(layout)
     try:
         torch.manual_seed(0)
-        module = HFCausalLM(config, lora=LoRA(rank=4, alpha=8.0, target_modules=list(ATTENTION_LINEARS)))
+        dense = HFCausalLM(config)  # the weights the LoRA model is built with, before any quantization
+        dense.configure_model()
+        torch.manual_seed(0)
+        settings = {"target_modules": list(ATTENTION_LINEARS), **(NF4 if quantize else {})}
+        module = HFCausalLM(config, lora=LoRA(rank=4, alpha=8.0, **settings))
         module.configure_model()
         check_models(module, layout, torch.device("cpu"))  # the strategies' setup: checks, then adapts
         model = module.model
@@ -157,7 +165,7 @@ def _lora_step(config: dict, cp: int, packed: bool) -> dict:
             for name, p in model.named_parameters():
                 if ".lora_B." in name:
                     p.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
-        state = {n: t.clone() for n, t in model.state_dict().items()}
+        adapters = {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_" in n}
         module.train()
         batch = shard_batch(
             _exactness.local_batch(packed, layout), cp, layout.cp_rank, cp_group=layout.cp_group
@@ -178,10 +186,21 @@ def _lora_step(config: dict, cp: int, packed: bool) -> dict:
             reference = transformers.AutoModelForCausalLM.from_config(
                 transformers.AutoConfig.for_model(**config)
             )
+            reference.load_state_dict(dense.model.state_dict())
+            if quantize:
+                from torchao.quantization import to_nf4
+
+                for linear in reference.model.layers.modules():
+                    if isinstance(linear, torch.nn.Linear):
+                        weight = to_nf4(
+                            linear.weight.detach(), NF4["nf4_block_size"], NF4["nf4_scaler_block_size"]
+                        )
+                        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
             reference = peft.inject_adapter_in_model(
                 peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets), reference
             )
-            reference.load_state_dict(state)
+            missing, unexpected = reference.load_state_dict(adapters, strict=False)
+            assert not unexpected and not [n for n in missing if ".lora_" in n], (missing, unexpected)
             reference.train()
             docs = _exactness.documents(packed)
             total = sum(d.shape[1] - 1 for d in docs)
@@ -201,14 +220,17 @@ def _lora_step(config: dict, cp: int, packed: bool) -> dict:
         groups.destroy()
 
 
-def test_a_lora_adapter_on_kv_b_proj_keeps_the_latent_exchanged(world4):
-    """LoRA's default targets include ``kv_b_proj``: its merged weight ``W + scaling B A`` expands the latent
-    (hf/latent.py's ``kv_b_weight``), so the layer still all-gathers the latent, never the expanded heads, and the
-    step is ``transformers`` + ``peft``'s on every packed document alone (``kv_b_proj``'s ``A`` and ``B``
-    gradients included)."""
+@pytest.mark.parametrize("quantize", [False, True], ids=["lora", "qlora"])
+def test_a_lora_adapter_on_kv_b_proj_keeps_the_latent_exchanged(world4, quantize):
+    """LoRA's default targets include ``kv_b_proj``: its merged weight ``W + scaling B A`` (QLoRA's ``W``
+    dequantized) expands the latent (hf/latent.py's ``kv_b_weight``), so the layer still all-gathers the latent,
+    never the expanded heads, and the step is ``transformers`` + ``peft``'s on every packed document alone
+    (``kv_b_proj``'s ``A`` and ``B`` gradients included)."""
     pytest.importorskip("peft")
+    if quantize:
+        pytest.importorskip("torchao")
     config = MLA["deepseek_v3"]
-    result = world4.run(_lora_step, config, 4, True)[0]
+    result = world4.run(_lora_step, config, 4, True, quantize)[0]
     assert not _exactness.failures({"deepseek_v3": result}), _exactness.failures({"deepseek_v3": result})
     assert any("kv_b_proj.lora_A" in n for n in result["grads"])
     latent, expanded = _widths(config)
