@@ -140,36 +140,47 @@ def attend_selected(
     return torch.einsum("bhsr,hvr->bhsv", out, rows[:, nope:].to(out.dtype))
 
 
-def kv_b_weight(projection: nn.Module) -> Tensor | None:
-    """``kv_b_proj``'s weight ``[H (Dn + Dv), R]`` as one tensor: a plain bias-free ``nn.Linear``'s own; for a
-    ``peft`` LoRA layer on one, ``W + sum_a scaling_a B_a A_a`` over its active adapters (``W`` alone when merged
-    or disabled), in the adapters' dtype where wider, its gradient reaching ``A`` and ``B``; ``W`` dequantized when
-    QLoRA stores it as NF4; ``None`` when ``projection`` is anything else, or an adapter whose output is not that
-    product (dropout while training, DoRA, a bias on ``B``). Local, no communication."""
+def kv_b_weight(projection: nn.Module) -> Tensor:
+    """``kv_b_proj``'s weight ``[H (Dn + Dv), R]`` as one tensor, for a ``projection`` :func:`_merged_adapters`
+    reads: a plain bias-free ``nn.Linear``'s own; for a ``peft`` LoRA layer on one, ``W + sum_a scaling_a B_a A_a``
+    over its active adapters (``W`` alone when merged or disabled), in the adapters' dtype where wider, its
+    gradient reaching ``A`` and ``B``; ``W`` dequantized when QLoRA stores it as NF4. Local, no communication."""
+    adapters = _merged_adapters(projection)
+    if adapters is None:
+        raise ValueError(f"{type(projection).__name__} is not read as one weight (see _merged_adapters)")
+    base = projection.get_base_layer() if hasattr(projection, "lora_A") else projection
+    # QLoRA's frozen NF4 weight, dequantized as its F.linear dequantizes it (to its original dtype).
+    weight = base.weight.get_original_weight() if is_quantized(base.weight) else base.weight
+    for name in adapters:
+        delta = projection.scaling[name] * (projection.lora_B[name].weight @ projection.lora_A[name].weight)
+        weight = weight.to(torch.promote_types(weight.dtype, delta.dtype)) + delta  # [out, R]
+    return weight
+
+
+def _merged_adapters(projection: nn.Module) -> list[str] | None:
+    """The LoRA adapters :func:`kv_b_weight` adds to ``projection``'s base weight (none for a plain bias-free
+    ``nn.Linear``, or a ``peft`` layer merged or disabled); ``None`` when ``projection`` is not read as one weight:
+    anything else, or an adapter whose output is not ``scaling B A x`` (dropout while training, DoRA, a bias on
+    ``B``). Reads the modules only: the check before the forward computes anything."""
     base = projection.get_base_layer() if hasattr(projection, "lora_A") else projection
     if type(base) is not nn.Linear or base.bias is not None:
         return None
-    # QLoRA's frozen NF4 weight, dequantized as its F.linear dequantizes it (to its original dtype).
-    weight = base.weight.get_original_weight() if is_quantized(base.weight) else base.weight
     if base is projection or projection.merged or projection.disable_adapters:
-        return weight
-    for name in projection.active_adapters:
-        if name not in projection.lora_A:
-            continue
-        dropout, up = projection.lora_dropout[name], projection.lora_B[name]
+        return []
+    adapters = [name for name in projection.active_adapters if name in projection.lora_A]
+    for name in adapters:
+        dropout = projection.lora_dropout[name]
         drops = isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0
-        if projection.use_dora.get(name) or up.bias is not None or drops:
+        if projection.use_dora.get(name) or projection.lora_B[name].bias is not None or drops:
             return None
-        delta = projection.scaling[name] * (up.weight @ projection.lora_A[name].weight)  # [out, R]
-        weight = weight.to(torch.promote_types(weight.dtype, delta.dtype)) + delta
-    return weight
+    return adapters
 
 
 def _expand_kv(self: nn.Module, kv_nope: Tensor, k_rot: Tensor) -> tuple[Tensor, Tensor]:
     """The adapted ``expand_kv``: ``(kv_nope, k_rot)`` unexpanded, ``kv_nope`` tagged with the layer, when the
     layer's attention is ``"lightning_cp"`` and :func:`kv_b_weight` reads ``kv_b_proj``; else the family's own."""
     ours = getattr(getattr(self, "config", None), "_attn_implementation", None) == ATTN_IMPLEMENTATION
-    if not ours or kv_b_weight(self.kv_b_proj) is None:
+    if not ours or _merged_adapters(self.kv_b_proj) is None:
         return expand(self, kv_nope, k_rot)
     setattr(kv_nope, LATENT_OF, self)
     return kv_nope, k_rot

@@ -88,19 +88,22 @@ def train_step(configs: dict[str, dict], cp: int, packed: bool, **options: Any) 
             batch = shard_batch(local_batch(packed, layout), cp, layout.cp_rank, cp_group=layout.cp_group)
             loss = module.training_step(batch, 0)
             loss.backward()
-            params = list(module.model.named_parameters())
-            flat = torch.cat([grad(p).flatten() for _, p in params] + [loss.detach().reshape(1)])
-            dist.all_reduce(flat, group=layout.loss_group)
-            flat /= layout.dp * layout.cp
-            grads = dict(
-                zip([n for n, _ in params], flat[:-1].split([p.numel() for _, p in params]), strict=True)
-            )
-            results[name] = {"loss": flat[-1], "grads": grads}
+            results[name] = averaged(loss, list(module.model.named_parameters()), layout)
             if dist.get_rank() == 0:
                 results[name]["expected"] = reference(config, initial, packed)
     finally:
         set_current_layout(None)
     return results
+
+
+def averaged(loss: torch.Tensor, params: list[tuple[str, torch.Tensor]], layout) -> dict:
+    """``{"loss", "grads"}``: this rank's loss and the gradients of ``params`` (name, parameter) averaged over DP x
+    CP as DDP does (one all-reduce over the layout's loss group), the gradients flat, by name."""
+    flat = torch.cat([grad(p).flatten() for _, p in params] + [loss.detach().reshape(1)])
+    dist.all_reduce(flat, group=layout.loss_group)
+    flat /= layout.dp * layout.cp
+    grads = dict(zip([n for n, _ in params], flat[:-1].split([p.numel() for _, p in params]), strict=True))
+    return {"loss": flat[-1], "grads": grads}
 
 
 def grad(param: torch.Tensor) -> torch.Tensor:

@@ -174,13 +174,8 @@ def _lora_step(config: dict, cp: int, packed: bool, quantize: bool) -> dict:
             loss = module.training_step(batch, 0)
             loss.backward()
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        flat = torch.cat([_exactness.grad(p).flatten() for _, p in trainable] + [loss.detach().reshape(1)])
-        dist.all_reduce(flat, group=layout.loss_group)
-        flat /= layout.dp * layout.cp
-        grads = dict(
-            zip([n for n, _ in trainable], flat[:-1].split([p.numel() for _, p in trainable]), strict=True)
-        )
-        result = {"loss": flat[-1], "grads": grads}
+        result = _exactness.averaged(loss, trainable, layout)
+        grads = result["grads"]
         result["gathered"] = [_width(c.shape) for c in calls if c.kind == "all_gather" and len(c.shape) > 1]
         if dist.get_rank() == 0:
             reference = transformers.AutoModelForCausalLM.from_config(
